@@ -1,0 +1,241 @@
+"""Naive attention against FlashAttention: time, peak memory and HBM traffic over sequence length.
+
+Three implementations of ``softmax(Q Kᵀ / √d) V`` for ``(batch, heads, seq_len, head_dim)`` inputs:
+
+* ``naive``: :func:`naive_attention` materialises the ``seq_len × seq_len`` scores and
+  probabilities in memory (Vaswani et al. 2017, "Attention Is All You Need", eq. 1);
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``, which picks a fused backend
+  (flash, memory-efficient, cuDNN or math); :func:`sdpa_backend` reports which one actually ran;
+* ``triton``: the course's own FlashAttention forward kernel (:mod:`teraflops.flash_triton`).
+
+Models shown next to the measurements (Dao et al. 2022, "FlashAttention: Fast and
+Memory-Efficient Exact Attention with IO-Awareness", arXiv:2205.14135):
+
+* HBM traffic of standard attention (their Algorithm 0): read Q, K, write S; read S, write P;
+  read P, V, write O = ``4·N·d + 4·N²`` elements per head, Θ(Nd + N²) (Theorem 2).
+* HBM traffic of FlashAttention with on-chip memory of M bytes: Θ(N²d²/M) (Theorem 2). We count
+  our kernel's loop order (FlashAttention-2, Dao 2023, arXiv:2307.08691: Q tile outer, K/V
+  inner): Q read and O written once, K and V read once per Q tile of ``Br`` rows, with
+  ``Br = M / (4·d·bytes)`` rows so that the Q, K, V and O tiles fit: ``2Nd + 2Nd·⌈N/Br⌉`` elements.
+* Peak memory: naive holds at least two ``N × N`` matrices (scores and probabilities) plus the
+  output; flash holds the output and one fp32 log-sum-exp per row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import DTypeError, ShapeError
+
+IMPLEMENTATIONS = ("naive", "sdpa", "triton")
+
+# aten kernel that ran → readable backend name (torch/nn/attention/__init__.py lists the backends).
+SDPA_KERNELS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU kernel)",
+    "_scaled_dot_product_flash_attention": "flash (FlashAttention-2)",
+    "_scaled_dot_product_efficient_attention": "memory-efficient (xFormers)",
+    "_scaled_dot_product_cudnn_attention": "cuDNN",
+    "_scaled_dot_product_attention_math": "math (unfused)",
+}
+
+
+def check_qkv(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise a one-line :class:`ShapeError`/:class:`DTypeError` unless q, k, v are 4-D
+    ``(batch, heads, seq_len, head_dim)`` floating tensors of the same shape and dtype."""
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{name}: {n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ShapeError(f"{name}: {n} must be 4-D (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise DTypeError(f"{name}: {n} must be a floating-point tensor, got {t.dtype}")
+    if not (q.shape == k.shape == v.shape):
+        raise ShapeError(f"{name}: q, k, v must have the same shape, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise DTypeError(f"{name}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """``softmax(q kᵀ / √d) v``, materialising the ``(B, H, N, N)`` scores.
+
+    Args: q, k, v of shape ``(B, H, N, d)``, one floating dtype. Returns ``(B, H, N, d)``.
+    Raises: :class:`ShapeError`, :class:`DTypeError` (one line).
+    """
+    check_qkv("naive_attention", q, k, v)
+    scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        n = q.shape[-2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def sdpa(q, k, v, causal: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (PyTorch picks the backend)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def sdpa_backend(q, k, v, causal: bool = False) -> str:
+    """Which SDPA backend ran for these inputs, read from the aten kernel in a profiler trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        sdpa(q, k, v, causal)
+    names = {e.name.removeprefix("aten::") for e in prof.events()}
+    found = [label for kernel, label in SDPA_KERNELS.items() if kernel in names]
+    return found[0] if found else "unknown"
+
+
+def triton_attention(q, k, v, causal: bool = False) -> torch.Tensor:
+    """The course's Triton FlashAttention forward (see :mod:`teraflops.flash_triton`)."""
+    from .flash_triton import flash_attention
+
+    return flash_attention(q, k, v, causal=causal)
+
+
+IMPL_FUNCS = {"naive": naive_attention, "sdpa": sdpa, "triton": triton_attention}
+
+
+# --- models ----------------------------------------------------------------------------------
+
+def standard_attention_hbm_bytes(seq_len: int, head_dim: int, elem_bytes: int) -> int:
+    """HBM bytes per (batch, head) of standard attention: ``(4·N·d + 4·N²)·bytes`` (Dao et al. 2022, Alg. 0)."""
+    return (4 * seq_len * head_dim + 4 * seq_len**2) * elem_bytes
+
+
+def flash_attention_hbm_bytes(seq_len: int, head_dim: int, elem_bytes: int, sram_bytes: int) -> int:
+    """HBM bytes per (batch, head) of a FlashAttention-2-ordered forward with ``sram_bytes`` of on-chip
+    memory: ``(2Nd + 2Nd·⌈N/Br⌉)·bytes`` with ``Br = sram_bytes / (4·d·bytes)`` (Θ(N²d²/M), Dao et al. 2022, Thm. 2)."""
+    rows = max(1, sram_bytes // (4 * head_dim * elem_bytes))
+    return (2 * seq_len * head_dim + 2 * seq_len * head_dim * math.ceil(seq_len / rows)) * elem_bytes
+
+
+def naive_peak_bytes(batch: int, heads: int, seq_len: int, head_dim: int, elem_bytes: int) -> int:
+    """Model of naive attention's extra memory: scores and probabilities (two N×N per head) plus the output."""
+    return batch * heads * (2 * seq_len**2 + seq_len * head_dim) * elem_bytes
+
+
+def flash_peak_bytes(batch: int, heads: int, seq_len: int, head_dim: int, elem_bytes: int) -> int:
+    """Model of FlashAttention's extra memory: the output plus one fp32 log-sum-exp per row."""
+    return batch * heads * seq_len * (head_dim * elem_bytes + 4)
+
+
+# --- the sweep -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttentionResult:
+    """One implementation at one sequence length. seconds per call, peak_bytes above inputs;
+    both None when the run ran out of memory (``oom``)."""
+
+    impl: str
+    seq_len: int
+    seconds: float | None
+    peak_bytes: int | None
+    max_error: float | None  # max |out - sdpa| in the input dtype
+    oom: bool = False
+
+    def tflops(self, batch: int, heads: int, head_dim: int) -> float | None:
+        """Achieved TFLOP/s with the forward count ``4·B·H·N²·d`` (two matmuls)."""
+        if self.seconds is None:
+            return None
+        return 4 * batch * heads * self.seq_len**2 * head_dim / self.seconds / 1e12
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: str,
+                    impls=IMPLEMENTATIONS, min_run_time: float = 0.1, progress: bool = True) -> list[AttentionResult]:
+    """Time and peak memory of each implementation at each sequence length.
+
+    An out-of-memory error (GPU) is caught and recorded as a data point (``oom=True``); the sweep
+    goes on. Under the Triton interpreter the Triton kernel is timed with as few calls as possible.
+    """
+    from tqdm.auto import tqdm
+
+    from .machine import triton_mode
+    from .memory import peak_memory
+    from .timing import benchmark
+
+    results = []
+    bar = tqdm(total=len(seq_lens) * len(impls), desc="attention sweep", disable=not progress)
+    for n in seq_lens:
+        g = torch.Generator(device=device).manual_seed(n)
+        q, k, v = (torch.randn(batch, heads, n, head_dim, device=device, dtype=dtype, generator=g) for _ in range(3))
+        ref = sdpa(q, k, v)
+        for impl in impls:
+            fn = IMPL_FUNCS[impl]
+            bar.set_postfix(N=n, impl=impl)
+            try:
+                peak, out = peak_memory(lambda: fn(q, k, v), device)
+                err = (out.float() - ref.float()).abs().max().item()
+                del out
+                slow = impl == "triton" and triton_mode() == "interpreter"
+                t = benchmark(lambda: fn(q, k, v), min_run_time=0.0 if slow else min_run_time, warmup=0 if slow else 1)
+                results.append(AttentionResult(impl, n, t.median, peak, err))
+            except Exception as e:  # noqa: BLE001 - only OOM is a data point; everything else re-raises
+                if not _is_oom(e):
+                    raise
+                results.append(AttentionResult(impl, n, None, None, None, oom=True))
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            bar.update()
+        del q, k, v, ref
+    bar.close()
+    return results
+
+
+def sweep_table(results: list[AttentionResult], batch: int, heads: int, head_dim: int, elem_bytes: int) -> str:
+    """Per N and implementation: time, TFLOP/s, measured peak MiB, modelled peak MiB, max error."""
+    from .tables import table
+    from .timing import format_seconds
+
+    rows = []
+    for r in results:
+        model = (naive_peak_bytes if r.impl == "naive" else flash_peak_bytes)(batch, heads, r.seq_len, head_dim, elem_bytes)
+        if r.oom:
+            rows.append((r.seq_len, r.impl, "OOM", "-", "OOM", model / 2**20, "-"))
+        else:
+            rows.append((r.seq_len, r.impl, format_seconds(r.seconds), r.tflops(batch, heads, head_dim),
+                         r.peak_bytes / 2**20, model / 2**20, f"{r.max_error:.1e}"))
+    return table(rows, ["N", "impl", "time", "TFLOP/s", "peak MiB", "model MiB", "max err"])
+
+
+def memory_ratio(results: list[AttentionResult], seq_len: int, flash_impl: str = "sdpa") -> float | None:
+    """Peak memory of naive / ``flash_impl`` at ``seq_len`` (None if either is missing or OOM)."""
+    by = {(r.impl, r.seq_len): r for r in results}
+    a, b = by.get(("naive", seq_len)), by.get((flash_impl, seq_len))
+    if not a or not b or a.oom or b.oom or not b.peak_bytes:
+        return None
+    return a.peak_bytes / b.peak_bytes
+
+
+def plot_sweep(results: list[AttentionResult], batch: int, heads: int, head_dim: int, elem_bytes: int):
+    """Two panels against N: time per call and peak memory (OOM drawn as ×), with the memory models."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for impl in dict.fromkeys(r.impl for r in results):
+        rs = [r for r in results if r.impl == impl]
+        ok = [r for r in rs if not r.oom]
+        line = ax_t.loglog([r.seq_len for r in ok], [r.seconds for r in ok], "o-", label=impl)[0]
+        ax_m.loglog([r.seq_len for r in ok], [r.peak_bytes / 2**20 for r in ok], "o-", color=line.get_color(), label=impl)
+        for r in rs:
+            if r.oom:
+                ax_m.plot([r.seq_len], [max(x.peak_bytes for x in ok) / 2**20 if ok else 1], "x",
+                          color=line.get_color(), ms=12, mew=3, label=f"{impl}: out of memory")
+    ns = sorted({r.seq_len for r in results})
+    ax_m.loglog(ns, [naive_peak_bytes(batch, heads, n, head_dim, elem_bytes) / 2**20 for n in ns], "k:", label="model: naive (2 N² + Nd)")
+    ax_m.loglog(ns, [flash_peak_bytes(batch, heads, n, head_dim, elem_bytes) / 2**20 for n in ns], "k--", label="model: flash (Nd + N)")
+    ax_t.set(xlabel="sequence length N", ylabel="seconds per call", title="Time")
+    ax_m.set(xlabel="sequence length N", ylabel="peak MiB above inputs", title="Peak memory")
+    ax_t.legend(fontsize=8)
+    ax_m.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

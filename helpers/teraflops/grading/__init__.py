@@ -1,0 +1,5 @@
+"""Autograding: check functions (one module per unit) and the ``teraflops grade`` runner.
+
+The only seam between grader and learner: a check function takes the learner's function (or
+value) and nothing else, runs it on generated inputs, and compares with the package's reference.
+"""

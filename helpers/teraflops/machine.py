@@ -1,0 +1,143 @@
+"""What machine are we on? Device kind, GPUs, CPU cores, memory, and how Triton will run.
+
+Everything the course sizes or skips is decided from :func:`detect`, so the same notebook runs
+on a CPU-only laptop, in CI, on one GPU and on many.
+
+Triton kernels need a GPU driver; without one they run in Triton's interpreter, which executes
+each program instance with NumPy on the CPU (``TRITON_INTERPRET=1``, see
+https://triton-lang.org/main/programming-guide/chapter-3/debugging.html). The variable must be
+set before any ``@triton.jit`` decorator runs, so :func:`configure_triton` is called when
+``teraflops`` is imported, before any module of ours imports triton.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+GiB = 2**30  # memory sizes in this module are bytes; printed in GiB (2**30)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def configure_triton() -> str:
+    """Choose how Triton runs here and set ``TRITON_INTERPRET`` accordingly.
+
+    Returns ``"compiled"`` when a CUDA GPU is visible and ``"interpreter"`` otherwise. A value the
+    user already set (``TRITON_INTERPRET=1`` or ``0``) is respected.
+    """
+    if "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "0" if _cuda_available() else "1"
+    return triton_mode()
+
+
+def triton_mode() -> str:
+    """``"interpreter"`` if ``TRITON_INTERPRET=1`` is in force, else ``"compiled"``."""
+    return "interpreter" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "compiled"
+
+
+@dataclass(frozen=True)
+class GPU:
+    index: int
+    name: str
+    memory_bytes: int
+    capability: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A snapshot of this machine.
+
+    Attributes:
+        device: ``"cuda"`` when at least one CUDA GPU is visible, else ``"cpu"``.
+        gpus: one :class:`GPU` per visible device (empty on CPU).
+        cpu_cores: logical cores usable by this process.
+        cpu_threads: threads torch uses for intra-op work (``torch.get_num_threads()``).
+        memory_bytes: total system memory in bytes (psutil).
+        triton: ``"compiled"`` or ``"interpreter"``.
+        hostname, platform: for reports.
+    """
+
+    device: str
+    gpus: tuple[GPU, ...] = field(default_factory=tuple)
+    cpu_cores: int = 1
+    cpu_threads: int = 1
+    memory_bytes: int = 0
+    triton: str = "interpreter"
+    hostname: str = ""
+    platform: str = ""
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def gpu_name(self) -> str | None:
+        return self.gpus[0].name if self.gpus else None
+
+    @property
+    def kind(self) -> str:
+        """``"cpu"``, ``"gpu"`` or ``"multi-gpu"``: the axis problem sizes are chosen along."""
+        if not self.gpus:
+            return "cpu"
+        return "gpu" if len(self.gpus) == 1 else "multi-gpu"
+
+    @property
+    def dist_backend(self) -> str:
+        """torch.distributed backend for this machine: NCCL with GPUs, gloo without."""
+        return "nccl" if self.gpus else "gloo"
+
+    def summary(self) -> str:
+        """One line: ``cpu: 2 cores, 23.4 GiB, Triton interpreter`` or the GPU equivalent."""
+        mem = f"{self.memory_bytes / GiB:.1f} GiB RAM"
+        if self.gpus:
+            g = self.gpus[0]
+            gpus = f"{self.gpu_count}x {g.name} ({g.memory_bytes / GiB:.0f} GiB)"
+            return f"{gpus}, {self.cpu_cores} CPU cores, {mem}, Triton {self.triton}"
+        return f"CPU only: {self.cpu_cores} cores, {mem}, Triton {self.triton}"
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["kind"] = self.kind
+        return d
+
+
+@lru_cache(maxsize=1)
+def detect() -> Machine:
+    """Detect this machine once per process (cached)."""
+    import psutil
+    import torch
+
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append(GPU(i, p.name, int(p.total_memory), (p.major, p.minor)))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    return Machine(
+        device="cuda" if gpus else "cpu",
+        gpus=tuple(gpus),
+        cpu_cores=cores,
+        cpu_threads=torch.get_num_threads(),
+        memory_bytes=int(psutil.virtual_memory().total),
+        triton=triton_mode(),
+        hostname=platform.node(),
+        platform=f"{platform.system()} {platform.machine()}, Python {platform.python_version()}",
+    )
+
+
+def synchronize(device: str | None = None) -> None:
+    """Wait for queued GPU work (no-op on CPU)."""
+    import torch
+
+    if (device or detect().device) == "cuda":
+        torch.cuda.synchronize()

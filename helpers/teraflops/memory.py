@@ -1,0 +1,61 @@
+"""Peak memory of a region of code, on GPU and on CPU.
+
+* GPU: PyTorch's caching allocator keeps statistics per device. We reset the peak
+  (``torch.cuda.reset_peak_memory_stats``), run the region, and report
+  ``torch.cuda.max_memory_allocated() - allocated_before``: the most bytes of tensor memory that
+  were allocated at once above what was already live. Memory the allocator reserved but did not
+  hand out, and memory outside PyTorch (cuBLAS workspaces created earlier, the CUDA context), is
+  not counted. Docs: https://pytorch.org/docs/stable/torch_cuda_memory.html
+* CPU: the PyTorch profiler with ``profile_memory=True`` records every allocation and free made
+  by PyTorch's CPU allocator, with a timestamp (https://pytorch.org/docs/stable/profiler.html).
+  We sum those records in time order and report the highest level reached above the start.
+  It counts tensor storage created by torch operators in the region (including temporaries
+  freed before the region ends); it does not count memory of other allocators, e.g. the NumPy
+  arrays the Triton interpreter uses for a kernel's tiles, which stand in for on-chip SRAM on a
+  GPU and should not count as "HBM" traffic anyway.
+
+Bytes are reported as integers; the notebooks print MiB (2**20) or GiB (2**30).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def _cpu_peak(fn: Callable[[], object]) -> tuple[int, object]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    records = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    level = peak = 0
+    for _, nbytes in records:
+        level += nbytes
+        peak = max(peak, level)
+    return peak, result
+
+
+def _cuda_peak(fn: Callable[[], object], device) -> tuple[int, object]:
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - before), result
+
+
+def peak_memory(fn: Callable[[], object], device: str | torch.device = "cpu") -> tuple[int, object]:
+    """Run ``fn()`` once and return ``(peak_bytes, result)``.
+
+    ``peak_bytes`` is the largest amount of tensor memory allocated at once during the call,
+    above what was live before it (see the module docstring for what each device counts).
+    ``torch.cuda.OutOfMemoryError`` propagates: catch it to turn an OOM into a data point.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_peak(fn, device)
+    return _cpu_peak(fn)

@@ -1,0 +1,36 @@
+"""Plain-text tables that read at a glance (and survive nbval, logs and CI output)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+
+def fmt(x, digits: int = 3) -> str:
+    """Format a number with ``digits`` significant digits; strings pass through."""
+    if isinstance(x, str):
+        return x
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if x != x:  # NaN
+        return "nan"
+    if x == 0:
+        return "0"
+    return f"{x:.{digits}g}"
+
+
+def table(rows: Iterable[Sequence], headers: Sequence[str], digits: int = 3) -> str:
+    """Render ``rows`` under ``headers`` with right-aligned numbers and left-aligned text."""
+    body = [[fmt(c, digits) for c in r] for r in rows]
+    numeric = [all(not isinstance(r[i], str) for r in rows) if body else False for i in range(len(headers))]
+    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in body]
+    return "\n".join(out)

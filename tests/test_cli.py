@@ -1,0 +1,148 @@
+"""The ``teraflops`` command: doctor, run (on a throw-away course), report, and its errors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import nbformat
+import pytest
+
+from teraflops import cli, report
+from teraflops.errors import CourseError
+from teraflops.runner import format_summary, format_value, run_units
+
+
+def _write_notebook(path, *sources):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(f"# {path.stem}")]
+    nb.cells += [nbformat.v4.new_code_cell(src) for src in sources]
+    nbformat.write(nb, path)
+
+
+@pytest.fixture(scope="module")
+def tiny_course(tmp_path_factory):
+    """A course root with one good notebook (records a headline) and one that raises."""
+    root = tmp_path_factory.mktemp("course")
+    (root / "notebooks").mkdir()
+    _write_notebook(
+        root / "notebooks" / "01_tiny.ipynb",
+        'import teraflops.report\nteraflops.report.record("answer", 42, "x", "The answer")\n'
+        'print("recorded")',
+    )
+    _write_notebook(
+        root / "notebooks" / "02_broken.ipynb",
+        'print("before")',
+        'raise ZeroDivisionError("broken on purpose")',
+        'print("never runs")',
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def cli_run(tiny_course, tmp_path_factory):
+    """``teraflops run --out OUT`` from inside the course root (found via the current directory)."""
+    out = tmp_path_factory.mktemp("build")
+    stdout = io.StringIO()  # capsys is function-scoped; this fixture runs once for the module
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
+        mp.chdir(tiny_course)
+        mp.delenv(report.ENV_VAR, raising=False)
+        code = cli.main(["run", "--out", str(out), "--timeout", "120"])
+    return code, stdout.getvalue(), out
+
+
+def test_doctor_mentions_torch_and_triton_mode(capsys):
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out
+    assert "mode: interpreter" in out or "mode: compiled" in out
+    assert "Skipped on this machine" in out
+
+
+def test_run_writes_outputs_and_reports_failures(cli_run):
+    code, out, build = cli_run
+    assert code == 1  # one notebook failed
+
+    for name in ("01_tiny", "02_broken"):
+        assert (build / f"{name}.ipynb").is_file()
+        assert (build / f"{name}.html").is_file()
+
+    tiny = nbformat.read(build / "01_tiny.ipynb", as_version=4)
+    assert "recorded" in tiny.cells[1].outputs[0]["text"]
+    assert "The answer" in out and "42.0 x" in out
+    broken = nbformat.read(build / "02_broken.ipynb", as_version=4)
+    assert broken.cells[1].outputs[0]["text"].strip() == "before"
+    assert broken.cells[2].outputs[0]["ename"] == "ZeroDivisionError"
+    assert not broken.cells[3].get("outputs")  # stopped at the failing cell
+
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("0")}
+    assert rows["01_tiny"].split()[1] == "ok"
+    assert rows["02_broken"].split()[1] == "FAILED"
+    assert "cell 2: ZeroDivisionError: broken on purpose" in rows["02_broken"]
+    assert str(build.resolve()) in out
+
+
+def test_run_units_results_and_env_restored(tiny_course, tmp_path, monkeypatch):
+    monkeypatch.setenv(report.ENV_VAR, "keep-me")
+    results = run_units([1], out_dir=tmp_path, html=False, timeout_per_cell=120, root=tiny_course)
+    assert os.environ[report.ENV_VAR] == "keep-me"  # restored after the kernel started
+    [r] = results
+    assert r.ok and r.error is None and r.name == "01_tiny"
+    assert r.headline == {"answer": {"value": 42.0, "unit": "x", "label": "The answer"}}
+    assert not (tmp_path / "01_tiny.html").exists()
+
+
+def test_record_without_env_var_is_a_noop(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(report.ENV_VAR, raising=False)
+    monkeypatch.chdir(tmp_path)
+    report.record("k", 1.0, "s")
+    assert list(tmp_path.iterdir()) == []
+    assert capsys.readouterr() == ("", "")
+
+
+def test_record_updates_entries(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    monkeypatch.setenv(report.ENV_VAR, str(path))
+    report.record("a", 1, "s")
+    report.record("b", 2.5, label="B")
+    report.record("a", 3, "ms")
+    assert report.read(path) == {
+        "a": {"value": 3.0, "unit": "ms", "label": "a"},
+        "b": {"value": 2.5, "unit": "", "label": "B"},
+    }
+    assert list(json.loads(path.read_text())) == ["a", "b"]
+    assert report.read(tmp_path / "missing.json") == {}
+
+
+def test_unknown_unit_is_a_one_line_error(tiny_course, monkeypatch, capsys):
+    monkeypatch.chdir(tiny_course)
+    assert cli.main(["run", "7"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("error: no notebook for unit 07")
+    assert "available units: 01, 02" in err
+    with pytest.raises(CourseError):
+        run_units([7], root=tiny_course)
+
+
+def test_format_value_three_significant_digits():
+    assert [format_value(v) for v in (42, 0.012345, 1234.5, 3.14159e9, 0)] == [
+        "42.0", "0.0123", "1230", "3.14e+09", "0"
+    ]
+
+
+def test_format_summary_without_results():
+    from teraflops import detect
+
+    text = format_summary(detect(), [])
+    assert text.splitlines()[0].startswith("machine: ")
+
+
+def test_python_dash_m_teraflops():
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "teraflops", "--help"], capture_output=True, text=True)
+    assert p.returncode == 0 and "doctor" in p.stdout

@@ -1,0 +1,137 @@
+"""Checks pass the reference answers, and plausible wrong answers fail with a helpful message."""
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from teraflops import profiling, roofline
+from teraflops.attention import naive_attention
+from teraflops.errors import ExerciseFailed, NotAttempted
+from teraflops.flash_triton import flash_attention
+from teraflops.grading import unit01 as check
+
+
+def fails(check_fn, answer, *phrases):
+    with pytest.raises(ExerciseFailed) as e:
+        check_fn(answer)
+    msg = str(e.value)
+    assert msg.startswith(f"Exercise {check_fn.exercise.number} (")
+    assert "\n" not in msg, "a check message must be one line"
+    assert len(e.value._render_traceback_()) == 1
+    for phrase in phrases:
+        assert phrase in msg, msg
+    return msg
+
+
+def unattempted(*args):
+    raise NotImplementedError("Exercise: replace this line with your code")
+
+
+def elem(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def test_references_pass(capsys):
+    check.matmul_intensity(roofline.matmul_intensity)
+    check.softmax_intensity(roofline.softmax_intensity)
+    check.naive_attention(naive_attention)
+    check.online_softmax(lambda x, b: torch.softmax(x, -1))
+    check.flash_attention(flash_attention)
+    check.classify_op(profiling.classify)
+    out = capsys.readouterr().out
+    assert out.count("✓ Exercise") == 6
+
+
+@pytest.mark.parametrize("name", ["matmul_intensity", "softmax_intensity", "naive_attention", "online_softmax",
+                                  "flash_attention", "classify_op"])
+def test_placeholder_reads_not_attempted(name):
+    with pytest.raises(NotAttempted, match="not attempted"):
+        getattr(check, name)(unattempted)
+
+
+def test_matmul_intensity_wrong_answers():
+    fails(check.matmul_intensity, lambda m, n, k, d: 2 * m * n * k / (m * k + k * n + m * n), "counted elements, not bytes")
+    fails(check.matmul_intensity, lambda m, n, k, d: m * n * k / ((m * k + k * n + m * n) * elem(d)), "2 FLOPs")
+    fails(check.matmul_intensity, lambda m, n, k, d: 2 * m * n * k / ((m * k + k * n) * elem(d)), "output C")
+    fails(check.matmul_intensity, lambda m, n, k, d: "fast", "should return a number")
+
+
+def test_softmax_intensity_wrong_answers():
+    fails(check.softmax_intensity, lambda r, c, d: 5 / 2, "counted elements, not bytes")
+    fails(check.softmax_intensity, lambda r, c, d: 5 / elem(d), "written once too")
+
+
+def test_naive_attention_wrong_answers():
+    fails(check.naive_attention, lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1), -1) @ v, "1/√d")
+    fails(check.naive_attention, lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -2) @ v,
+          "last dimension")
+    # wrong shape: returns the probabilities instead of multiplying by v
+    msg = fails(check.naive_attention, lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1), -1),
+                "shape (2, 3, 64, 64)", "expected (2, 3, 64, 32)")
+    assert "Exercise 3 (naive attention)" in msg
+    fails(check.naive_attention, lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+          "by hand")
+
+    def overflow(q, k, v):
+        s = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]))
+        return s / s.sum(-1, keepdim=True) @ v
+
+    fails(check.naive_attention, overflow, "subtract the row maximum")
+
+
+def test_online_softmax_without_rescale_fails():
+    def no_rescale(x, block):
+        m = torch.full(x.shape[:-1], float("-inf"))
+        l = torch.zeros(x.shape[:-1])
+        for s in range(0, x.shape[-1], block):
+            b = x[..., s:s + block]
+            m = torch.maximum(m, b.max(-1).values)
+            l = l + torch.exp(b - m[..., None]).sum(-1)  # forgot l * exp(m_old - m_new)
+        return torch.exp(x - m[..., None]) / l[..., None]
+
+    fails(check.online_softmax, no_rescale, "rescale the running sum")
+
+
+def test_online_softmax_crash_is_reported_in_one_line():
+    fails(check.online_softmax, lambda x, b: x.softmax(-1)[:, :b], "shape")
+    fails(check.online_softmax, lambda x, b: 1 / 0, "your code raised ZeroDivisionError")
+
+
+@triton.jit
+def _no_rescale_kernel(Q, K, V, O, N, sm_scale, D: tl.constexpr, BLOCK: tl.constexpr):
+    base = tl.program_id(1) * N * D
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    q = tl.load(Q + base + rows[:, None] * D + cols[None, :], mask=rows[:, None] < N, other=0.0)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, D], tl.float32)
+    for start in range(0, N, BLOCK):
+        keys = start + tl.arange(0, BLOCK)
+        k = tl.load(K + base + keys[:, None] * D + cols[None, :], mask=keys[:, None] < N, other=0.0)
+        v = tl.load(V + base + keys[:, None] * D + cols[None, :], mask=keys[:, None] < N, other=0.0)
+        s = tl.where(keys[None, :] < N, tl.dot(q, tl.trans(k)) * sm_scale, float("-inf"))
+        m = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m[:, None])
+        l += tl.sum(p, axis=1)  # the plausible mistake: old l and acc are not rescaled
+        acc += tl.dot(p, v)
+    tl.store(O + base + rows[:, None] * D + cols[None, :], acc / l[:, None], mask=rows[:, None] < N)
+
+
+def test_flash_kernel_without_rescale_fails():
+    def learner(q, k, v):
+        B, H, N, D = q.shape
+        o = torch.empty_like(q)
+        _no_rescale_kernel[(triton.cdiv(N, 32), B * H)](q.contiguous(), k.contiguous(), v.contiguous(), o, N,
+                                                        1 / math.sqrt(D), D=D, BLOCK=32)
+        return o
+
+    fails(check.flash_attention, learner, "max error", "rescale acc")
+
+
+def test_classify_wrong_answers():
+    fails(check.classify_op, lambda f, b, s, p, bw, fl: "math" if f / b > 1 else "memory", "launch floor")
+    fails(check.classify_op, lambda f, b, s, p, bw, fl: "compute", "return one of")

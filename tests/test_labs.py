@@ -1,0 +1,72 @@
+"""Labs are generated from solutions; shipped labs fail every check; solutions pass every check."""
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from teraflops import labs
+from teraflops.errors import CourseError
+from teraflops.grading.core import REGISTRY, grade
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+
+
+def test_labs_are_in_sync_with_solutions():
+    assert labs.check_labs(ROOT) == []
+
+
+def test_check_labs_reports_drift(tmp_path):
+    for d in ("solutions", "labs"):
+        (tmp_path / d).mkdir()
+    src = SOLUTIONS[0]
+    (tmp_path / "solutions" / src.name).write_text(src.read_text())
+    labs.build_labs(tmp_path)
+    assert labs.check_labs(tmp_path) == []
+    lab = tmp_path / "labs" / src.name
+    nb = json.loads(lab.read_text())
+    nb["cells"][0]["source"] = ["edited by hand"]
+    lab.write_text(json.dumps(nb))
+    assert any("differs" in p for p in labs.check_labs(tmp_path))
+
+
+def test_strip_solution_keeps_indentation_and_scaffold():
+    src = "def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    return x + y\n    ### END SOLUTION\n"
+    assert labs.strip_solution(src) == f"def f(x):\n    y = 1\n    {labs.PLACEHOLDER}"
+
+
+@pytest.mark.parametrize("src", ["### BEGIN SOLUTION\nx", "x\n### END SOLUTION",
+                                 "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION"])
+def test_unbalanced_markers_are_errors(src):
+    with pytest.raises(CourseError):
+        labs.strip_solution(src)
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)
+def test_labs_hold_no_solution_code_or_outputs(solution):
+    lab = nbformat.read(ROOT / "labs" / solution.name, as_version=4)
+    text = "\n".join(c.source for c in lab.cells)
+    assert labs.BEGIN not in text and labs.END not in text
+    assert all(not c.get("outputs") for c in lab.cells if c.cell_type == "code")
+    n_checks = sum("check." in c.source for c in lab.cells if c.cell_type == "code")
+    assert text.count(labs.PLACEHOLDER) >= n_checks > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)
+def test_shipped_lab_fails_every_exercise_check(solution):
+    report = grade(ROOT / "labs" / solution.name)
+    assert report.rows, "no check cells found"
+    assert all(r.status == "not attempted" for r in report.rows), report.table()
+    assert not report.all_passed and "score: 0/" in report.table()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)
+def test_solution_passes_every_exercise_check(solution):
+    report = grade(solution)
+    assert report.all_passed, report.table()
+    titles = {r.exercise for r in report.rows}
+    assert all(ex.label in titles for ex in REGISTRY.values() if solution.name.startswith("01"))

@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+from teraflops import launch, profiling
+from teraflops.ceilings import Ceilings
+from teraflops.errors import ShapeError
+from teraflops.models import TransformerBlock
+
+GPU = dict(peak_flops=100e12, bandwidth=2e12, launch_floor=5e-6)
+
+
+@pytest.mark.parametrize("flops,nbytes,verdict", [
+    (2 * 8192**3, 3 * 8192**2 * 2, "math"),
+    (2**28, 3 * 2**28 * 2, "memory"),
+    (1024, 3 * 1024 * 2, "framework overhead"),
+])
+def test_classify(flops, nbytes, verdict):
+    assert profiling.classify(flops, nbytes, 1.0, **GPU) == verdict
+
+
+def test_gelu_chain_is_eight_launches_fused_is_one():
+    x = torch.randn(64)
+    assert sum(profiling.count_ops(lambda: launch.gelu_chain(x)).values()) == 8
+    assert sum(profiling.count_ops(lambda: launch.gelu_fused(x)).values()) == 1
+    torch.testing.assert_close(launch.gelu_chain(x), launch.gelu_fused(x))
+
+
+def test_profile_of_a_block_has_matmuls_as_math_and_norms_as_memory():
+    block = TransformerBlock(256, 4)
+    x = torch.randn(4, 128, 256)
+    rows = {r.name: r for r in profiling.profile_ops(lambda: block(x).sum().backward(), "cpu")}
+    c = Ceilings(1e11, 1e10, torch.float32, "cpu", 1, 1)  # a CPU-like machine: ridge point 10
+    assert rows["mm"].flops > 0 and rows["mm"].verdict(c, 1e-6) == "math"
+    assert rows["native_layer_norm"].flops == 0 and rows["native_layer_norm"].verdict(c, 1e-6) == "memory"
+    attn = [r for name, r in rows.items() if "scaled_dot_product" in name]
+    assert attn and all(r.flops > 0 for r in attn)  # CPU attention kernels get torch's SDPA formulas
+    assert "verdict" in profiling.ops_table(list(rows.values()), c, 1e-6)
+
+
+def test_launch_floor_is_the_smallest_time():
+    sweep = launch.op_time_vs_size((1, 1 << 20), "cpu", min_run_time=0.02)
+    assert launch.launch_floor(sweep) == sweep[0][1].median < sweep[1][1].median
+
+
+def test_block_rejects_wrong_shape_in_one_line():
+    with pytest.raises(ShapeError, match=r"expects \(batch, seq_len, 64\), got \(2, 64\)"):
+        TransformerBlock(64, 2)(torch.randn(2, 64))

@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+from teraflops import ceilings, roofline
+from teraflops.ceilings import Ceilings
+
+
+def test_matmul_intensity_square_fp32_is_n_over_6():
+    assert roofline.matmul_intensity(1200, 1200, 1200, torch.float32) == pytest.approx(200)
+    assert roofline.matmul_intensity(1200, 1200, 1200, torch.bfloat16) == pytest.approx(400)
+
+
+def test_gemv_is_about_one_flop_per_byte_in_bf16():
+    assert roofline.matmul_intensity(1, 8192, 8192, torch.bfloat16) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_softmax_intensity_convention():
+    assert roofline.softmax_intensity(10, 10, torch.float32) == pytest.approx(5 / 8)
+    assert roofline.softmax_intensity(10, 10, torch.float16) == pytest.approx(5 / 4)
+
+
+def test_ridge_point_and_attainable():
+    c = Ceilings(100e12, 2e12, torch.bfloat16, "cuda", 1, 1)
+    assert c.ridge_point == pytest.approx(50)
+    assert c.attainable(10) == pytest.approx(20e12)
+    assert c.attainable(1000) == pytest.approx(100e12)
+
+
+def test_published_lookup_matches_torch_device_names():
+    assert ceilings.published_for("NVIDIA H200").name == "H200 SXM"
+    assert ceilings.published_for("NVIDIA H100 80GB HBM3").name == "H100 SXM"
+    assert ceilings.published_for("NVIDIA A100-SXM4-80GB").name == "A100 SXM 80GB"
+    assert ceilings.published_for(None) is None
+    for g in ceilings.PUBLISHED:
+        assert g.source.startswith("NVIDIA") and "http" in g.source
+
+
+def test_measured_roofline_separates_matmul_from_elementwise():
+    measured = ceilings.measure_ceilings(matmul_n=256, copy_bytes=32 * 2**20, dtype=torch.float32, device="cpu")
+    assert measured.peak_flops > 1e8 and measured.bandwidth > 1e8 and measured.ridge_point > 0
+    points = roofline.measure_roofline((1024,), 1 << 20, torch.float32, "cpu", min_run_time=0.02, progress=False)
+    assert all(p.seconds > 0 for p in points)
+    # Verdicts depend only on intensity and the ceilings: use fixed CPU-like ceilings (ridge point 10)
+    # so the test does not depend on how busy the machine was during the probe.
+    c = Ceilings(1e11, 1e10, torch.float32, "cpu", 1, 1)
+    verdicts = {p.name.split()[0]: p.bound(c) for p in points}
+    assert verdicts == {"matmul": "compute", "add": "memory", "softmax": "memory", "copy": "memory"}
+    assert "verdict" in roofline.roofline_table(points, c)

@@ -1,0 +1,38 @@
+import torch
+
+from teraflops.memory import peak_memory
+from teraflops.timing import benchmark, format_seconds
+
+MiB = 2**20
+
+
+def test_benchmark_orders_small_and_large_work():
+    a, b = torch.randn(16, 16), torch.randn(1024, 1024)  # 250,000× the FLOPs
+    small = benchmark(lambda: a @ a, min_run_time=0.05)
+    large = benchmark(lambda: b @ b, min_run_time=0.05)
+    assert 0 < small.median < large.median
+    assert small.runs >= 1 and small.iqr >= 0
+
+
+def test_format_seconds():
+    assert format_seconds(1.5) == "1.5 s"
+    assert format_seconds(2.5e-6) == "2.5 µs"
+
+
+def test_cpu_peak_counts_a_live_allocation():
+    peak, out = peak_memory(lambda: torch.empty(8 * MiB // 4), "cpu")
+    assert 8 * MiB <= peak < 9 * MiB
+    assert out.numel() == 8 * MiB // 4
+
+
+def test_cpu_peak_counts_temporaries_at_their_highest_level():
+    def work():
+        for _ in range(3):
+            t = torch.ones(4 * MiB // 4)
+            del t  # freed before the next one: the level never exceeds one tensor
+        a = torch.ones(2 * MiB // 4)
+        b = torch.ones(2 * MiB // 4)
+        return a + b
+
+    peak, _ = peak_memory(work, "cpu")
+    assert 6 * MiB <= peak < 7 * MiB  # a, b and the sum live at once
