@@ -16,11 +16,15 @@ Algorithm 1) never forms them. Each program instance here:
 3. divides the accumulator by ``l`` and writes its tile of ``O`` to HBM once, together with the
    log-sum-exp ``m + log l`` of each row (what a backward pass needs to recompute ``P``).
 
-With on-chip memory of M elements, Theorem 2 of the paper counts Θ(N²·d²/M) HBM accesses per
-head, against Θ(N·d + N²) for standard attention; for the usual d (64 to 128) and M (100 to 200 KiB)
-that is many times fewer bytes moved. This kernel follows the FlashAttention-2 loop order (queries
-in the outer, parallel loop; keys and values in the inner loop), which the FlashAttention-1
-paper's Algorithm 1 computes with the loops the other way round; the arithmetic is the same.
+With on-chip memory (SRAM) of M elements, Theorem 2 of the paper counts Θ(N²·d²/M) HBM accesses
+per head, against Θ(N·d + N²) for standard attention: for typical head dimensions (d = 64 to 128)
+and SRAM (around 100 KB per streaming multiprocessor), d² is many times smaller than M, so many
+times fewer bytes move, and the N×N matrices never occupy memory at all.
+
+This kernel uses the loop order of FlashAttention-2 (Dao 2023, arXiv:2307.08691): query tiles in
+the outer, parallel loop and key/value tiles in the inner loop, so each tile of O is written
+once. Algorithm 1 of the first paper nests the loops the other way round; the arithmetic is the
+same.
 
 Implementation notes:
 
@@ -51,9 +55,6 @@ import triton.language as tl  # noqa: E402
 from .errors import DTypeError, ShapeError, expect_shape  # noqa: E402
 
 __all__ = ["flash_attention", "flops"]
-
-_LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
-_LN2 = 0.6931471805599453  # ln(2): ln(x) == log2(x) * ln(2)
 
 # Tile sizes under the interpreter. Each program instance, and each iteration of its key loop,
 # costs milliseconds of Python overhead in the interpreter while the NumPy matmuls themselves are
@@ -139,7 +140,7 @@ def _flash_fwd_kernel(Q, K, V, O, LSE, sm_scale,
     q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None], other=0.0)
 
-    qk_scale = sm_scale * 1.4426950408889634  # fold log2(e) in, so exp2 can replace exp
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -170,7 +171,7 @@ def _flash_fwd_kernel(Q, K, V, O, LSE, sm_scale,
                                          BLOCK_N, True, False, INPUT_PRECISION)
 
     acc = acc / l_i[:, None]
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural-log log-sum-exp per row
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # ln(2): back to natural log
     tl.store(LSE + off_bh.to(tl.int64) * N_CTX + offs_m, lse, mask=row_ok)
     tl.store(o_base + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
              acc.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -343,7 +344,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             the kernel is compiled for a GPU.
 
     Example:
-        >>> q = k = v = torch.randn(1, 2, 128, 32)
+        >>> dev = "cuda" if torch.cuda.is_available() else "cpu"
+        >>> q = k = v = torch.randn(1, 2, 128, 32, device=dev)
         >>> flash_attention(q, k, v, causal=True).shape
         torch.Size([1, 2, 128, 32])
     """
@@ -357,9 +359,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 def flops(batch: int, heads: int, seq_len: int, head_dim: int, causal: bool = False) -> float:
     """Floating-point operations of one attention forward pass, by the usual convention.
 
-    Counts the two matmuls only: ``Q Kᵀ`` and ``P V`` each take 2·N²·d multiply-adds per head, so
-    the total is ``4 · batch · heads · seq_len² · head_dim``, halved when ``causal`` (half the
-    score matrix is masked). Softmax exponentials, scaling and masking are not counted. This is
+    Counts the two matmuls only: ``Q Kᵀ`` and ``P V`` each take N²·d multiply-adds, i.e. 2·N²·d
+    FLOPs, per head, so the total is ``4 · batch · heads · seq_len² · head_dim``, halved when
+    ``causal`` (half the score matrix is masked). Softmax exponentials, scaling and masking are not counted. This is
     the convention of the FlashAttention-2 paper (Dao 2023, arXiv:2307.08691, section 4.1) and
     of Tri Dao's benchmark script (``benchmarks/benchmark_flash_attention.py`` in
     Dao-AILab/flash-attention), so TFLOP/s computed from it compare with published numbers.

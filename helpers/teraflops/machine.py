@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
+import warnings
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
@@ -34,6 +36,12 @@ def configure_triton() -> str:
     """
     if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "0" if _cuda_available() else "1"
+        if os.environ["TRITON_INTERPRET"] == "1" and "triton" in sys.modules:
+            # triton.language's own helpers were already built for compiled mode; kernels would
+            # fail later with "Cannot call @triton.jit'd outside of the scope of a kernel".
+            warnings.warn("triton was imported before teraflops on a machine without a GPU: restart the "
+                          "kernel and `import teraflops` first, so Triton runs in its interpreter",
+                          stacklevel=3)
     return triton_mode()
 
 

@@ -1,0 +1,35 @@
+"""The course's main job on real input: `teraflops run 1` on this machine, and what it reports."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from teraflops.runner import format_summary, run_units
+from teraflops import detect
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_run_unit_1_meets_the_acceptance_numbers(tmp_path):
+    (result,) = run_units([1], out_dir=tmp_path, root=ROOT)
+    assert result.ok, result.error
+    h = {k: v["value"] for k, v in result.headline.items()}
+    assert h["compute_bound_ops"] >= 1 and h["memory_bound_ops"] >= 2
+    assert h["attn_memory_ratio"] >= 4
+    assert h["ridge_point"] > 0 and h["achieved_tflops"] > 0
+    if detect().device == "cpu":
+        assert result.seconds < 180, f"Unit 1 took {result.seconds:.0f} s on CPU; the budget is 180 s"
+    assert (tmp_path / "01_model_definition.html").exists()
+    summary = format_summary(detect(), [result])
+    assert "ridge point" in summary and "naive/flash" in summary
+
+
+@pytest.mark.parametrize("folder", ["notebooks", "solutions", "labs"])
+def test_committed_notebooks_keep_only_checked_outputs(folder):
+    for path in sorted((ROOT / folder).glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type == "code" and "# NBVAL_CHECK_OUTPUT" not in cell.source:
+                assert not cell.outputs, f"{path.name} cell {i} has outputs committed; run `teraflops labs refresh`"
