@@ -233,6 +233,9 @@ def plot_sweep(results: list[AttentionResult], batch: int, heads: int, head_dim:
     ns = sorted({r.seq_len for r in results})
     ax_m.loglog(ns, [naive_peak_bytes(batch, heads, n, head_dim, elem_bytes) / 2**20 for n in ns], "k:", label="model: naive (2 N² + Nd)")
     ax_m.loglog(ns, [flash_peak_bytes(batch, heads, n, head_dim, elem_bytes) / 2**20 for n in ns], "k--", label="model: flash (Nd + N)")
+    for ax in (ax_t, ax_m):
+        ax.set_xticks(ns, [f"{n:,}" for n in ns])
+        ax.minorticks_off()
     ax_t.set(xlabel="sequence length N", ylabel="seconds per call", title="Time")
     ax_m.set(xlabel="sequence length N", ylabel="peak MiB above inputs", title="Peak memory")
     ax_t.legend(fontsize=8)

@@ -56,14 +56,14 @@ from .errors import DTypeError, ShapeError, expect_shape  # noqa: E402
 
 __all__ = ["flash_attention", "flops"]
 
-# Tile sizes under the interpreter. Each program instance, and each iteration of its key loop,
-# costs milliseconds of Python overhead in the interpreter while the NumPy matmuls themselves are
-# cheap, so the fewest, biggest tiles win. Measured on a 2-core CPU, fp32, (B, H, N, d) =
-# (1, 2, 1024, 32), seconds per call: 128x128 0.9, 256x256 0.4, 512x512 0.16, 1024x1024 0.09.
-# 1024x1024 is the largest score tile Triton allows (2**20 elements). _forward shrinks both to
-# the next power of two >= seq_len, so short sequences are not padded to 1024.
-_INTERPRETER_BLOCK_M = 1024
-_INTERPRETER_BLOCK_N = 1024
+# Tile sizes under the interpreter: the ones a GPU would use for d = 64 (128 query rows, 64 keys),
+# so that on a CPU, too, no program ever holds more than a 128×64 tile of scores; the point of the
+# kernel is that the N×N matrix never exists. Bigger tiles run faster in the interpreter (its cost
+# is Python per program and per loop step: at (B, H, N, d) = (1, 2, 1024, 32) fp32 on a 2-core CPU,
+# 128×64 took about 1–2 s per call, 1024×1024 0.1 s), but a 1024×1024 tile *is* the score matrix
+# at N = 1024, which would make the memory comparison with naive attention meaningless.
+_INTERPRETER_BLOCK_M = 128
+_INTERPRETER_BLOCK_N = 64
 
 
 @triton.jit

@@ -121,12 +121,11 @@ def refresh_outputs(path: str | Path, timeout: int = 600) -> Path:
     Raises:
         nbclient.exceptions.CellExecutionError: a cell failed (the file is left untouched).
     """
-    from nbclient import NotebookClient
+    from .runner import make_client
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent.resolve())}}).execute()
+    make_client(nb, path, timeout).execute()
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue

@@ -164,5 +164,5 @@ def plot_roofline(points: list[RooflinePoint], c: Ceilings, ax=None, title: str 
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
     ax.set_ylabel("FLOP/s")
     ax.set_title(title or f"Roofline of this machine ({c.device}, {str(c.dtype).replace('torch.', '')})")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     return ax

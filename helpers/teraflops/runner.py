@@ -110,7 +110,6 @@ def run_notebook(
 ) -> NotebookResult:
     """Execute one notebook, write it (and its HTML) to ``out_dir``; never raises on cell errors."""
     import nbformat
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
     from tqdm.auto import tqdm
 
@@ -122,15 +121,7 @@ def run_notebook(
     report_path.unlink(missing_ok=True)
 
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        nb,
-        timeout=timeout_per_cell,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent.resolve())}},
-    )
-
-    client.km = client.create_kernel_manager()
-    _encrypt_if_possible(client.km)
+    client = make_client(nb, path, timeout_per_cell)
 
     failure: CellFailure | None = None
     previous = os.environ.get(report.ENV_VAR)
@@ -188,6 +179,19 @@ def run_notebook(
             result.html = None
             result.html_error = f"{type(e).__name__}: {_one_line(str(e))}"
     return result
+
+
+def make_client(nb, path: Path, timeout: int, allow_errors: bool = False):
+    """An nbclient ``NotebookClient`` for ``nb`` (read from ``path``): the ``python3`` kernel of the
+    current environment, working directory = the notebook's folder, ``timeout`` seconds per cell.
+    Used by ``teraflops run``, ``grade`` and ``labs refresh``."""
+    from nbclient import NotebookClient
+
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=allow_errors,
+                            resources={"metadata": {"path": str(Path(path).parent.resolve())}})
+    client.km = client.create_kernel_manager()
+    _encrypt_if_possible(client.km)
+    return client
 
 
 def _encrypt_if_possible(km) -> None:
@@ -265,6 +269,8 @@ def format_value(value: float) -> str:
     v = float(value)
     if v == 0:
         return "0"
+    if v.is_integer() and abs(v) < 1e6:
+        return str(int(v))  # counts read as counts
     if not math.isfinite(v):
         return str(v)
     rounded = float(f"{v:.3g}")

@@ -160,16 +160,15 @@ def grade(path: str | Path, timeout: int = 600) -> GradeReport:
     stop execution, so one unfinished exercise does not hide the others.
     """
     import nbformat
-    from nbclient import NotebookClient
 
+    from ..runner import make_client
     from . import unit01  # noqa: F401 - registers the exercises' titles
 
     path = Path(path)
     if not path.exists():
         raise CourseError(f"no notebook at {path}")
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(path.parent.resolve())}}).execute()
+    make_client(nb, path, timeout, allow_errors=True).execute()
     rows = []
     for cell in nb.cells:
         if cell.cell_type != "code":
