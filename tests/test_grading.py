@@ -34,11 +34,22 @@ def elem(dtype):
     return torch.empty((), dtype=dtype).element_size()
 
 
+def blockwise_softmax(x, block):
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+    l = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    for s in range(0, x.shape[-1], block):
+        b = x[..., s:s + block]
+        m_new = torch.maximum(m, b.max(-1).values)
+        l = l * torch.exp(m - m_new) + torch.exp(b - m_new[..., None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
 def test_references_pass(capsys):
     check.matmul_intensity(roofline.matmul_intensity)
     check.softmax_intensity(roofline.softmax_intensity)
     check.naive_attention(naive_attention)
-    check.online_softmax(lambda x, b: torch.softmax(x, -1))
+    check.online_softmax(blockwise_softmax)
     check.flash_attention(flash_attention)
     check.classify_op(profiling.classify)
     out = capsys.readouterr().out
@@ -57,10 +68,15 @@ def test_matmul_intensity_wrong_answers():
     fails(check.matmul_intensity, lambda m, n, k, d: m * n * k / ((m * k + k * n + m * n) * elem(d)), "2 FLOPs")
     fails(check.matmul_intensity, lambda m, n, k, d: 2 * m * n * k / ((m * k + k * n) * elem(d)), "output C")
     fails(check.matmul_intensity, lambda m, n, k, d: "fast", "should return a number")
+    fails(check.matmul_intensity, lambda m, n, k, d: 2 * m * n * k / ((m * k + k * n + m * n) * 4), "4 bytes per element for every dtype")
+    import numpy as np
+
+    check.matmul_intensity(lambda m, n, k, d: np.float32(roofline.matmul_intensity(m, n, k, d)))  # any real number
 
 
 def test_softmax_intensity_wrong_answers():
     fails(check.softmax_intensity, lambda r, c, d: 5 / 2, "counted elements, not bytes")
+    fails(check.softmax_intensity, lambda r, c, d: 5 / 8, "4 bytes per element for every dtype")
     fails(check.softmax_intensity, lambda r, c, d: 5 / elem(d), "written once too")
 
 
@@ -95,9 +111,57 @@ def test_online_softmax_without_rescale_fails():
     fails(check.online_softmax, no_rescale, "rescale the running sum")
 
 
+def test_online_softmax_must_work_blockwise():
+    fails(check.online_softmax, lambda x, b: torch.softmax(x, -1), "calls softmax")
+    two_pass = lambda x, b: torch.exp(x - x.max(-1, keepdim=True).values) / torch.exp(x - x.max(-1, keepdim=True).values).sum(-1, keepdim=True)  # noqa: E731
+    fails(check.online_softmax, two_pass, "columns at once")
+
+
+def test_online_softmax_starting_max_at_zero_fails():
+    def m_at_zero(x, block):
+        m = torch.zeros(x.shape[:-1])
+        l = torch.zeros(x.shape[:-1])
+        for s in range(0, x.shape[-1], block):
+            b = x[..., s:s + block]
+            m_new = torch.maximum(m, b.max(-1).values)
+            l = l * torch.exp(m - m_new) + torch.exp(b - m_new[..., None]).sum(-1)
+            m = m_new
+        return torch.exp(x - m[..., None]) / l[..., None]
+
+    fails(check.online_softmax, m_at_zero, "very negative rows")
+
+
 def test_online_softmax_crash_is_reported_in_one_line():
-    fails(check.online_softmax, lambda x, b: x.softmax(-1)[:, :b], "shape")
+    fails(check.online_softmax, lambda x, b: x[..., :b] * 0, "shape")
     fails(check.online_softmax, lambda x, b: 1 / 0, "your code raised ZeroDivisionError")
+
+
+def test_naive_attention_is_judged_against_fp64_not_sdpa_rounding():
+    exact = lambda q, k, v: naive_attention(q.double(), k.double(), v.double()).float()  # noqa: E731
+    check.naive_attention(exact)  # a correct answer rounded differently from SDPA passes
+
+    def in_place(q, k, v):
+        q /= math.sqrt(q.shape[-1])  # modifies the caller's tensor: the check must not be fooled
+        return torch.softmax(q @ k.transpose(-2, -1), -1) @ v
+
+    check.naive_attention(in_place)
+
+
+def test_naive_attention_transpose_hint():
+    fails(check.naive_attention, lambda q, k, v: torch.softmax(q @ k.T, -1) @ v, "transpose(-2, -1)")
+
+
+def test_torch_not_implemented_is_not_mistaken_for_the_placeholder():
+    def raises(*a):
+        raise NotImplementedError("aten::foo is not implemented for CPU")
+
+    fails(check.naive_attention, raises, "NotImplementedError")
+
+
+def test_flash_attention_must_run_in_the_kernel():
+    fails(check.flash_attention, lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+          "not in your Triton kernel")
+    fails(check.flash_attention, naive_attention, "not in your Triton kernel")
 
 
 @triton.jit
@@ -121,6 +185,17 @@ def _no_rescale_kernel(Q, K, V, O, N, sm_scale, D: tl.constexpr, BLOCK: tl.const
     tl.store(O + base + rows[:, None] * D + cols[None, :], acc / l[:, None], mask=rows[:, None] < N)
 
 
+def test_flash_kernel_with_one_big_tile_still_needs_the_rescale():
+    def learner(q, k, v):
+        B, H, N, D = q.shape
+        o = torch.empty_like(q)
+        _no_rescale_kernel[(triton.cdiv(N, 128), B * H)](q.contiguous(), k.contiguous(), v.contiguous(), o, N,
+                                                         1 / math.sqrt(D), D=D, BLOCK=128)
+        return o
+
+    fails(check.flash_attention, learner, "max error")
+
+
 def test_flash_kernel_without_rescale_fails():
     def learner(q, k, v):
         B, H, N, D = q.shape
@@ -133,5 +208,13 @@ def test_flash_kernel_without_rescale_fails():
 
 
 def test_classify_wrong_answers():
-    fails(check.classify_op, lambda f, b, s, p, bw, fl: "math" if f / b > 1 else "memory", "launch floor")
-    fails(check.classify_op, lambda f, b, s, p, bw, fl: "compute", "return one of")
+    fails(check.classify_op, lambda f, b, p, bw, fl: "math" if f / b > 1 else "memory", "floor")
+    fails(check.classify_op, lambda f, b, p, bw, fl: "framework overhead" if f < 1e6 else profiling.classify(f, b, p, bw, fl),
+          "10^5 elements")
+    fails(check.classify_op, lambda f, b, p, bw, fl: "framework overhead" if b < 1e6 else profiling.classify(f, b, p, bw, fl),
+          "65,536")
+    fails(check.classify_op, lambda f, b, p, bw, fl: profiling.classify(f, b, p, bw, fl) if f / p != b / bw else "memory",
+          "tie")
+    fails(check.classify_op, lambda f, b, p, bw, fl: "compute", "return one of")
+    # comparing intensity with the ridge point is right, but forgets the launch floor
+    fails(check.classify_op, lambda f, b, p, bw, fl: "math" if f / b >= p / bw else "memory", "floor")

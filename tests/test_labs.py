@@ -34,7 +34,7 @@ def test_check_labs_reports_drift(tmp_path):
 
 def test_strip_solution_keeps_indentation_and_scaffold():
     src = "def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    return x + y\n    ### END SOLUTION\n"
-    assert labs.strip_solution(src) == f"def f(x):\n    y = 1\n    {labs.PLACEHOLDER}"
+    assert labs.strip_solution(src) == f"def f(x):\n    y = 1\n    {labs.PLACEHOLDER}\n"
 
 
 @pytest.mark.parametrize("src", ["### BEGIN SOLUTION\nx", "x\n### END SOLUTION",

@@ -15,7 +15,7 @@ GPU = dict(peak_flops=100e12, bandwidth=2e12, launch_floor=5e-6)
     (1024, 3 * 1024 * 2, "framework overhead"),
 ])
 def test_classify(flops, nbytes, verdict):
-    assert profiling.classify(flops, nbytes, 1.0, **GPU) == verdict
+    assert profiling.classify(flops, nbytes, **GPU) == verdict
 
 
 def test_gelu_chain_is_eight_launches_fused_is_one():

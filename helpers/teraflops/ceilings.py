@@ -6,8 +6,9 @@ Two sources, shown side by side in the course:
   square matmuls in the dtype in use (the best of two sizes: what the BLAS / cuBLAS library
   reaches, a practical peak) and the bandwidth of a large device-to-device copy, counted as STREAM "Copy" counts it:
   bytes read + bytes written (McCalpin, STREAM benchmark, https://www.cs.virginia.edu/stream/ref.html).
-* **Published** datasheet numbers for known GPUs (:data:`PUBLISHED`). NVIDIA datasheets quote
-  tensor-core FLOP/s "with sparsity"; the dense figure used here is half of it.
+* **Published** datasheet numbers for known GPUs (:data:`PUBLISHED`). From Ampere on, NVIDIA
+  datasheets quote tensor-core FLOP/s "with sparsity"; the dense figure used here is half of it
+  (the V100 predates sparsity: its figure is used as printed).
 
 The ratio ``peak FLOP/s / bandwidth`` is the **ridge point** of the roofline (Williams, Waterman &
 Patterson, "Roofline: An Insightful Visual Performance Model for Multicore Architectures",
@@ -17,7 +18,8 @@ Units: FLOP/s, bytes/s with GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,8 +32,8 @@ class PublishedGPU:
     """Datasheet ceilings of one GPU (dense tensor-core FLOP/s; bandwidths in GB/s, GB = 1e9)."""
 
     name: str
-    match: tuple[str, ...]  # lower-case substrings of torch.cuda.get_device_name()
-    bf16_tflops: float | None  # dense bf16 tensor core, TFLOP/s
+    pattern: str  # regex matched (case-insensitive) against torch.cuda.get_device_name()
+    bf16_tflops: float | None  # dense bf16 tensor core, TFLOP/s (None: no bf16 tensor cores)
     fp16_tflops: float  # dense fp16 tensor core (fp32 accumulate), TFLOP/s
     hbm_gb_s: float  # device memory bandwidth
     memory_gb: float
@@ -39,28 +41,40 @@ class PublishedGPU:
     pcie_gb_s: float  # host link, bidirectional, as the datasheet states
     source: str
 
+    @property
+    def tensor_tflops(self) -> float:
+        """Dense 16-bit tensor-core TFLOP/s: bf16 where the GPU has it, else fp16."""
+        return self.bf16_tflops or self.fp16_tflops
 
+
+_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021), https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
+_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
+_H200 = "NVIDIA H200 Tensor Core GPU product page and datasheet (2024), https://www.nvidia.com/en-us/data-center/h200/"
+
+# Order matters: the first pattern that matches wins, so variants come before the base name.
 PUBLISHED: tuple[PublishedGPU, ...] = (
-    PublishedGPU("V100 SXM2", ("v100",), None, 125.0, 900.0, 32.0, 300.0, 32.0,
+    PublishedGPU("V100 SXM2", r"\bV100\b", None, 125.0, 900.0, 32.0, 300.0, 32.0,
                  "NVIDIA Tesla V100 datasheet (2020), https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"),
-    PublishedGPU("A100 SXM 80GB", ("a100",), 312.0, 312.0, 2039.0, 80.0, 600.0, 64.0,
-                 "NVIDIA A100 Tensor Core GPU datasheet (2021), https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
-    PublishedGPU("L4", ("l4",), 121.0, 121.0, 300.0, 24.0, None, 64.0,
+    PublishedGPU("A100 40GB", r"\bA100\b.*\b40GB\b", 312.0, 312.0, 1555.0, 40.0, 600.0, 64.0, _A100),
+    PublishedGPU("A100 PCIe 80GB", r"\bA100\b.*PCIE", 312.0, 312.0, 1935.0, 80.0, 600.0, 64.0, _A100),
+    PublishedGPU("A100 SXM 80GB", r"\bA100\b", 312.0, 312.0, 2039.0, 80.0, 600.0, 64.0, _A100),
+    PublishedGPU("L4", r"\bL4\b", 121.0, 121.0, 300.0, 24.0, None, 64.0,
                  "NVIDIA L4 Tensor Core GPU datasheet (2023), https://www.nvidia.com/en-us/data-center/l4/"),
-    PublishedGPU("H100 SXM", ("h100",), 989.5, 989.5, 3350.0, 80.0, 900.0, 128.0,
-                 "NVIDIA H100 Tensor Core GPU datasheet (2023), https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"),
-    PublishedGPU("H200 SXM", ("h200",), 989.5, 989.5, 4800.0, 141.0, 900.0, 128.0,
-                 "NVIDIA H200 Tensor Core GPU datasheet (2024), https://www.nvidia.com/en-us/data-center/h200/"),
+    PublishedGPU("H100 PCIe", r"\bH100\b.*PCIE", 756.0, 756.0, 2000.0, 80.0, 600.0, 128.0, _H100),
+    PublishedGPU("H100 NVL", r"\bH100\b.*NVL", 835.5, 835.5, 3900.0, 94.0, 600.0, 128.0, _H100),
+    PublishedGPU("H100 SXM", r"\bH100\b", 989.5, 989.5, 3350.0, 80.0, 900.0, 128.0, _H100),
+    PublishedGPU("H200 NVL", r"\bH200\b.*NVL", 835.5, 835.5, 4800.0, 141.0, 900.0, 128.0, _H200),
+    PublishedGPU("H200 SXM", r"\bH200\b", 989.5, 989.5, 4800.0, 141.0, 900.0, 128.0, _H200),
 )
 
 
 def published_for(gpu_name: str | None) -> PublishedGPU | None:
-    """The :data:`PUBLISHED` entry whose match string occurs in ``gpu_name`` (case-insensitive)."""
+    """The first :data:`PUBLISHED` entry whose pattern matches ``gpu_name`` (e.g. ``"NVIDIA H200"``);
+    ``None`` for a CPU or a GPU not in the table (an L40S is not an L4, a GH200 not an H200)."""
     if not gpu_name:
         return None
-    low = gpu_name.lower()
     for entry in PUBLISHED:
-        if any(m in low for m in entry.match):
+        if re.search(entry.pattern, gpu_name, re.IGNORECASE):
             return entry
     return None
 
@@ -92,6 +106,18 @@ class Ceilings:
     def attainable(self, intensity: float) -> float:
         """Roofline: ``min(peak_flops, bandwidth × intensity)`` in FLOP/s."""
         return min(self.peak_flops, self.bandwidth * intensity)
+
+    def covering(self, points) -> "Ceilings":
+        """These ceilings raised to the best rates the roofline points reached, if any went higher.
+
+        An empirical roofline's ceilings are the best rates observed on the machine (the convention
+        of the Empirical Roofline Toolkit, Lo et al., "Roofline Model Toolkit", PMBS 2014): a probe
+        that landed on a busy moment must not leave measured points above the roof.
+        ``points`` are :class:`teraflops.roofline.RooflinePoint`.
+        """
+        peak = max([self.peak_flops] + [p.achieved_flops for p in points if p.flops > 0])
+        bandwidth = max([self.bandwidth] + [p.achieved_bandwidth for p in points])
+        return replace(self, peak_flops=peak, bandwidth=bandwidth)
 
     def __str__(self) -> str:
         return (

@@ -14,6 +14,7 @@ every lab that differs from what build would write (CI fails on drift).
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import nbformat
@@ -21,8 +22,12 @@ import nbformat
 from .errors import CourseError
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-PLACEHOLDER = 'raise NotImplementedError("Exercise: replace this line with your code")'
+PLACEHOLDER_MESSAGE = "Exercise: replace this line with your code"
+PLACEHOLDER = f'raise NotImplementedError("{PLACEHOLDER_MESSAGE}")'
 SOLUTION_ONLY_TAG = "solution-only"
+# Like nbgrader, any comment line naming the marker counts, whatever its case or number of '#'.
+_MARKER = re.compile(r"^\s*#+\s*(BEGIN|END) SOLUTION\s*$", re.IGNORECASE)
+_ANY_MARKER = re.compile(r"(BEGIN|END) SOLUTION", re.IGNORECASE)
 
 
 def strip_solution(source: str, where: str = "cell") -> str:
@@ -32,14 +37,15 @@ def strip_solution(source: str, where: str = "cell") -> str:
         CourseError: unbalanced or nested markers (message names ``where``).
     """
     out, inside = [], False
-    for i, line in enumerate(source.splitlines(), 1):
-        stripped = line.strip()
-        if stripped == BEGIN:
+    for i, line in enumerate(source.split("\n"), 1):  # "\n" only: other line breaks may sit in strings
+        marker = _MARKER.match(line.rstrip("\r"))
+        kind = marker.group(1).upper() if marker else None
+        if kind == "BEGIN":
             if inside:
                 raise CourseError(f"{where}, line {i}: nested {BEGIN}")
             inside = True
             out.append(line[: len(line) - len(line.lstrip())] + PLACEHOLDER)
-        elif stripped == END:
+        elif kind == "END":
             if not inside:
                 raise CourseError(f"{where}, line {i}: {END} without {BEGIN}")
             inside = False
@@ -61,6 +67,9 @@ def lab_from_solution(solution: nbformat.NotebookNode, name: str = "notebook") -
             cell.source = strip_solution(cell.source, f"{name}, cell {i}")
             cell.outputs = []
             cell.execution_count = None
+        elif _ANY_MARKER.search(cell.source):
+            raise CourseError(f"{name}, cell {i}: solution markers only work in code cells; tag the "
+                              f"cell '{SOLUTION_ONLY_TAG}' to keep it out of the lab")
         cells.append(cell)  # cell ids are kept: a lab cell has its solution cell's id
     lab.cells = cells
     return lab
@@ -104,6 +113,10 @@ def check_labs(root: str | Path = ".") -> list[str]:
             problems.append(f"{lab} is missing: run `teraflops labs build`")
         elif lab.read_text(encoding="utf-8") != expected_lab(sol):
             problems.append(f"{lab} differs from what {sol} generates: run `teraflops labs build`")
+        if lab.exists():
+            leaked = [i for i, c in enumerate(nbformat.read(lab, as_version=4).cells) if _ANY_MARKER.search(c.source)]
+            if leaked:
+                problems.append(f"{lab} still has solution markers in cells {leaked}: a solution may have leaked")
     names = {s.name for s, _ in pairs}
     for lab in sorted((root / "labs").glob("*.ipynb")):
         if lab.name not in names:
@@ -132,6 +145,7 @@ def refresh_outputs(path: str | Path, timeout: int = 600) -> Path:
         if CHECKED not in cell.source:
             cell.outputs = []
             cell.execution_count = None
+    nb.metadata.pop("widgets", None)  # widget state (progress bars, plots in widgets) is output too
     path.write_text(_render(nb), encoding="utf-8")
     return path
 

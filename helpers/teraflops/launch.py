@@ -69,7 +69,8 @@ def chain_vs_fused(numel: int, device: str, dtype: torch.dtype = torch.float32,
     from .profiling import count_ops
 
     x = torch.randn(numel, device=device, dtype=dtype)
-    torch.testing.assert_close(gelu_chain(x), gelu_fused(x), rtol=1e-4, atol=1e-4)
+    # Same function? Checked in fp32: in bf16 the chain rounds after each of its eight ops.
+    torch.testing.assert_close(gelu_chain(x.float()), gelu_fused(x.float()), rtol=1e-4, atol=1e-4)
     return ChainVsFused(
         numel,
         sum(count_ops(lambda: gelu_chain(x)).values()),

@@ -143,6 +143,23 @@ def detect() -> Machine:
     )
 
 
+def busy_warning(threshold: float = 0.3, interval: float = 0.5) -> str | None:
+    """A one-line warning if other processes keep this machine's CPUs busy, else ``None``.
+
+    Samples system-wide CPU use for ``interval`` seconds while this process sleeps
+    (``psutil.cpu_percent``). On a small machine a second busy process slows multi-threaded
+    kernels erratically (a thread that loses its core stalls the others at the next barrier), so
+    timings become noisy; memory and FLOP counts are unaffected.
+    """
+    import psutil
+
+    used = psutil.cpu_percent(interval=interval) / 100
+    if used < threshold:
+        return None
+    return (f"other processes are using {used:.0%} of the CPU right now: timings will be noisy "
+            "(close them, or run again on a quiet machine)")
+
+
 def synchronize(device: str | None = None) -> None:
     """Wait for queued GPU work (no-op on CPU)."""
     import torch

@@ -19,9 +19,12 @@ Bytes are reported as integers; the notebooks print MiB (2**20) or GiB (2**30).
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
+
+from .errors import CourseError
 
 
 def _cpu_peak(fn: Callable[[], object]) -> tuple[int, object]:
@@ -54,8 +57,16 @@ def peak_memory(fn: Callable[[], object], device: str | torch.device = "cpu") ->
     ``peak_bytes`` is the largest amount of tensor memory allocated at once during the call,
     above what was live before it (see the module docstring for what each device counts).
     ``torch.cuda.OutOfMemoryError`` propagates: catch it to turn an OOM into a data point.
+
+    Raises:
+        CourseError: called while a profiler (or another ``peak_memory``) is active; nesting would
+            corrupt both measurements.
     """
+    if torch.autograd.profiler._is_profiler_enabled:
+        raise CourseError("peak_memory cannot run inside another profiler or peak_memory region: "
+                          "measure the regions one after the other")
     device = torch.device(device)
+    gc.collect()  # free earlier garbage now, not inside the region (it would blur the level)
     if device.type == "cuda":
         return _cuda_peak(fn, device)
     return _cpu_peak(fn)

@@ -66,13 +66,14 @@ def count_ops(fn: Callable[[], object]) -> Counter:
     return rec.calls
 
 
-def classify(flops: float, nbytes: float, seconds: float, peak_flops: float, bandwidth: float,
-             launch_floor: float) -> str:
+def classify(flops: float, nbytes: float, peak_flops: float, bandwidth: float, launch_floor: float) -> str:
     """Verdict for one operator call: ``"math"``, ``"memory"`` or ``"framework overhead"``.
 
+    The verdict is about what *limits* the operator, so it uses its ideal (roofline) times, not its
+    measured time: a measured time says how slow an op was, not why.
+
     Args:
-        flops: FLOPs per call; nbytes: bytes moved per call; seconds: measured time per call
-            (kept for reports; the verdict uses the ideal times).
+        flops: FLOPs per call; nbytes: bytes moved per call.
         peak_flops: FLOP/s; bandwidth: bytes/s; launch_floor: seconds of the smallest op.
     """
     t_math = flops / peak_flops
@@ -96,7 +97,7 @@ class OpRow:
 
     def verdict(self, c: Ceilings, launch_floor: float) -> str:
         n = max(self.calls, 1)
-        return classify(self.flops / n, self.nbytes / n, self.seconds / n, c.peak_flops, c.bandwidth, launch_floor)
+        return classify(self.flops / n, self.nbytes / n, c.peak_flops, c.bandwidth, launch_floor)
 
 
 def _cpu_attention_flops() -> dict:

@@ -160,7 +160,11 @@ def plot_roofline(points: list[RooflinePoint], c: Ceilings, ax=None, title: str 
         y = p.achieved_flops if p.flops > 0 else c.attainable(lo) * p.fraction_of_roof(c)
         color = "tab:red" if p.bound(c) == "compute" and p.flops > 0 else "tab:blue"
         ax.loglog([x], [y], "o", color=color)
-        ax.annotate(p.name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        label = p.name if p.flops > 0 else f"{p.name} (0 FLOP: drawn at the left edge)"
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8,
+                    ha="right" if x > hi / 8 else "left")
+    ax.plot([], [], "o", color="tab:red", label="compute-bound")
+    ax.plot([], [], "o", color="tab:blue", label="memory-bound")
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
     ax.set_ylabel("FLOP/s")
     ax.set_title(title or f"Roofline of this machine ({c.device}, {str(c.dtype).replace('torch.', '')})")

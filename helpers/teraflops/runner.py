@@ -110,8 +110,6 @@ def run_notebook(
 ) -> NotebookResult:
     """Execute one notebook, write it (and its HTML) to ``out_dir``; never raises on cell errors."""
     import nbformat
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError
-    from tqdm.auto import tqdm
 
     path = Path(path)
     out_dir = Path(out_dir)
@@ -128,28 +126,8 @@ def run_notebook(
     os.environ[report.ENV_VAR] = str(report_path)  # the kernel inherits os.environ at start
     start = time.perf_counter()
     try:
-        with client.setup_kernel():
-            _set_language_info(client, nb)
-            with tqdm(total=len(nb.cells), desc=name, unit="cell") as bar:
-                for index, cell in enumerate(nb.cells):
-                    try:
-                        client.execute_cell(
-                            cell, index, execution_count=client.code_cells_executed + 1
-                        )
-                    except CellExecutionError as e:
-                        failure = CellFailure(index, e.ename, _one_line(e.evalue))
-                    except CellTimeoutError:
-                        limit = f"cell ran longer than the {timeout_per_cell} s limit per cell"
-                        failure = CellFailure(index, "CellTimeoutError", limit)
-                    except Exception as e:  # dead kernel, ...
-                        failure = CellFailure(index, type(e).__name__, _one_line(str(e)))
-                    bar.update(1)
-                    if failure is not None:
-                        break
-            client.set_widgets_metadata()
-    except Exception as e:  # the kernel did not start (or shut down badly)
-        if failure is None:
-            failure = CellFailure(None, type(e).__name__, _one_line(str(e)))
+        failures = execute_cells(client, nb, name, stop_on_error=True)
+        failure = failures[0] if failures else None
     finally:
         seconds = time.perf_counter() - start
         if previous is None:
@@ -181,13 +159,53 @@ def run_notebook(
     return result
 
 
+def execute_cells(client, nb, desc: str, stop_on_error: bool = True) -> list[CellFailure]:
+    """Run the cells of ``nb`` one by one in ``client``'s kernel behind a progress bar.
+
+    Returns the failures: errors (when the client does not allow them), cell timeouts, a dead
+    kernel, or a kernel that did not start (``cell_index`` None). With ``stop_on_error`` the first
+    failure ends the run. Never raises for what the notebook does.
+    """
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+    from tqdm.auto import tqdm
+
+    failures: list[CellFailure] = []
+    try:
+        with client.setup_kernel():
+            _set_language_info(client, nb)
+            with tqdm(total=len(nb.cells), desc=desc, unit="cell") as bar:
+                for index, cell in enumerate(nb.cells):
+                    failure = None
+                    try:
+                        client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
+                    except CellExecutionError as e:
+                        failure = CellFailure(index, e.ename, _one_line(e.evalue))
+                    except CellTimeoutError:
+                        failure = CellFailure(index, "CellTimeoutError",
+                                              f"cell ran longer than the {client.timeout} s limit per cell")
+                    except Exception as e:  # dead kernel, ...
+                        failure = CellFailure(index, type(e).__name__, _one_line(str(e)))
+                    bar.update(1)
+                    if failure is not None:
+                        failures.append(failure)
+                        if stop_on_error or failure.ename != "CellTimeoutError":
+                            break
+            client.set_widgets_metadata()
+    except Exception as e:  # the kernel did not start (or shut down badly)
+        if not failures:
+            failures.append(CellFailure(None, type(e).__name__, _one_line(str(e))))
+    return failures
+
+
 def make_client(nb, path: Path, timeout: int, allow_errors: bool = False):
     """An nbclient ``NotebookClient`` for ``nb`` (read from ``path``): the ``python3`` kernel of the
     current environment, working directory = the notebook's folder, ``timeout`` seconds per cell.
-    Used by ``teraflops run``, ``grade`` and ``labs refresh``."""
+    With ``allow_errors`` (grading) a cell that times out is interrupted and the next cells still
+    run. Used by ``teraflops run``, ``grade`` and ``labs refresh``."""
     from nbclient import NotebookClient
 
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=allow_errors,
+                            interrupt_on_timeout=allow_errors,
                             resources={"metadata": {"path": str(Path(path).parent.resolve())}})
     client.km = client.create_kernel_manager()
     _encrypt_if_possible(client.km)

@@ -19,11 +19,14 @@ def fmt(x, digits: int = 3) -> str:
         return "nan"
     if x == 0:
         return "0"
+    if 1000 <= abs(x) < 1e7:
+        return f"{x:,.0f}"  # 2,039 rather than 2.04e+03
     return f"{x:.{digits}g}"
 
 
 def table(rows: Iterable[Sequence], headers: Sequence[str], digits: int = 3) -> str:
     """Render ``rows`` under ``headers`` with right-aligned numbers and left-aligned text."""
+    rows = [list(r) for r in rows]  # a generator can be read only once
     body = [[fmt(c, digits) for c in r] for r in rows]
     numeric = [all(not isinstance(r[i], str) for r in rows) if body else False for i in range(len(headers))]
     widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]

@@ -32,6 +32,7 @@ class Exercise:
     name: str  # the check function's name: check cells call ``check.<name>(...)``
     number: int
     title: str
+    unit: int  # from the module name: grading.unit01 → 1
 
     @property
     def label(self) -> str:
@@ -42,20 +43,30 @@ REGISTRY: dict[str, Exercise] = {}
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else ""
+    """The line of an exception's message worth showing: the first, except for Triton compilation
+    errors, whose first line is only a source position (``at 20:8:``) and whose last line says why."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    if type(e).__name__ == "CompilationError" or re.fullmatch(r"at \d+:\d+:", lines[0]):
+        return lines[-1]
+    return lines[0]
 
 
 def _looks_unattempted(e: BaseException) -> bool:
-    # A compiled Triton kernel cannot raise: the placeholder surfaces as a compilation error.
-    return isinstance(e, NotImplementedError) or "NotImplementedError" in str(e)
+    """Only the lab's own placeholder counts (a NotImplementedError raised by torch does not). A
+    compiled Triton kernel cannot raise, so there it surfaces inside a compilation error."""
+    from ..labs import PLACEHOLDER_MESSAGE
+
+    return PLACEHOLDER_MESSAGE in str(e) or (type(e) is NotImplementedError and not str(e))
 
 
 def exercise(number: int, title: str):
     """Register a check function as exercise ``number`` and give it the pass/fail protocol."""
 
     def deco(check_fn):
-        ex = Exercise(check_fn.__name__, number, title)
+        unit = int(re.search(r"unit(\d+)$", check_fn.__module__).group(1))
+        ex = Exercise(check_fn.__name__, number, title, unit)
         REGISTRY[ex.name] = ex
 
         @functools.wraps(check_fn)
@@ -71,13 +82,23 @@ def exercise(number: int, title: str):
                     raise NotAttempted(f"{ex.label}: not attempted. Replace the `raise NotImplementedError` "
                                        "line with your code, run that cell, then this check again.") from None
                 kind = "" if isinstance(e, CourseError) else f"your code raised {type(e).__name__}: "
-                raise ExerciseFailed(f"{ex.label}: {kind}{_first_line(e)}") from None
+                hint = _hint_for(e, getattr(check_fn, "hints", {}))
+                raise ExerciseFailed(f"{ex.label}: {kind}{_first_line(e)}{hint}") from None
             print(f"{PASS_MARK} {ex.label}: passed")
 
         run.exercise = ex
         return run
 
     return deco
+
+
+def _hint_for(e: BaseException, hints: dict[str, str]) -> str:
+    """A check function may carry ``hints``: {substring of the error: hint}. First match wins."""
+    text = f"{type(e).__name__}: {e}"
+    for needle, hint in hints.items():
+        if needle in text:
+            return f". Hint: {hint}"
+    return ""
 
 
 # --- helpers for check functions ------------------------------------------------------------
@@ -107,9 +128,6 @@ def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 # --- grading a notebook ----------------------------------------------------------------------
 
-_CHECK_CALL = re.compile(r"\bcheck\.(\w+)\(")
-
-
 @dataclass(frozen=True)
 class GradeRow:
     exercise: str
@@ -131,58 +149,87 @@ class GradeReport:
         return bool(self.rows) and self.passed == len(self.rows)
 
     def table(self) -> str:
-        body = [(r.exercise, r.status, r.detail) for r in self.rows]
-        return (f"{self.notebook}\n" + table(body, ["exercise", "result", "detail"])
-                + f"\nscore: {self.passed}/{len(self.rows)}")
+        """Exercise and result in a table; the reason for each failure on its own line below it."""
+        body = [(r.exercise, r.status + (f" [{i}]" if r.detail else "")) for i, r in enumerate(self.rows, 1)]
+        notes = [f"[{i}] {r.detail}" for i, r in enumerate(self.rows, 1) if r.detail]
+        return "\n".join([self.notebook, table(body, ["exercise", "result"]), *notes,
+                          f"score: {self.passed}/{len(self.rows)}"])
 
 
-def _cell_result(cell) -> tuple[str, str]:
-    text = []
+def _outputs(cell) -> tuple[list[str], list[tuple[str, str]]]:
+    """(stream texts, [(ename, first line of evalue)]) of one executed cell."""
+    texts, errors = [], []
     for out in cell.get("outputs", []):
-        if out.get("output_type") == "error":
-            ename, evalue = out.get("ename", ""), _first_line(Exception(out.get("evalue", "")))
-            if ename == "NotAttempted":
-                return "not attempted", ""
-            if ename == "ExerciseFailed":
-                return "failed", re.sub(r"^Exercise \d+ \([^)]*\):\s*", "", evalue)
-            return "failed", f"{ename}: {evalue}"
         if out.get("output_type") == "stream":
-            text.append(out.get("text", ""))
-    if any(PASS_MARK in t and "passed" in t for t in text):
-        return "passed", ""
-    return "failed", "the check cell did not run to its pass line"
+            texts.append(out.get("text", ""))
+        elif out.get("output_type") == "error":
+            lines = [ln for ln in str(out.get("evalue", "")).splitlines() if ln.strip()]
+            errors.append((out.get("ename", ""), lines[0] if lines else ""))
+    return texts, errors
+
+
+def _result_for(ex: Exercise, cells) -> GradeRow:
+    """What the check cells calling ``check.<ex.name>`` printed: the exact pass line, a check error
+    naming this exercise, or any other error of that cell."""
+    ran = [c for c in cells if re.search(rf"\bcheck\.{ex.name}\(", c.source)]
+    if not ran:
+        return GradeRow(ex.label, "failed", f"no check cell calls check.{ex.name}(...)")
+    label_prefix = f"{ex.label}: "
+    for cell in ran:
+        texts, errors = _outputs(cell)
+        for ename, evalue in errors:
+            if ename == "NotAttempted" and evalue.startswith(label_prefix):
+                return GradeRow(ex.label, "not attempted")
+            if ename == "ExerciseFailed" and evalue.startswith(label_prefix):
+                return GradeRow(ex.label, "failed", evalue[len(label_prefix):])
+        if errors and not any(e in ("NotAttempted", "ExerciseFailed") for e, _ in errors):
+            ename, evalue = errors[0]
+            return GradeRow(ex.label, "failed", f"the check cell raised {ename}: {evalue}")
+        if any(f"{PASS_MARK} {ex.label}: passed" in t for t in texts):
+            return GradeRow(ex.label, "passed")
+    return GradeRow(ex.label, "failed", "the check cell did not run to its pass line")
+
+
+def _unit_of(path: Path) -> int:
+    m = re.match(r"(\d+)_", path.name)
+    if not m:
+        raise CourseError(f"{path.name}: a lab is named NN_topic.ipynb, NN being its unit number")
+    return int(m.group(1))
 
 
 def grade(path: str | Path, timeout: int = 600) -> GradeReport:
-    """Execute the notebook at ``path`` headless and grade every check cell.
+    """Execute the notebook at ``path`` headless and grade every exercise of its unit.
 
-    A check cell is a code cell calling ``check.<exercise>(...)``. Cells run in order; errors do not
-    stop execution, so one unfinished exercise does not hide the others.
+    Cells run in order; an error does not stop the run and a cell running past ``timeout`` seconds is
+    interrupted, so one unfinished exercise does not hide the others. Every exercise registered for
+    the unit (``NN_`` in the file name) gets a row: a missing check cell counts as failed.
+
+    Raises:
+        CourseError: not a notebook, not named ``NN_*.ipynb``, or a unit without exercises.
     """
     import nbformat
 
-    from ..runner import make_client
-    from . import unit01  # noqa: F401 - registers the exercises' titles
+    from ..runner import execute_cells, make_client
+    from . import unit01  # noqa: F401 - registers Unit 1's exercises
 
     path = Path(path)
-    if not path.exists():
-        raise CourseError(f"no notebook at {path}")
-    nb = nbformat.read(path, as_version=4)
-    make_client(nb, path, timeout, allow_errors=True).execute()
-    rows = []
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        m = _CHECK_CALL.search(cell.source)
-        if not m:
-            continue
-        ex = REGISTRY.get(m.group(1))
-        label = ex.label if ex else m.group(1)
-        rows.append(GradeRow(label, *_cell_result(cell)))
-    return GradeReport(path.name, tuple(rows))
+    if not path.is_file():
+        raise CourseError(f"no such notebook: {path}")
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as e:  # noqa: BLE001 - nbformat raises several types for non-notebooks
+        raise CourseError(f"{path} is not a Jupyter notebook ({type(e).__name__})") from None
+    exercises = sorted((ex for ex in REGISTRY.values() if ex.unit == _unit_of(path)), key=lambda ex: ex.number)
+    if not exercises:
+        raise CourseError(f"{path.name}: unit {_unit_of(path)} has no graded exercises "
+                          "(grade a lab from labs/, not a lecture)")
+    client = make_client(nb, path, timeout, allow_errors=True)
+    execute_cells(client, nb, f"grading {path.name}", stop_on_error=False)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    return GradeReport(path.name, tuple(_result_for(ex, code) for ex in exercises))
 
 
-def grade_notebook(path: str | Path) -> tuple[str, bool]:
+def grade_notebook(path: str | Path, timeout: int = 600) -> tuple[str, bool]:
     """``teraflops grade``: the printed table and whether every exercise passed."""
-    report = grade(path)
+    report = grade(path, timeout=timeout)
     return report.table(), report.all_passed

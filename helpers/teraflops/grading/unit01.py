@@ -7,6 +7,7 @@ reference attention), :mod:`teraflops.profiling` (the verdict rule).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -26,47 +27,69 @@ def _close(a: float, b: float, rel: float = 1e-6) -> bool:
 def _number(what: str, got) -> float:
     if isinstance(got, torch.Tensor) and got.numel() == 1:
         got = got.item()
-    if not isinstance(got, (int, float)) or isinstance(got, bool):
+    if not isinstance(got, numbers.Real) or isinstance(got, bool):
         fail(f"{what} should return a number (FLOP per byte), got {type(got).__name__}")
     return float(got)
+
+
+def _diagnose(cases, hypotheses) -> str:
+    """The hint of the first hypothesis that explains *every* case (each case: (got, want, dtype)),
+    so that a mistake is named only when it fits all the evidence."""
+    for holds, hint in hypotheses:
+        if all(holds(got, want, dtype) for got, want, dtype in cases):
+            return hint
+    return ""
+
+
+def _size(dtype) -> int:
+    return roofline.bytes_per_element(dtype)
 
 
 @exercise(1, "arithmetic intensity of a matmul")
 def matmul_intensity(fn) -> None:
     """``fn(m, n, k, dtype) -> float``: FLOP/byte of ``(m×k) @ (k×n)`` with minimum traffic."""
-    for m, n, k, dtype in [(4096, 4096, 4096, torch.float32), (1, 8192, 8192, torch.bfloat16),
-                           (128, 512, 256, torch.float16), (64, 64, 2048, torch.float32)]:
-        got = _number("matmul_intensity", fn(m, n, k, dtype))
-        want = roofline.matmul_intensity(m, n, k, dtype)
-        if _close(got, want):
-            continue
-        s = roofline.bytes_per_element(dtype)
-        case = f"for m={m}, n={n}, k={k}, {dtype}: got {got:.4g}, expected {want:.4g} FLOP/byte"
-        if _close(got, want * s):
-            fail(f"{case}. Hint: you counted elements, not bytes; multiply by the element size ({s} bytes)")
-        if _close(got, want / 2):
-            fail(f"{case}. Hint: one multiply-add is 2 FLOPs, so a matmul does 2·m·n·k")
-        if _close(got, 2 * m * n * k / ((m * k + k * n) * s)):
-            fail(f"{case}. Hint: the output C (m×n) has to be written too")
-        fail(f"{case}. Hint: FLOPs = 2·m·n·k; bytes = (m·k + k·n + m·n) × bytes per element")
+    shapes = [(4096, 4096, 4096, torch.float32), (1, 8192, 8192, torch.bfloat16),
+              (128, 512, 256, torch.float16), (64, 64, 2048, torch.float32)]
+    cases = [(_number("matmul_intensity", fn(m, n, k, d)), roofline.matmul_intensity(m, n, k, d), d) for m, n, k, d in shapes]
+    wrong = [(i, c) for i, c in enumerate(cases) if not _close(c[0], c[1])]
+    if not wrong:
+        return
+    i, (got, want, dtype) = wrong[0]
+    m, n, k, _ = shapes[i]
+    no_output = {id(c): 2 * sm * sn * sk / ((sm * sk + sk * sn) * _size(sd)) for c, (sm, sn, sk, sd) in zip(cases, shapes)}
+    hint = _diagnose(cases, [
+        (lambda g, w, d: _close(g, w * _size(d)), "you counted elements, not bytes: the denominator is "
+                                                  "(m·k + k·n + m·n) × bytes per element of the dtype"),
+        *[(lambda g, w, d, b=b: _close(g, w * _size(d) / b), f"you used {b} bytes per element for every dtype: take it "
+           "from the dtype (torch.empty((), dtype=dtype).element_size())") for b in (1, 2, 4, 8)],
+        (lambda g, w, d: _close(g, w / 2), "one multiply-add is 2 FLOPs, so a matmul does 2·m·n·k"),
+    ])
+    if not hint and all(_close(c[0], no_output[id(c)]) for c in cases):
+        hint = "the output C (m×n) has to be written too"
+    fail(f"for m={m}, n={n}, k={k}, {dtype}: got {got:.4g}, expected {want:.4g} FLOP/byte. Hint: "
+         + (hint or "FLOPs = 2·m·n·k; bytes = (m·k + k·n + m·n) × bytes per element"))
 
 
 @exercise(2, "arithmetic intensity of softmax")
 def softmax_intensity(fn) -> None:
     """``fn(rows, cols, dtype) -> float``: 5 FLOPs per element over 2 elements moved."""
-    for rows, cols, dtype in [(4096, 4096, torch.float32), (32, 50257, torch.bfloat16), (1, 128, torch.float16)]:
-        got = _number("softmax_intensity", fn(rows, cols, dtype))
-        want = roofline.softmax_intensity(rows, cols, dtype)
-        if _close(got, want):
-            continue
-        s = roofline.bytes_per_element(dtype)
-        case = f"for {rows}×{cols} {dtype}: got {got:.4g}, expected {want:.4g} FLOP/byte"
-        if _close(got, want * s):
-            fail(f"{case}. Hint: you counted elements, not bytes; multiply by the element size ({s} bytes)")
-        if _close(got, want * 2):
-            fail(f"{case}. Hint: the output is written once too: bytes = 2 × elements × element size")
-        fail(f"{case}. Hint: count 5 FLOPs per element (max, subtract, exp, sum, divide); "
-             "read the input once, write the output once")
+    shapes = [(4096, 4096, torch.float32), (32, 50257, torch.bfloat16), (1, 128, torch.float16)]
+    cases = [(_number("softmax_intensity", fn(r, c, d)), roofline.softmax_intensity(r, c, d), d) for r, c, d in shapes]
+    wrong = [(i, c) for i, c in enumerate(cases) if not _close(c[0], c[1])]
+    if not wrong:
+        return
+    i, (got, want, dtype) = wrong[0]
+    rows, cols, _ = shapes[i]
+    hint = _diagnose(cases, [
+        (lambda g, w, d: _close(g, w * _size(d)), "you counted elements, not bytes: the denominator is "
+                                                  "2 × rows × cols × bytes per element of the dtype"),
+        *[(lambda g, w, d, b=b: _close(g, w * _size(d) / b), f"you used {b} bytes per element for every dtype: take it "
+           "from the dtype (torch.empty((), dtype=dtype).element_size())") for b in (1, 2, 4, 8)],
+        (lambda g, w, d: _close(g, w * 2), "the output is written once too: bytes = 2 × elements × element size"),
+    ])
+    fail(f"for {rows}×{cols} {dtype}: got {got:.4g}, expected {want:.4g} FLOP/byte. Hint: "
+         + (hint or "count 5 FLOPs per element (max, subtract, exp, sum, divide); read the input once, "
+                    "write the output once"))
 
 
 def _qkv(shape, dtype=torch.float32, scale=1.0, seed=0):
@@ -74,37 +97,81 @@ def _qkv(shape, dtype=torch.float32, scale=1.0, seed=0):
     return tuple(torch.randn(*shape, generator=g, dtype=dtype) * scale for _ in range(3))
 
 
+def _attention64(q, k, v, dim=-1, scale=True):
+    """fp64 reference attention (or a plausible mistake: no scale, softmax over the wrong dim)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    s = q @ k.transpose(-2, -1) / (math.sqrt(q.shape[-1]) if scale else 1.0)
+    return torch.softmax(s, dim) @ v
+
+
+def _tolerance(v: torch.Tensor) -> float:
+    """fp32 rounding of a correct answer grows with the values: 2e-5 × max|v| (≥ 1e-5)."""
+    return max(1e-5, 2e-5 * v.abs().max().item())
+
+
+_USES_LIBRARY = ("scaled_dot_product", "_softmax", "softmax")
+
+
 @exercise(3, "naive attention")
 def naive_attention(fn) -> None:
-    """``fn(q, k, v) -> out``: softmax(q kᵀ/√d) v for (B, H, N, d); must not call SDPA."""
+    """``fn(q, k, v) -> out``: softmax(q kᵀ/√d) v for (B, H, N, d); must not call SDPA.
+
+    Compared with an fp64 reference (tolerance :func:`_tolerance`); each call gets fresh copies of
+    the inputs, so an in-place change of q, k or v cannot leak into the next call.
+    """
     for shape, scale in [((2, 3, 64, 32), 1.0), ((1, 2, 33, 16), 1.0), ((1, 1, 16, 64), 8.0)]:
         q, k, v = _qkv(shape, scale=scale)
-        ops = count_ops(lambda: fn(q, k, v))
+        ops = count_ops(lambda: fn(q.clone(), k.clone(), v.clone()))
         if any("scaled_dot_product" in op for op in ops):
             fail("it calls scaled_dot_product_attention; this exercise builds attention by hand "
                  "(matmul, softmax, matmul) so you can measure what it materialises")
-        out = expect_tensor("output", fn(q, k, v), shape, q.dtype)
-        want = F.scaled_dot_product_attention(q, k, v)
-        err = max_error(out, want)
-        if err <= 1e-5:
+        out = expect_tensor("output", fn(q.clone(), k.clone(), v.clone()), shape, q.dtype)
+        err, tol = max_error(out, _attention64(q, k, v)), _tolerance(v)
+        if err <= tol:
             continue
         d = shape[-1]
         if math.isnan(err):
             fail(f"output has NaN or inf for inputs of magnitude ~{scale}. Hint: exp overflows; "
                  "subtract the row maximum before exp (or use torch.softmax)")
-        unscaled = torch.softmax(q @ k.transpose(-2, -1), -1) @ v
-        if max_error(out, unscaled) <= 1e-5:
-            fail(f"max error {err:.2e} against SDPA. Hint: scale the scores by 1/√d = 1/√{d} before the softmax")
-        wrong_dim = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d), -2) @ v
-        if max_error(out, wrong_dim) <= 1e-5:
-            fail(f"max error {err:.2e} against SDPA. Hint: the softmax runs over the keys, the last dimension (dim=-1)")
-        fail(f"max error {err:.2e} against SDPA for shape {shape} (tolerance 1e-5). "
+        if max_error(out, _attention64(q, k, v, scale=False)) <= tol:
+            fail(f"max error {err:.2e} against the reference. Hint: scale the scores by 1/√d = 1/√{d} before the softmax")
+        if max_error(out, _attention64(q, k, v, dim=-2)) <= tol:
+            fail(f"max error {err:.2e} against the reference. Hint: the softmax runs over the keys, the last dimension (dim=-1)")
+        fail(f"max error {err:.2e} against the reference for shape {shape} (tolerance {tol:.1e}). "
              "Hint: scores = q @ kᵀ / √d, softmax over the last dim, then @ v")
+
+
+naive_attention.__wrapped__.hints = {
+    "must match the size": "q @ kᵀ needs k.transpose(-2, -1); on a 4-D tensor .T reverses all four dims",
+    "cannot be multiplied": "q @ kᵀ needs k.transpose(-2, -1) (keys' last two dims swapped)",
+}
+
+
+class _ReductionWidths(torch.overrides.TorchFunctionMode):
+    """Records the last-dim width of every max/sum-like reduction and whether softmax was called."""
+
+    REDUCTIONS = {"max", "amax", "sum", "logsumexp", "cumsum", "mean"}
+
+    def __init__(self):
+        super().__init__()
+        self.widths: list[int] = []
+        self.softmax = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("softmax", "log_softmax", "_softmax"):
+            self.softmax = True
+        if name in self.REDUCTIONS and args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+            self.widths.append(args[0].shape[-1])
+        return func(*args, **(kwargs or {}))
 
 
 @exercise(4, "online softmax")
 def online_softmax(fn) -> None:
-    """``fn(x, block_size) -> softmax(x, dim=-1)`` computed one block of columns at a time."""
+    """``fn(x, block_size) -> softmax(x, dim=-1)`` computed one block of columns at a time.
+
+    Besides the values, checks that no max/sum reduction spans more than ``block_size`` columns.
+    """
     g = torch.Generator().manual_seed(1)
     cases = [
         ("rising rows", torch.linspace(-5, 20, 100).repeat(3, 1), 16),  # the max changes in every block
@@ -112,17 +179,35 @@ def online_softmax(fn) -> None:
         ("block of one", torch.randn(2, 9, generator=g), 1),
         ("block wider than the row", torch.randn(2, 10, generator=g), 32),
         ("large values", torch.randn(3, 130, generator=g) * 1000, 32),
+        ("very negative rows", torch.randn(3, 70, generator=g) * 10 - 200, 16),  # exp(x - 0) underflows to 0
     ]
     for name, x, block in cases:
-        out = expect_tensor(f"output ({name})", fn(x.clone(), block), tuple(x.shape), x.dtype)
-        err = max_error(out, torch.softmax(x, -1))
+        with _ReductionWidths() as seen:
+            got = fn(x.clone(), block)
+        if seen.softmax:
+            fail("it calls softmax; compute it yourself from a running max and a running sum")
+        if any(w > block for w in seen.widths) and x.shape[-1] > block:
+            fail(f"on '{name}' a max or sum ran over {max(seen.widths)} columns at once, but block_size={block}: "
+                 "read x one block of columns at a time (x[..., start:start + block_size])")
+        out = expect_tensor(f"output ({name})", got, tuple(x.shape), x.dtype)
+        err = max_error(out, torch.softmax(x.double(), -1))
         if err <= 1e-6:
             continue
         if math.isnan(err):
             fail(f"NaN/inf on '{name}' (block_size={block}). Hint: exp(x - m) with m the running maximum "
-                 "never overflows; start m at -inf and l at 0")
+                 "never overflows, and never divides 0 by 0; start m at -inf and l at 0")
         fail(f"max error {err:.2e} on '{name}' (block_size={block}). Hint: when a block raises the running "
-             "max from m to m_new, rescale the running sum: l = l·exp(m − m_new) + Σ exp(x_block − m_new)")
+             "max from m to m_new, rescale the running sum: l = l·exp(m − m_new) + Σ exp(x_block − m_new); "
+             "start m at -inf, not 0")
+
+
+_TORCH_MATH = {"mm", "bmm", "addmm", "baddbmm", "matmul", "_softmax", "softmax", "exp", "div", "mul"}
+
+_KERNEL_HINTS = {
+    "must be Tensor, not tensor": "inside a @triton.jit kernel use triton.language (tl.exp, tl.max, tl.sum), not torch",
+    "incompatible dimensions": "check the tl.dot shapes: (BLOCK_M, D) @ (D, BLOCK_N) for the scores, "
+                               "(BLOCK_M, BLOCK_N) @ (BLOCK_N, D) for p @ v",
+}
 
 
 @exercise(5, "FlashAttention forward kernel in Triton")
@@ -134,37 +219,59 @@ def flash_attention(fn) -> None:
     interp = triton_mode() == "interpreter"
     device = "cpu" if interp else detect().device
     dtype, tol = (torch.float32, 1e-5) if interp else (torch.float16, 2e-3)
-    for shape in [(1, 2, 128, 32), (2, 1, 100, 16)]:
+    # N=300 spans several key tiles for any block size a kernel would use (the rescale matters).
+    for shape in [(1, 2, 128, 32), (2, 1, 100, 16), (1, 1, 300, 16)]:
         q, k, v = (t.to(device) for t in _qkv(shape, dtype))
+        ops = count_ops(lambda: fn(q, k, v))
+        torch_math = sorted(op for op in ops if op in _TORCH_MATH or "scaled_dot_product" in op)
+        if torch_math:
+            fail(f"the attention math ran in PyTorch ({', '.join(torch_math)}), not in your Triton kernel: "
+                 "flash_attention should only allocate the output and launch attention_kernel")
         out = expect_tensor("output", fn(q, k, v), shape, dtype)
-        err = max_error(out, F.scaled_dot_product_attention(q, k, v))
+        want = F.scaled_dot_product_attention(q, k, v)
+        err = max_error(out, want)
         if math.isnan(err):
             fail(f"output has NaN/inf for shape {shape}. Hint: mask out-of-range keys with -inf *before* "
                  "the row max, and rows beyond N must not be stored")
         if err > tol:
+            rows = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(shape[-1])
+            unnormalised = torch.exp(rows - rows.amax(-1, keepdim=True)) @ v.float()
+            if max_error(out, unnormalised) <= 100 * tol:
+                fail(f"max error {err:.2e} against SDPA for shape {shape}: the output is not normalised. "
+                     "Hint: divide acc by l once, after the loop")
             fail(f"max error {err:.2e} against SDPA for shape {shape} (tolerance {tol:g}). Hint: rescale acc "
                  "and l by alpha = exp(m_old − m_new) before adding the new tile, and divide by l once at the end")
 
 
-# Cases for Exercise 6 on an imaginary GPU: 100 TFLOP/s, 2 TB/s, 5 µs launch floor.
-_PEAK, _BW, _FLOOR = 100e12, 2e12, 5e-6
+flash_attention.__wrapped__.hints = _KERNEL_HINTS
+
+
+# Cases for Exercise 6: (name, FLOPs, bytes, (peak FLOP/s, bandwidth B/s, launch floor s), why).
+_GPU = (100e12, 2e12, 5e-6)  # an imaginary GPU: 100 TFLOP/s, 2 TB/s, 5 µs floor
+_CPU = (1e11, 1e10, 2e-6)  # a CPU-like machine: 100 GFLOP/s, 10 GB/s, 2 µs floor
 _CLASSIFY_CASES = [
-    ("8192³ matmul", 2 * 8192**3, 3 * 8192**2 * 2, 0.012, "a large square matmul reuses each byte thousands of times"),
-    ("add of 2^28 elements", 2**28, 3 * 2**28 * 2, 0.0008, "one FLOP per 6 bytes is far left of the ridge point"),
-    ("GEMV 1×8192 @ 8192×8192", 2 * 8192**2, (8192 + 8192**2 + 8192) * 2, 7e-5, "a matrix-vector product reads every weight once for 2 FLOPs"),
-    ("add of 1024 elements", 1024, 3 * 1024 * 2, 6e-6, "its ideal time (ns) is far below the 5 µs launch floor"),
-    ("64×64 matmul", 2 * 64**3, 3 * 64**2 * 2, 7e-6, "even a compute-heavy op is launch-bound when it is tiny"),
+    ("8192³ matmul on a GPU", 2 * 8192**3, 3 * 8192**2 * 2, _GPU, "a large square matmul reuses each byte thousands of times"),
+    ("add of 2^28 elements on a GPU", 2**28, 3 * 2**28 * 2, _GPU, "one FLOP per 6 bytes is far left of the ridge point"),
+    ("GEMV 1×8192 @ 8192×8192 on a GPU", 2 * 8192**2, (8192 + 8192**2 + 8192) * 2, _GPU,
+     "a matrix-vector product reads every weight once for 2 FLOPs"),
+    ("add of 1024 elements on a GPU", 1024, 3 * 1024 * 2, _GPU, "its ideal time (ns) is far below the 5 µs launch floor"),
+    ("64×64 matmul on a GPU", 2 * 64**3, 3 * 64**2 * 2, _GPU, "even a compute-heavy op is launch-bound when it is tiny"),
+    ("add of 10^5 elements on a CPU", 10**5, 3 * 10**5 * 4, _CPU,
+     "1.2 MB at 10 GB/s is 120 µs, far above a 2 µs floor, though it is only 10^5 FLOPs"),
+    ("add of 65,536 elements on a CPU", 65536, 3 * 65536 * 4, _CPU, "0.8 MB at 10 GB/s is 79 µs: memory, not overhead"),
+    ("matmul at the ridge point on a CPU", 2 * 10**9, 2 * 10**8, _CPU, "FLOPs/peak equals bytes/bandwidth: count a tie as math"),
+    ("op just above the floor on a CPU", 10, 25_000, _CPU, "its ideal time, 2.5 µs, is above the 2 µs floor"),
 ]
 
 
 @exercise(6, "math, memory or framework overhead")
 def classify_op(fn) -> None:
-    """``fn(flops, nbytes, seconds, peak_flops, bandwidth, launch_floor) -> "math" | "memory" | "framework overhead"``."""
-    for name, flops, nbytes, seconds, why in _CLASSIFY_CASES:
-        want = classify(flops, nbytes, seconds, _PEAK, _BW, _FLOOR)
-        got = fn(flops, nbytes, seconds, _PEAK, _BW, _FLOOR)
+    """``fn(flops, nbytes, peak_flops, bandwidth, launch_floor) -> "math" | "memory" | "framework overhead"``."""
+    for name, flops, nbytes, (peak, bw, floor), why in _CLASSIFY_CASES:
+        want = classify(flops, nbytes, peak, bw, floor)
+        got = fn(flops, nbytes, peak, bw, floor)
         if got not in ("math", "memory", "framework overhead"):
             fail(f"returned {got!r} for {name}; return one of 'math', 'memory', 'framework overhead'")
         if got != want:
-            fail(f"{name} on a 100 TFLOP/s, 2 TB/s GPU with a 5 µs floor: you said {got!r}, it is {want!r} "
-                 f"({why}). Hint: compare FLOPs/peak with bytes/bandwidth, and both with the launch floor")
+            fail(f"{name} (peak {peak:.0e} FLOP/s, {bw:.0e} B/s, floor {floor * 1e6:g} µs): you said {got!r}, "
+                 f"it is {want!r} ({why}). Hint: compare FLOPs/peak with bytes/bandwidth, and the larger with the floor")
