@@ -223,9 +223,11 @@ def grade(path: str | Path, timeout: int = 600) -> GradeReport:
     if not exercises:
         raise CourseError(f"{path.name}: unit {_unit_of(path)} has no graded exercises "
                           "(grade a lab from labs/, not a lecture)")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    if not any(re.search(r"\bcheck\.\w+\(", c.source) for c in code):
+        raise CourseError(f"{path.name} has no check cells: grade a lab (labs/{path.name}), not a lecture")
     client = make_client(nb, path, timeout, allow_errors=True)
     execute_cells(client, nb, f"grading {path.name}", stop_on_error=False)
-    code = [c for c in nb.cells if c.cell_type == "code"]
     return GradeReport(path.name, tuple(_result_for(ex, code) for ex in exercises))
 
 
