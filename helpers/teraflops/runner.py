@@ -12,6 +12,7 @@ pointing at ``<out_dir>/NN_name.report.json``, which the notebook fills with ``r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -121,19 +122,10 @@ def run_notebook(
     nb = nbformat.read(path, as_version=4)
     client = make_client(nb, path, timeout_per_cell)
 
-    failure: CellFailure | None = None
-    previous = os.environ.get(report.ENV_VAR)
-    os.environ[report.ENV_VAR] = str(report_path)  # the kernel inherits os.environ at start
     start = time.perf_counter()
-    try:
-        failures = execute_cells(client, nb, name, stop_on_error=True)
-        failure = failures[0] if failures else None
-    finally:
-        seconds = time.perf_counter() - start
-        if previous is None:
-            os.environ.pop(report.ENV_VAR, None)
-        else:
-            os.environ[report.ENV_VAR] = previous
+    failures = execute_cells(client, nb, name, stop_on_error=True, env={report.ENV_VAR: str(report_path)})
+    failure = failures[0] if failures else None
+    seconds = time.perf_counter() - start
 
     result = NotebookResult(name=name, seconds=seconds, ok=failure is None, error=failure)
     try:
@@ -159,21 +151,39 @@ def run_notebook(
     return result
 
 
-def execute_cells(client, nb, desc: str, stop_on_error: bool = True) -> list[CellFailure]:
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    """Set environment variables for the duration (a kernel inherits os.environ when it starts)."""
+    previous = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in previous.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[str, str] | None = None) -> list[CellFailure]:
     """Run the cells of ``nb`` one by one in ``client``'s kernel behind a progress bar.
 
-    Returns the failures: errors (when the client does not allow them), cell timeouts, a dead
-    kernel, or a kernel that did not start (``cell_index`` None). With ``stop_on_error`` the first
-    failure ends the run. Never raises for what the notebook does.
+    The kernel starts with ``env`` added to this process's environment, and with ``TQDM_DISABLE=1``:
+    nobody watches the notebook's own progress bars when it runs headless, and in the saved
+    notebook they would only be widget state. Returns the failures: errors (when the client does
+    not allow them), cell timeouts, a dead kernel, or a kernel that did not start (``cell_index``
+    None). With ``stop_on_error`` the first failure ends the run. Never raises for what the
+    notebook does.
     """
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
     from tqdm.auto import tqdm
 
     failures: list[CellFailure] = []
     try:
-        with client.setup_kernel():
+        with _environ({"TQDM_DISABLE": "1", **(env or {})}), client.setup_kernel():
             _set_language_info(client, nb)
-            with tqdm(total=len(nb.cells), desc=desc, unit="cell") as bar:
+            with tqdm(total=len(nb.cells), desc=desc, unit="cell", disable=False) as bar:
                 for index, cell in enumerate(nb.cells):
                     failure = None
                     try:

@@ -81,9 +81,13 @@ def exercise(number: int, title: str):
                 if _looks_unattempted(e):
                     raise NotAttempted(f"{ex.label}: not attempted. Replace the `raise NotImplementedError` "
                                        "line with your code, run that cell, then this check again.") from None
-                kind = "" if isinstance(e, CourseError) else f"your code raised {type(e).__name__}: "
                 hint = _hint_for(e, getattr(check_fn, "hints", {}))
-                raise ExerciseFailed(f"{ex.label}: {kind}{_first_line(e)}{hint}") from None
+                if isinstance(e, CourseError):
+                    detail = _first_line(e)
+                else:
+                    message = f": {_first_line(e)}" if str(e).strip() else " (with no message)"
+                    detail = f"your code raised {type(e).__name__}{message}"
+                raise ExerciseFailed(f"{ex.label}: {detail}{hint}") from None
             print(f"{PASS_MARK} {ex.label}: passed")
 
         run.exercise = ex
