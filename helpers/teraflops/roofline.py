@@ -161,8 +161,9 @@ def plot_roofline(points: list[RooflinePoint], c: Ceilings, ax=None, title: str 
         color = "tab:red" if p.bound(c) == "compute" and p.flops > 0 else "tab:blue"
         ax.loglog([x], [y], "o", color=color)
         label = p.name if p.flops > 0 else f"{p.name} (0 FLOP: drawn at the left edge)"
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8,
-                    ha="right" if x > hi / 8 else "left")
+        right = x > hi / 8  # near the right edge: label below-left of the point
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(-4, -12) if right else (4, 4),
+                    fontsize=8, ha="right" if right else "left")
     ax.plot([], [], "o", color="tab:red", label="compute-bound")
     ax.plot([], [], "o", color="tab:blue", label="memory-bound")
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
