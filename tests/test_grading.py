@@ -181,8 +181,9 @@ def _no_rescale_kernel(Q, K, V, O, N, sm_scale, D: tl.constexpr, BLOCK: tl.const
         m = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m[:, None])
         l += tl.sum(p, axis=1)  # the plausible mistake: old l and acc are not rescaled
-        acc += tl.dot(p, v)
-    tl.store(O + base + rows[:, None] * D + cols[None, :], acc / l[:, None], mask=rows[:, None] < N)
+        acc += tl.dot(p.to(v.dtype), v)
+    tl.store(O + base + rows[:, None] * D + cols[None, :], (acc / l[:, None]).to(O.dtype.element_ty),
+             mask=rows[:, None] < N)
 
 
 @pytest.mark.parametrize("block", [32, 128], ids=["small tiles", "one tile for N<=128"])

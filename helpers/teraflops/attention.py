@@ -23,6 +23,7 @@ Memory-Efficient Exact Attention with IO-Awareness", arXiv:2205.14135):
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass
 
@@ -147,7 +148,7 @@ class AttentionResult:
 
 
 def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: str,
@@ -188,6 +189,9 @@ def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torc
                     torch.cuda.empty_cache()
             bar.update()
         del q, k, v, ref
+        if device == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()  # hand cached blocks back: the next N needs larger ones
     bar.close()
     return results
 

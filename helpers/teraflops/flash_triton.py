@@ -191,8 +191,18 @@ _GPU_CONFIGS = [
     (64, 64, 4, 3),
     (64, 32, 4, 4),
     (64, 64, 4, 2),
+    (32, 32, 4, 1),  # the fallback for fp32 with a large head_dim
+    (16, 16, 2, 1),
 ]
-_SMEM_BUDGET_BYTES = 200 * 1024  # below the 227 KiB an H100/H200 block may use, 163 KiB on A100
+
+
+def _smem_budget_bytes(device) -> int:
+    """Shared memory one block may use on ``device`` (227 KiB on H100/H200, 163 KiB on A100),
+    from Triton's driver; 160 KiB if the driver cannot say."""
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - an estimate is enough for pruning
+        return 160 * 1024
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -204,7 +214,7 @@ def _prune_configs(configs, named_args, **kwargs):
         bm, bn, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
         return elem * head_dim * (bm + 2 * bn * stages)
 
-    kept = [c for c in configs if smem(c) <= _SMEM_BUDGET_BYTES]
+    kept = [c for c in configs if smem(c) <= 0.9 * _smem_budget_bytes(named_args["Q"].device)]
     return kept or [min(configs, key=smem)]
 
 
@@ -291,7 +301,8 @@ def _forward(q, k, v, causal: bool, sm_scale: float, block_m: int | None = None,
     if block_m is None and _flash_fwd_autotuned is not None:
         def grid(cfg):
             return (triton.cdiv(N, cfg["BLOCK_M"]), B * H)
-        _flash_fwd_autotuned[grid](*args, **meta)
+        with torch.cuda.device(q.device):  # launch on q's GPU, not the current one
+            _flash_fwd_autotuned[grid](*args, **meta)
         return o, lse
 
     if block_m is None:

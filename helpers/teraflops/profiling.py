@@ -145,7 +145,9 @@ def profile_ops(fn: Callable[[], object], device: str, warmup: int = 2) -> list[
     times = {}
     for evt in prof.key_averages():
         if evt.key.startswith("aten::"):
-            us = evt.self_device_time_total if device == "cuda" else evt.self_cpu_time_total
+            # On a GPU an op's kernels may be launched by a child op (SDPA → _flash_attention_forward):
+            # the recorded ops never nest in one another, so their inclusive device time is theirs.
+            us = evt.device_time_total if device == "cuda" else evt.self_cpu_time_total
             times[evt.key[len("aten::"):]] = us * 1e-6
     rows = [OpRow(name, calls, times.get(name, 0.0), flops.get(name, 0.0), rec.nbytes[name])
             for name, calls in rec.calls.items()]
