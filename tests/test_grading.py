@@ -209,3 +209,49 @@ def test_classify_wrong_answers():
     fails(check.classify_op, lambda f, b, p, bw, fl: "compute", "return one of")
     # comparing intensity with the ridge point is right, but forgets the launch floor
     fails(check.classify_op, lambda f, b, p, bw, fl: "math" if f / b >= p / bw else "memory", "floor")
+
+
+def test_online_softmax_accepts_other_correct_blockwise_forms():
+    def binary_max(x, block):  # torch.max(a, b) is elementwise, not a reduction
+        m = torch.full(x.shape[:-1], float("-inf"))
+        l = torch.zeros(x.shape[:-1])
+        for s in range(0, x.shape[-1], block):
+            b = x[..., s:s + block]
+            m_new = torch.max(m, b.max(-1).values)
+            l = l * torch.exp(m - m_new) + torch.exp(b - m_new[..., None]).sum(-1)
+            m = m_new
+        return torch.exp(x - m[..., None]) / l[..., None]
+
+    def log_sum_exp(x, block):  # FlashAttention-2's form: a running log-sum-exp
+        lse = torch.full(x.shape[:-1], float("-inf"))
+        for s in range(0, x.shape[-1], block):
+            lse = torch.logaddexp(lse, torch.logsumexp(x[..., s:s + block], dim=-1))
+        return torch.exp(x - lse[..., None])
+
+    def stacked_stats(x, block):  # per-block statistics first, combined afterwards
+        blocks = x.split(block, dim=-1)
+        maxes = torch.stack([b.amax(-1) for b in blocks], -1)
+        m = maxes.amax(-1)
+        l = torch.stack([torch.exp(b - m[..., None]).sum(-1) for b in blocks], -1).sum(-1)
+        return torch.exp(x - m[..., None]) / l[..., None]
+
+    for answer in (binary_max, log_sum_exp, stacked_stats):
+        check.online_softmax(answer)
+
+
+def test_online_softmax_library_shortcuts_fail():
+    fails(check.online_softmax, lambda x, b: torch.special.softmax(x, -1), "calls softmax")
+    fails(check.online_softmax, lambda x, b: torch.exp(x - torch.special.logsumexp(x, dim=-1, keepdim=True)), "columns at once")
+    fails(check.online_softmax,
+          lambda x, b: torch.exp(x - torch.amax(input=x, dim=-1, keepdim=True)) / torch.exp(x - torch.amax(input=x, dim=-1, keepdim=True)).sum(-1, keepdim=True),
+          "columns at once")
+
+
+def test_classify_sum_instead_of_max_fails():
+    def summed(f, b, p, bw, fl):
+        t_math, t_mem = f / p, b / bw
+        if t_math + t_mem < fl:
+            return "framework overhead"
+        return "math" if t_math >= t_mem else "memory"
+
+    fails(check.classify_op, summed, "not their sum")

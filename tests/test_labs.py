@@ -70,3 +70,15 @@ def test_solution_passes_every_exercise_check(solution):
     assert report.all_passed, report.table()
     titles = {r.exercise for r in report.rows}
     assert all(ex.label in titles for ex in REGISTRY.values() if solution.name.startswith("01"))
+
+
+def test_marker_spelling_variants_are_stripped():
+    for begin in ("### BEGIN  SOLUTION", "# begin solution", "##\tBEGIN SOLUTION"):
+        out = labs.strip_solution(f"def f():\n    {begin}\n    return 42\n    ### END SOLUTION\r\n")
+        assert "42" not in out and labs.PLACEHOLDER in out
+
+
+@pytest.mark.parametrize("marker", ["BEGIN SOLUTION", "### BEGIN SOLUTION (exercise 4)"])
+def test_near_miss_markers_are_errors_not_leaks(marker):
+    with pytest.raises(CourseError, match="looks like a solution marker|without"):
+        labs.strip_solution(f"def f():\n    {marker}\n    return 42\n    ### END SOLUTION\n")

@@ -26,8 +26,8 @@ PLACEHOLDER_MESSAGE = "Exercise: replace this line with your code"
 PLACEHOLDER = f'raise NotImplementedError("{PLACEHOLDER_MESSAGE}")'
 SOLUTION_ONLY_TAG = "solution-only"
 # Like nbgrader, any comment line naming the marker counts, whatever its case or number of '#'.
-_MARKER = re.compile(r"^\s*#+\s*(BEGIN|END) SOLUTION\s*$", re.IGNORECASE)
-_ANY_MARKER = re.compile(r"(BEGIN|END) SOLUTION", re.IGNORECASE)
+_MARKER = re.compile(r"^\s*#+\s*(BEGIN|END)\s+SOLUTION\s*$", re.IGNORECASE)
+_ANY_MARKER = re.compile(r"(BEGIN|END)\s+SOLUTION", re.IGNORECASE)
 
 
 def strip_solution(source: str, where: str = "cell") -> str:
@@ -53,6 +53,10 @@ def strip_solution(source: str, where: str = "cell") -> str:
             out.append(line)
     if inside:
         raise CourseError(f"{where}: {BEGIN} is never closed")
+    for i, line in enumerate(out, 1):
+        if _ANY_MARKER.search(line):
+            raise CourseError(f"{where}, line {i}: {line.strip()!r} looks like a solution marker but is not one; "
+                              f"write '{BEGIN}' or '{END}' alone on its line")
     return "\n".join(out)
 
 

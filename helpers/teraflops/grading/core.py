@@ -188,7 +188,12 @@ def _result_for(ex: Exercise, cells) -> GradeRow:
                 return GradeRow(ex.label, "failed", evalue[len(label_prefix):])
         if errors and not any(e in ("NotAttempted", "ExerciseFailed") for e, _ in errors):
             ename, evalue = errors[0]
-            return GradeRow(ex.label, "failed", f"the check cell raised {ename}: {evalue}")
+            if ename == "KeyboardInterrupt":
+                return GradeRow(ex.label, "failed", "interrupted: the check ran past the time limit per cell (--timeout)")
+            why = f"{ename}: {evalue}" if evalue else ename
+            if ename == "NameError":
+                why += " (did the cell that defines it fail, or run past the time limit?)"
+            return GradeRow(ex.label, "failed", f"the check cell raised {why}")
         if any(f"{PASS_MARK} {ex.label}: passed" in t for t in texts):
             return GradeRow(ex.label, "passed")
     return GradeRow(ex.label, "failed", "the check cell did not run to its pass line")
