@@ -34,13 +34,14 @@ def elem(dtype):
     return torch.empty((), dtype=dtype).element_size()
 
 
-def blockwise_softmax(x, block):
-    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype)
+def blockwise_softmax(x, block, m_start=float("-inf"), combine=torch.maximum, rescale=True):
+    """The reference online softmax, with knobs for the variants the tests need."""
+    m = torch.full(x.shape[:-1], m_start, dtype=x.dtype)
     l = torch.zeros(x.shape[:-1], dtype=x.dtype)
     for s in range(0, x.shape[-1], block):
         b = x[..., s:s + block]
-        m_new = torch.maximum(m, b.max(-1).values)
-        l = l * torch.exp(m - m_new) + torch.exp(b - m_new[..., None]).sum(-1)
+        m_new = combine(m, b.max(-1).values)
+        l = (l * torch.exp(m - m_new) if rescale else l) + torch.exp(b - m_new[..., None]).sum(-1)
         m = m_new
     return torch.exp(x - m[..., None]) / l[..., None]
 
@@ -99,15 +100,7 @@ def test_naive_attention_wrong_answers():
 
 
 def test_online_softmax_without_rescale_fails():
-    def no_rescale(x, block):
-        m = torch.full(x.shape[:-1], float("-inf"))
-        l = torch.zeros(x.shape[:-1])
-        for s in range(0, x.shape[-1], block):
-            b = x[..., s:s + block]
-            m = torch.maximum(m, b.max(-1).values)
-            l = l + torch.exp(b - m[..., None]).sum(-1)  # forgot l * exp(m_old - m_new)
-        return torch.exp(x - m[..., None]) / l[..., None]
-
+    no_rescale = lambda x, b: blockwise_softmax(x, b, rescale=False)  # noqa: E731 - forgot l * exp(m_old - m_new)
     fails(check.online_softmax, no_rescale, "rescale the running sum")
 
 
@@ -118,17 +111,7 @@ def test_online_softmax_must_work_blockwise():
 
 
 def test_online_softmax_starting_max_at_zero_fails():
-    def m_at_zero(x, block):
-        m = torch.zeros(x.shape[:-1])
-        l = torch.zeros(x.shape[:-1])
-        for s in range(0, x.shape[-1], block):
-            b = x[..., s:s + block]
-            m_new = torch.maximum(m, b.max(-1).values)
-            l = l * torch.exp(m - m_new) + torch.exp(b - m_new[..., None]).sum(-1)
-            m = m_new
-        return torch.exp(x - m[..., None]) / l[..., None]
-
-    fails(check.online_softmax, m_at_zero, "very negative rows")
+    fails(check.online_softmax, lambda x, b: blockwise_softmax(x, b, m_start=0.0), "very negative rows")
 
 
 def test_online_softmax_crash_is_reported_in_one_line():
@@ -213,14 +196,7 @@ def test_classify_wrong_answers():
 
 def test_online_softmax_accepts_other_correct_blockwise_forms():
     def binary_max(x, block):  # torch.max(a, b) is elementwise, not a reduction
-        m = torch.full(x.shape[:-1], float("-inf"))
-        l = torch.zeros(x.shape[:-1])
-        for s in range(0, x.shape[-1], block):
-            b = x[..., s:s + block]
-            m_new = torch.max(m, b.max(-1).values)
-            l = l * torch.exp(m - m_new) + torch.exp(b - m_new[..., None]).sum(-1)
-            m = m_new
-        return torch.exp(x - m[..., None]) / l[..., None]
+        return blockwise_softmax(x, block, combine=torch.max)
 
     def log_sum_exp(x, block):  # FlashAttention-2's form: a running log-sum-exp
         lse = torch.full(x.shape[:-1], float("-inf"))
