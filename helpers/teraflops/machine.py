@@ -16,7 +16,7 @@ import os
 import platform
 import sys
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 GiB = 2**30  # memory sizes in this module are bytes; printed in GiB (2**30)
@@ -110,11 +110,6 @@ class Machine:
             return f"{gpus}, {self.cpu_cores} CPU cores, {mem}, Triton {self.triton}"
         return f"CPU only: {self.cpu_cores} cores, {mem}, Triton {self.triton}"
 
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["kind"] = self.kind
-        return d
-
 
 @lru_cache(maxsize=1)
 def detect() -> Machine:
@@ -158,11 +153,3 @@ def busy_warning(threshold: float = 0.3, interval: float = 0.5) -> str | None:
         return None
     return (f"other processes are using {used:.0%} of the CPU right now: timings will be noisy "
             "(close them, or run again on a quiet machine)")
-
-
-def synchronize(device: str | None = None) -> None:
-    """Wait for queued GPU work (no-op on CPU)."""
-    import torch
-
-    if (device or detect().device) == "cuda":
-        torch.cuda.synchronize()
