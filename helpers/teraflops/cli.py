@@ -94,7 +94,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for n in seq_lens:
         tri, ref = by[("triton", n)], by[("sdpa", n)]
         if tri.seconds and ref.seconds:
-            print(f"N={n}: Triton/SDPA throughput = {ref.seconds / tri.seconds:.2f}×")
+            print(f"N={n}: Triton/SDPA throughput = {ref.seconds / tri.seconds:.3g}×")
     return 0
 
 

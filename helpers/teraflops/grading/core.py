@@ -228,9 +228,10 @@ def grade(path: str | Path, timeout: int = 600) -> GradeReport:
         nb = nbformat.read(path, as_version=4)
     except Exception as e:  # noqa: BLE001 - nbformat raises several types for non-notebooks
         raise CourseError(f"{path} is not a Jupyter notebook ({type(e).__name__})") from None
-    exercises = sorted((ex for ex in REGISTRY.values() if ex.unit == _unit_of(path)), key=lambda ex: ex.number)
+    unit = _unit_of(path)
+    exercises = sorted((ex for ex in REGISTRY.values() if ex.unit == unit), key=lambda ex: ex.number)
     if not exercises:
-        raise CourseError(f"{path.name}: unit {_unit_of(path)} has no graded exercises "
+        raise CourseError(f"{path.name}: unit {unit} has no graded exercises "
                           "(grade a lab from labs/, not a lecture)")
     code = [c for c in nb.cells if c.cell_type == "code"]
     if not any(re.search(r"\bcheck\.\w+\(", c.source) for c in code):

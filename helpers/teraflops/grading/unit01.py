@@ -32,17 +32,33 @@ def _number(what: str, got) -> float:
     return float(got)
 
 
-def _diagnose(cases, hypotheses) -> str:
-    """The hint of the first hypothesis that explains *every* case (each case: (got, want, dtype)),
-    so that a mistake is named only when it fits all the evidence."""
-    for holds, hint in hypotheses:
-        if all(holds(got, want, dtype) for got, want, dtype in cases):
-            return hint
-    return ""
-
-
 def _size(dtype) -> int:
     return roofline.bytes_per_element(dtype)
+
+
+def _byte_mistakes(denominator: str) -> list:
+    """Mistakes in the byte count, common to both intensity exercises, as (holds, hint) pairs;
+    ``holds(got, want, dtype, shape)``."""
+    return [
+        (lambda g, w, d, s: _close(g, w * _size(d)),
+         f"you counted elements, not bytes: the denominator is {denominator} × bytes per element of the dtype"),
+        *[(lambda g, w, d, s, b=b: _close(g, w * _size(d) / b), f"you used {b} bytes per element for every dtype: "
+           "take it from the dtype (torch.empty((), dtype=dtype).element_size())") for b in (1, 2, 4, 8)],
+    ]
+
+
+def _check_intensity(fn, what: str, shapes, reference, mistakes, default_hint: str) -> None:
+    """Call ``fn(*shape)`` for each shape (its last item is the dtype) and compare with ``reference``.
+    On the first wrong case, fail with the hint of the first mistake that explains *every* case,
+    so that a mistake is named only when it fits all the evidence."""
+    cases = [(_number(what, fn(*shape)), reference(*shape), shape[-1], shape) for shape in shapes]
+    wrong = [c for c in cases if not _close(c[0], c[1])]
+    if not wrong:
+        return
+    got, want, dtype, shape = wrong[0]
+    hint = next((h for holds, h in mistakes if all(holds(*c) for c in cases)), default_hint)
+    sizes = "×".join(str(x) for x in shape[:-1])
+    fail(f"for {sizes} {dtype}: got {got:.4g}, expected {want:.4g} FLOP/byte. Hint: {hint}")
 
 
 @exercise(1, "arithmetic intensity of a matmul")
@@ -50,46 +66,25 @@ def matmul_intensity(fn) -> None:
     """``fn(m, n, k, dtype) -> float``: FLOP/byte of ``(m×k) @ (k×n)`` with minimum traffic."""
     shapes = [(4096, 4096, 4096, torch.float32), (1, 8192, 8192, torch.bfloat16),
               (128, 512, 256, torch.float16), (64, 64, 2048, torch.float32)]
-    cases = [(_number("matmul_intensity", fn(m, n, k, d)), roofline.matmul_intensity(m, n, k, d), d) for m, n, k, d in shapes]
-    wrong = [(i, c) for i, c in enumerate(cases) if not _close(c[0], c[1])]
-    if not wrong:
-        return
-    i, (got, want, dtype) = wrong[0]
-    m, n, k, _ = shapes[i]
-    no_output = {id(c): 2 * sm * sn * sk / ((sm * sk + sk * sn) * _size(sd)) for c, (sm, sn, sk, sd) in zip(cases, shapes)}
-    hint = _diagnose(cases, [
-        (lambda g, w, d: _close(g, w * _size(d)), "you counted elements, not bytes: the denominator is "
-                                                  "(m·k + k·n + m·n) × bytes per element of the dtype"),
-        *[(lambda g, w, d, b=b: _close(g, w * _size(d) / b), f"you used {b} bytes per element for every dtype: take it "
-           "from the dtype (torch.empty((), dtype=dtype).element_size())") for b in (1, 2, 4, 8)],
-        (lambda g, w, d: _close(g, w / 2), "one multiply-add is 2 FLOPs, so a matmul does 2·m·n·k"),
-    ])
-    if not hint and all(_close(c[0], no_output[id(c)]) for c in cases):
-        hint = "the output C (m×n) has to be written too"
-    fail(f"for m={m}, n={n}, k={k}, {dtype}: got {got:.4g}, expected {want:.4g} FLOP/byte. Hint: "
-         + (hint or "FLOPs = 2·m·n·k; bytes = (m·k + k·n + m·n) × bytes per element"))
+    mistakes = _byte_mistakes("(m·k + k·n + m·n)") + [
+        (lambda g, w, d, s: _close(g, w / 2), "one multiply-add is 2 FLOPs, so a matmul does 2·m·n·k"),
+        (lambda g, w, d, s: _close(g, 2 * s[0] * s[1] * s[2] / ((s[0] * s[2] + s[2] * s[1]) * _size(d))),
+         "the output C (m×n) has to be written too"),
+    ]
+    _check_intensity(fn, "matmul_intensity", shapes, roofline.matmul_intensity, mistakes,
+                     "FLOPs = 2·m·n·k; bytes = (m·k + k·n + m·n) × bytes per element")
 
 
 @exercise(2, "arithmetic intensity of softmax")
 def softmax_intensity(fn) -> None:
     """``fn(rows, cols, dtype) -> float``: 5 FLOPs per element over 2 elements moved."""
     shapes = [(4096, 4096, torch.float32), (32, 50257, torch.bfloat16), (1, 128, torch.float16)]
-    cases = [(_number("softmax_intensity", fn(r, c, d)), roofline.softmax_intensity(r, c, d), d) for r, c, d in shapes]
-    wrong = [(i, c) for i, c in enumerate(cases) if not _close(c[0], c[1])]
-    if not wrong:
-        return
-    i, (got, want, dtype) = wrong[0]
-    rows, cols, _ = shapes[i]
-    hint = _diagnose(cases, [
-        (lambda g, w, d: _close(g, w * _size(d)), "you counted elements, not bytes: the denominator is "
-                                                  "2 × rows × cols × bytes per element of the dtype"),
-        *[(lambda g, w, d, b=b: _close(g, w * _size(d) / b), f"you used {b} bytes per element for every dtype: take it "
-           "from the dtype (torch.empty((), dtype=dtype).element_size())") for b in (1, 2, 4, 8)],
-        (lambda g, w, d: _close(g, w * 2), "the output is written once too: bytes = 2 × elements × element size"),
-    ])
-    fail(f"for {rows}×{cols} {dtype}: got {got:.4g}, expected {want:.4g} FLOP/byte. Hint: "
-         + (hint or "count 5 FLOPs per element (max, subtract, exp, sum, divide); read the input once, "
-                    "write the output once"))
+    mistakes = _byte_mistakes("2 × rows × cols") + [
+        (lambda g, w, d, s: _close(g, w * 2), "the output is written once too: bytes = 2 × elements × element size"),
+    ]
+    _check_intensity(fn, "softmax_intensity", shapes, roofline.softmax_intensity, mistakes,
+                     "count 5 FLOPs per element (max, subtract, exp, sum, divide); read the input once, "
+                     "write the output once")
 
 
 def _qkv(shape, dtype=torch.float32, scale=1.0, seed=0):
