@@ -142,6 +142,7 @@ def refresh_outputs(path: str | Path, timeout: int = 600) -> Path:
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
+        cell.metadata.pop("execution", None)  # run timestamps: churn in every diff
         if CHECKED not in cell.source:
             cell.outputs = []
             cell.execution_count = None

@@ -53,3 +53,50 @@ class TransformerBlock(nn.Module):
             raise ShapeError(f"TransformerBlock expects (batch, seq_len, {self.qkv.in_features}), got {tuple(x.shape)}")
         x = x + self._attend(self.ln1(x))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A small GPT-style language model (GPT-2 layout: token + learned position embeddings, pre-LN
+    blocks, final LayerNorm, output head tied to the token embedding).
+
+    Args:
+        vocab_size: tokens in the vocabulary.
+        d_model, n_layers, n_heads: width, depth, heads (``d_model`` divisible by ``n_heads``).
+        max_seq_len: longest sequence the position embedding covers.
+
+    ``forward(tokens)``: ``tokens`` int64 ``(batch, seq_len)`` with ``seq_len ≤ max_seq_len`` →
+    logits float ``(batch, seq_len, vocab_size)``. Raises :class:`ShapeError` / ``TypeError`` for
+    wrong shapes or dtypes. Parameter count: :meth:`num_params`.
+    """
+
+    def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 2, n_heads: int = 4,
+                 max_seq_len: int = 64):
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_seq_len, d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.tok.weight  # weight tying, as in GPT-2
+        for emb in (self.tok, self.pos):  # GPT-2's initialisation; N(0, 1) would make logits huge
+            nn.init.normal_(emb.weight, std=0.02)
+
+    def num_params(self) -> int:
+        """Distinct parameter elements (the tied head counted once): Ψ in the ZeRO paper."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long:
+            raise TypeError(f"GPT expects int64 token ids, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
+        if tokens.dim() != 2 or tokens.shape[1] > self.max_seq_len:
+            raise ShapeError(f"GPT expects (batch, seq_len ≤ {self.max_seq_len}) token ids, got {tuple(tokens.shape)}")
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats); ``logits (B, N, V)``, ``targets`` int64 ``(B, N)``."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

@@ -41,17 +41,41 @@ class Preset:
     block_seq: int
     block_batch: int
     min_run_time: float  # seconds per benchmark() call
+    # Unit 2: the small GPT trained data-parallel (models.GPT) and its runs
+    gpt_vocab: int = 256
+    gpt_d_model: int = 128
+    gpt_layers: int = 2
+    gpt_heads: int = 4
+    gpt_seq_len: int = 64
+    dp_micro_batch: int = 4  # sequences per rank per step
+    zero_steps: int = 4  # training steps per ZeRO stage (the first is warm-up, left out of timings and comms)
+    dp_ranks_cpu: int = 2  # ranks on a CPU machine; with GPUs, one rank per GPU
+    # Unit 2 §3-4, stale updates and overlapped all-reduce (data_parallel.py): a GPT with few tokens
+    # per parameter, so that the gradient all-reduce is a visible part of a step (heads: gpt_heads,
+    # sequences per rank: dp_micro_batch)
+    dp_vocab: int = 64
+    dp_d_model: int = 256
+    dp_layers: int = 2
+    dp_seq_len: int = 16
+    dp_lr: float = 1e-3  # Adam
+    dp_steps: int = 50  # training steps per staleness τ
+    dp_overlap_steps: int = 16  # training steps per overlap mode
+    dp_bucket_mb: float = 2.0  # DDP bucket_cap_mb (MiB): the CPU model's 6.4 MB of gradients make 4 buckets
 
 
 PRESETS = {
     "tiny": Preset("tiny", "cpu", torch.float32, 256, 16 * MiB, (32, 256), 1 << 18, (1, 1 << 10, 1 << 16),
-                   1, 2, 32, torch.float32, (64, 128), 64, 2, 32, 2, 0.02),
+                   1, 2, 32, torch.float32, (64, 128), 64, 2, 32, 2, 0.02, gpt_d_model=64, gpt_seq_len=32, zero_steps=3,
+                   dp_d_model=64, dp_steps=6, dp_overlap_steps=4, dp_bucket_mb=0.05),
     "cpu": Preset("cpu", "cpu", torch.float32, 1024, 128 * MiB, (16, 64, 256, 1024), 1 << 24,
                   (1, 1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 22), 1, 2, 32, torch.float32,
                   (128, 256, 512, 1024), 256, 4, 128, 4, 0.1),
     "gpu": Preset("gpu", "cuda", torch.bfloat16, 8192, 2048 * MiB, (64, 256, 1024, 4096, 8192), 1 << 28,
                   (1, 1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26), 4, 16, 64, torch.float16,
-                  (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536), 2048, 16, 2048, 8, 0.2),
+                  (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536), 2048, 16, 2048, 8, 0.2,
+                  gpt_vocab=32768, gpt_d_model=1024, gpt_layers=8, gpt_heads=16, gpt_seq_len=1024, dp_micro_batch=8,
+                  zero_steps=6, dp_vocab=4096, dp_d_model=1024, dp_layers=8, dp_seq_len=256, dp_lr=3e-4,
+                  dp_steps=100, dp_overlap_steps=30, dp_bucket_mb=25.0),
 }
 
 
@@ -68,3 +92,32 @@ def preset(name: str | None = None) -> Preset:
     if p.device == "cuda" and detect().device != "cuda":
         raise ValueError(f"preset {name!r} needs a CUDA GPU and none is visible")
     return p
+
+
+
+@dataclass(frozen=True)
+class DataParallelPlan:
+    """How a data-parallel run is laid out on this machine.
+
+    ``ranks`` processes; ``env`` is added to theirs; ``preset`` gives the model and batch sizes;
+    ``note`` says in one line why the layout is what it is.
+    """
+
+    ranks: int
+    env: dict
+    preset: Preset
+    note: str
+
+
+def data_parallel_plan(p: Preset | None = None) -> DataParallelPlan:
+    """One rank per GPU with NCCL when there are at least two GPUs; otherwise ``dp_ranks_cpu`` CPU
+    ranks with gloo (NCCL cannot put two ranks on one GPU, and one rank has nothing to shard), with
+    the GPU hidden from the ranks and the CPU preset's sizes."""
+    p = p or preset()
+    gpus = detect().gpu_count
+    if p.device == "cuda" and gpus >= 2:
+        return DataParallelPlan(gpus, {}, p, f"{gpus} ranks, one per GPU, NCCL")
+    cpu = p if p.device == "cpu" else PRESETS["cpu"]
+    why = "one GPU cannot host two NCCL ranks, so " if gpus == 1 else ""
+    return DataParallelPlan(cpu.dp_ranks_cpu, {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}, cpu,
+                            f"{why}{cpu.dp_ranks_cpu} CPU ranks with gloo")

@@ -40,3 +40,43 @@ def attention_memory_widget():
     )
     display(ui)
     return ui
+
+
+def model_state_widget():
+    """Sliders for parameters Ψ, data-parallel devices Nd, ZeRO stage and optimizer precision →
+    stacked bars of parameters, gradients and optimizer states per device for stages 0-3
+    (:func:`teraflops.model_states.model_states`, ZeRO §5), the chosen stage highlighted, drawn
+    against the 80 GB and 141 GB (GB = 1e9) of an H100 and an H200.
+
+    Returns the ``ipywidgets.interactive``; its ``result`` is the chosen stage's
+    :class:`~teraflops.model_states.ModelStates`."""
+    import ipywidgets as W
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    from .model_states import (FP32_ADAM, FP32_ADAM_MASTER, GB, MIXED_ADAM, figure1, format_gb, memory_capacities,
+                               plot_model_states)
+
+    def show(psi, nd, stage, precision):
+        rows = figure1(psi, nd, precision)
+        chosen = rows[stage]
+        fig, ax = plt.subplots(figsize=(8, 4))
+        plot_model_states(rows, ax=ax, highlight=stage)
+        fits = [label for label, gb in memory_capacities() if chosen.total_bytes / GB <= gb]
+        verdict = f"fits {fits[0]} (model states only)" if fits else "fits on neither GPU"
+        ax.set_title(f"stage {stage} ({chosen.name}, {chosen.formula}): {format_gb(chosen.total_bytes)} GB per device, "
+                     f"{verdict}\nΨ = {psi / 1e9:.3g} billion, Nd = {nd}, {precision.name}", fontsize=9)
+        fig.tight_layout()
+        plt.show()
+        return chosen
+
+    ui = W.interactive(
+        show,
+        psi=W.FloatLogSlider(value=7.5e9, base=10, min=8, max=12, step=0.05, readout_format=".3g", description="Ψ params"),
+        nd=W.SelectionSlider(options=[2**k for k in range(11)], value=64, description="Nd devices"),
+        stage=W.IntSlider(value=3, min=0, max=3, description="ZeRO stage"),
+        precision=W.Dropdown(options=[(p.name, p) for p in (MIXED_ADAM, FP32_ADAM, FP32_ADAM_MASTER)],
+                             value=MIXED_ADAM, description="optimizer"),
+    )
+    display(ui)
+    return ui

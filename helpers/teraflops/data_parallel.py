@@ -1,0 +1,254 @@
+"""Unit 2 §3-4: relaxed (stale) gradient updates, and all-reduce overlapped with backward, measured.
+
+Both experiments train the same small :class:`~teraflops.models.GPT` data-parallel on real ranks
+(``workers/data_parallel.py`` through :func:`~teraflops.distributed.launch`: gloo on CPU, NCCL with
+GPUs), in one launch by :func:`run` (a launch costs several seconds of process start-up).
+
+* **Staleness** (§3). Synchronous data parallelism waits for the all-reduce of a step's gradients
+  before updating. Relaxed schemes apply a gradient τ steps late, so its all-reduce can run behind
+  the next τ steps' computation: asynchronous parameter servers (Dean et al., "Large Scale
+  Distributed Deep Networks", NeurIPS 2012: Downpour SGD) and bounded staleness (Ho et al., "More
+  Effective Distributed ML via a Stale Synchronous Parallel Parameter Server", NeurIPS 2013: SSP,
+  workers at most s clocks apart). Here the delay is exactly τ on every rank, so all ranks keep the
+  same parameters: the update at step t uses the gradient of step t − τ, computed on parameters τ
+  updates older; τ = 0 is synchronous. More throughput, a worse model per step.
+* **Overlap** (§4). PyTorch DDP groups gradients into buckets (``bucket_cap_mb``, 25 MiB by
+  default) in reverse order of the forward pass and starts a bucket's all-reduce from an autograd
+  hook as soon as all its gradients are ready, while backward computes the rest (Li et al.,
+  "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020, §3.2.3
+  and Figure 7). Against it: one all-reduce of all gradients after backward, and, as the floor,
+  the same steps with no communication. Both compute the same averaged gradient, so their losses
+  agree (to float rounding: DDP divides before summing).
+
+Units: times in ms (``time.perf_counter`` per step; medians over the timed steps, the slowest
+rank's), losses in nats (mean next-token cross-entropy), throughput in samples (sequences) and
+tokens per second over all ranks. The runs being compared take turns inside the launch, so drift
+in other processes' load hits them alike; the first steps are not timed (see the worker's
+docstring). What to expect on a small CPU machine, where the ranks' computation and gloo's
+communication threads share the same few cores: each gloo all-reduce pays a latency of a few ms
+whatever its size, so splitting the gradient into buckets adds about as much time as overlapping
+saves, and DDP gains little or nothing. A stale update gains more: its all-reduce can spread over
+whole later steps, and the ranks may drift up to τ steps apart, so a rank that is momentarily
+slow (another process took its core) no longer stalls the others at every step, which is the
+straggler problem SSP was designed for. Both are results, not faults.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+from .distributed import launch
+from .sizing import DataParallelPlan, data_parallel_plan
+from .tables import table
+
+WORKER = "teraflops.workers.data_parallel"
+TAUS = (0, 1, 4, 16)
+LAST_STEPS = 5  # final_loss averages the global loss of this many last steps
+MODE_LABELS = {"bucketed": "bucketed (overlap)", "after": "all-reduce after backward",
+               "local": "no all-reduce (floor)"}
+
+
+@dataclass(frozen=True)
+class DataParallelRun:
+    """What :func:`run` measured.
+
+    Attributes:
+        staleness: rows of :func:`staleness_rows`, one per τ.
+        overlap: rows of :func:`overlap_rows`, one per mode.
+        params: parameters of the model (its gradient is ``4 * params`` bytes, fp32).
+        ranks, backend: data-parallel ranks and their torch.distributed backend.
+        config: the model, batch and optimizer settings (``Config`` of the worker).
+        load_avg: the machine's 1-minute load average before and after the launch (other
+            processes' load makes timings noisy).
+        wall_s: seconds the launch took, process start-up included.
+    """
+
+    staleness: list
+    overlap: list
+    params: int
+    ranks: int
+    backend: str
+    config: dict
+    load_avg: tuple
+    wall_s: float
+
+
+def worker_args(plan: DataParallelPlan, *, taus=TAUS, steps=None, overlap_steps=None,
+                experiments=("staleness", "overlap"), collective_timeout: float = 30) -> list[str]:
+    """Command-line arguments for the worker from ``plan.preset``'s ``gpt_heads``, ``dp_*`` sizes."""
+    p = plan.preset
+    return ["--experiments", ",".join(experiments), "--taus", ",".join(str(int(t)) for t in taus),
+            "--steps", str(steps or p.dp_steps), "--overlap-steps", str(overlap_steps or p.dp_overlap_steps),
+            "--bucket-mb", str(p.dp_bucket_mb), "--vocab", str(p.dp_vocab), "--d-model", str(p.dp_d_model),
+            "--layers", str(p.dp_layers), "--heads", str(p.gpt_heads), "--seq-len", str(p.dp_seq_len),
+            "--micro-batch", str(p.dp_micro_batch), "--lr", str(p.dp_lr), "--timeout", str(collective_timeout)]
+
+
+def run(taus=TAUS, steps: int | None = None, overlap_steps: int | None = None, plan: DataParallelPlan | None = None,
+        experiments=("staleness", "overlap"), timeout: float = 300) -> DataParallelRun:
+    """Run the staleness sweep and the overlap comparison in one launch.
+
+    Args:
+        taus: staleness values (steps a gradient is applied late); 0 is synchronous. The first
+            is the baseline of ``speedup`` and the loss deltas.
+        steps, overlap_steps: training steps per τ and per overlap mode (default: the preset's
+            ``dp_steps``, ``dp_overlap_steps``).
+        plan: ranks and sizes (default :func:`~teraflops.sizing.data_parallel_plan`).
+        experiments: ``"staleness"``, ``"overlap"`` or both.
+        timeout: seconds for the whole launch.
+
+    Raises:
+        ValueError: a negative τ.
+        LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
+    """
+    if any(int(t) < 0 for t in taus):
+        raise ValueError(f"taus must be >= 0 (steps a gradient is applied late), got {tuple(taus)}")
+    plan = plan or data_parallel_plan()
+    before, start = os.getloadavg()[0], time.perf_counter()
+    results = launch(WORKER, plan.ranks, worker_args(plan, taus=taus, steps=steps, overlap_steps=overlap_steps,
+                                                     experiments=experiments),
+                     timeout=timeout, env=plan.env, desc="data parallel: " + " and ".join(experiments))
+    r0 = results[0]
+    return DataParallelRun(staleness_rows(results), overlap_rows(results), r0["params"], r0["world_size"],
+                           r0["backend"], r0["config"], (before, os.getloadavg()[0]), time.perf_counter() - start)
+
+
+def run_staleness(taus=TAUS, steps: int | None = None, plan: DataParallelPlan | None = None) -> list[dict]:
+    """Only the staleness sweep (one launch): :func:`staleness_rows`."""
+    return run(taus, steps, plan=plan, experiments=("staleness",)).staleness
+
+
+def run_overlap(steps: int | None = None, plan: DataParallelPlan | None = None) -> list[dict]:
+    """Only the overlap comparison (one launch): :func:`overlap_rows`."""
+    return run(overlap_steps=steps, plan=plan, experiments=("overlap",)).overlap
+
+
+def _median_ms(per_rank_seconds: list[list]) -> float:
+    """The slowest rank's median (ms) over its timed steps (``None`` marks untimed ones); NaN if none."""
+    timed = [[t for t in s if t is not None] for s in per_rank_seconds]
+    return 1e3 * max(statistics.median(t) for t in timed) if all(timed) else float("nan")
+
+
+def _mean_over_ranks(per_rank: list[list[float]]) -> list[float]:
+    """Per step, the mean over ranks: with equal micro-batches, the loss of the global batch."""
+    return [sum(v) / len(v) for v in zip(*per_rank)]
+
+
+def staleness_rows(results: list[dict]) -> list[dict]:
+    """One row per τ from the ranks' results of a launch.
+
+    Keys: ``tau``; ``step_ms`` (median step time); ``samples_per_s``, ``tokens_per_s`` (all ranks);
+    ``speedup`` (step time of the first row, τ = 0 by default, over this one's); ``final_loss``
+    (mean global loss of the last :data:`LAST_STEPS` steps) and ``loss_delta`` (minus the first
+    row's); ``eval_loss`` (held-out batches, after the last gradient was applied, so every τ
+    has made the same number of updates) and ``eval_delta``; ``updates`` (optimizer steps made
+    during training: ``max(0, steps - tau)``); ``losses`` (global loss per step).
+    """
+    cfg, world = results[0]["config"], results[0]["world_size"]
+    samples = world * cfg["micro_batch"]
+    rows = []
+    for i, run0 in enumerate(results[0]["staleness"]):
+        runs = [r["staleness"][i] for r in results]
+        losses = _mean_over_ranks([r["losses"] for r in runs])
+        step_ms = _median_ms([r["step_s"] for r in runs])
+        tail = losses[-LAST_STEPS:]
+        rows.append({"tau": run0["tau"], "step_ms": step_ms, "samples_per_s": samples / step_ms * 1e3,
+                     "tokens_per_s": samples * cfg["seq_len"] / step_ms * 1e3,
+                     "final_loss": sum(tail) / len(tail), "eval_loss": run0["eval_loss"],
+                     "updates": run0["updates"], "losses": losses})
+    for row in rows:
+        row["speedup"] = rows[0]["step_ms"] / row["step_ms"]
+        row["loss_delta"] = row["final_loss"] - rows[0]["final_loss"]
+        row["eval_delta"] = row["eval_loss"] - rows[0]["eval_loss"]
+    return rows
+
+
+def overlap_rows(results: list[dict]) -> list[dict]:
+    """One row per mode from the ranks' results of a launch.
+
+    Keys: ``mode`` (label), ``step_ms``, ``forward_ms``, ``backward_ms`` (DDP's includes waiting
+    for its last buckets' all-reduces, which finish inside ``backward()``), ``comm_ms`` (waiting
+    for the all-reduce after backward returned: 0 for DDP), ``exposed_ms`` (step time minus the
+    no-communication floor's: the communication not hidden; None without the floor), ``buckets``
+    (all-reduces per step), ``max_loss_diff`` (largest per-step difference of the global loss from
+    the after-backward mode; None for the floor, whose ranks train apart), ``losses``.
+    """
+    rows = []
+    for i, run0 in enumerate(results[0]["overlap"]):
+        runs = [r["overlap"][i] for r in results]
+        row = {"mode": MODE_LABELS[run0["mode"]], "key": run0["mode"]}
+        for name in ("step", "forward", "backward", "comm"):
+            row[f"{name}_ms"] = _median_ms([r[f"{name}_s"] for r in runs])
+        row.update(buckets=run0["buckets"], losses=_mean_over_ranks([r["losses"] for r in runs]))
+        rows.append(row)
+    floor = next((r for r in rows if r["key"] == "local"), None)
+    after = next((r for r in rows if r["key"] == "after"), None)
+    for row in rows:
+        row["exposed_ms"] = row["step_ms"] - floor["step_ms"] if floor and row is not floor else None
+        row["max_loss_diff"] = (None if row["key"] == "local" or after is None else
+                                max(abs(a - b) for a, b in zip(row["losses"], after["losses"])))
+    return rows
+
+
+def staleness_table(rows: list[dict]) -> str:
+    """The staleness rows as a text table."""
+    return table([(r["tau"], r["step_ms"], r["tokens_per_s"], f"{r['speedup']:.2f}×", r["final_loss"],
+                   f"{r['loss_delta']:+.3f}", r["eval_loss"], f"{r['eval_delta']:+.3f}") for r in rows],
+                 ["τ", "step ms", "tokens/s", "speedup", "final loss", "Δ loss", "eval loss", "Δ eval"])
+
+
+def overlap_table(rows: list[dict]) -> str:
+    """The overlap rows as a text table."""
+    return table([(r["mode"], r["step_ms"], r["forward_ms"], r["backward_ms"], r["comm_ms"],
+                   "-" if r["exposed_ms"] is None else r["exposed_ms"], r["buckets"],
+                   "-" if r["max_loss_diff"] is None else f"{r['max_loss_diff']:.1e}") for r in rows],
+                 ["mode", "step ms", "forward", "backward", "comm after bwd", "exposed comm", "buckets",
+                  "max |Δ loss|"])
+
+
+def plot_staleness(rows: list[dict]):
+    """Loss curves by τ (left) and throughput against final loss (right); returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_trade) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows:
+        line, = ax_loss.plot(range(len(r["losses"])), r["losses"], label=f"τ = {r['tau']}")
+        ax_trade.scatter(r["final_loss"], r["tokens_per_s"], color=line.get_color(), s=50, zorder=3)
+        ax_trade.annotate(f"τ = {r['tau']}  ({r['speedup']:.2f}×)", (r["final_loss"], r["tokens_per_s"]),
+                          textcoords="offset points", xytext=(6, 4), fontsize=9)
+    ax_loss.set(xlabel="step", ylabel="training loss (nats, global batch)", title="Loss by staleness τ")
+    ax_loss.legend()
+    ax_trade.set(xlabel=f"final loss (nats, mean of the last {LAST_STEPS} steps)", ylabel="tokens/s (all ranks)",
+                 title="Throughput against loss")
+    ax_trade.grid(alpha=0.3)
+    ax_trade.margins(x=0.25, y=0.15)
+    fig.tight_layout()
+    return fig
+
+
+def plot_overlap(rows: list[dict]):
+    """Median step time per mode, split into forward, backward, communication after backward and
+    the rest (optimizer step); returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.9 * len(rows) + 1.6))
+    labels = [r["mode"] for r in rows][::-1]
+    left = [0.0] * len(rows)
+    parts = [("forward_ms", "forward"), ("backward_ms", "backward (DDP: with its all-reduces)"),
+             ("comm_ms", "all-reduce after backward")]
+    for key, name in parts:
+        vals = [r[key] for r in rows][::-1]
+        ax.barh(labels, vals, left=left, label=name)
+        left = [a + b for a, b in zip(left, vals)]
+    rest = [max(0.0, r["step_ms"] - x) for r, x in zip(rows[::-1], left)]
+    ax.barh(labels, rest, left=left, label="optimizer and rest", color="lightgrey")
+    for y, r in enumerate(rows[::-1]):
+        ax.text(max(r["step_ms"], left[y] + rest[y]), y, f"  {r['step_ms']:.1f} ms", va="center")
+    ax.set(xlabel="median time per step (ms)", title="DDP bucketing (overlap) vs all-reduce after backward")
+    ax.set_xlim(0, 1.25 * max(r["step_ms"] for r in rows))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig

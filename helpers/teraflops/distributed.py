@@ -1,0 +1,402 @@
+"""Launch multi-process work from a notebook, and the helpers each rank calls.
+
+:func:`launch` starts ``python -m MODULE`` on N local ranks (127.0.0.1) through ``torchrun``
+(https://pytorch.org/docs/stable/elastic/run.html) or DeepSpeed's launcher, each rank inside
+``workers/_rank.py``, which records how it ended. Ranks hand back a JSON dict with
+:func:`write_result`; their output goes to files in ``$TERAFLOPS_RESULTS_DIR`` (a fresh temporary
+directory per launch, kept when it fails): ``rank{r}.json``, ``rank{r}.out``/``.err``, ``rank{r}.exit``,
+``progress.json`` (rank 0's :func:`report_progress`) and ``launcher.log``. A crash, a killed or hung
+rank or a timeout raises :class:`LaunchFailed` (one line) once every process of the launch is gone
+and its port is free, also when the cell is interrupted.
+
+Fault injection: ``TERAFLOPS_FAULT=KIND:rank=R:step=S`` makes rank R, at ``fault_point(S)``,
+SIGKILL itself (``kill``), sleep forever (``hang``) or raise RuntimeError (``raise``), in the first
+attempt only, so that an elastic restart (torchrun ``--max-restarts``) recovers.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+from .errors import CourseError
+
+RESULTS_ENV, FAULT_ENV, FAULT_KINDS = "TERAFLOPS_RESULTS_DIR", "TERAFLOPS_FAULT", ("kill", "hang", "raise")
+_WRAPPER = Path(__file__).with_name("workers") / "_rank.py"
+_SHM_OP = "deepspeed_shm_comm"  # the C++ op DeepSpeed's CPU accelerator JIT-builds in init_distributed
+_NOISE = re.compile(r"warn|^\s|^\[?[WI]\d{4}|\[(INFO|WARNING)\]|^[*=-]+$", re.IGNORECASE)
+_VICTIMS = (-signal.SIGTERM, -signal.SIGINT)  # how launchers stop the other ranks after a failure
+
+
+class LaunchFailed(CourseError, RuntimeError):
+    """A launch failed: the rank, its exit status or timeout, its last error line, a hint, the logs.
+
+    Attributes ``rank`` (None when no rank is to blame), ``logs`` (the results directory), ``port``.
+    """
+
+
+class OpBuildFailed(CourseError, RuntimeError):
+    """A DeepSpeed op did not compile; the message has the compiler's last line and the log's path."""
+
+
+def cache_dir() -> Path:
+    """``$TERAFLOPS_CACHE`` or ``~/.cache/teraflops`` (created): compiled ops and other caches."""
+    path = Path(os.environ.get("TERAFLOPS_CACHE") or Path.home() / ".cache" / "teraflops")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _extensions_dir() -> Path:
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing uses now (the OS picks one for port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    """True if a server could not listen on ``port`` now (binds all addresses with ``SO_REUSEADDR``,
+    as torch's TCPStore does, so a finished run's connections in TIME_WAIT do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+        return False
+
+
+def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str = "torchrun",
+           timeout: float = 120, env: dict | None = None, launcher_args: Sequence[str] = (),
+           desc: str | None = None, verbose: bool = False, port: int | None = None) -> list[dict]:
+    """Run ``python -m module *args`` on ``nproc`` local ranks; return their results, by rank.
+
+    ``launcher`` is ``"torchrun"`` or ``"deepspeed"``; ``launcher_args`` go to it (torchrun ``--rdzv-*``
+    options get ``--rdzv-endpoint 127.0.0.1:port`` unless they name one). ``timeout`` (s) covers the
+    whole launch. Ranks get ``OMP_NUM_THREADS = cores // nproc``, ``TORCH_EXTENSIONS_DIR`` under
+    :func:`cache_dir` unless set, then ``env``. ``verbose`` prints their output as it comes.
+
+    Raises:
+        LaunchFailed: a rank failed or wrote no result, or ``timeout`` passed.
+    """
+    from .machine import detect
+
+    if launcher not in ("torchrun", "deepspeed"):
+        raise ValueError(f"launcher must be 'torchrun' or 'deepspeed', got {launcher!r}")
+    port, results = port or free_port(), Path(tempfile.mkdtemp(prefix="teraflops-launch-"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if launcher == "deepspeed":
+        prepare_deepspeed_ops()
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(port), "--no_local_rank"]
+    elif any(a.startswith("--rdzv") for a in launcher_args):
+        cmd += [] if any("endpoint" in a for a in launcher_args) else ["--rdzv-endpoint", f"127.0.0.1:{port}"]
+    else:
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    cmd += [*launcher_args, str(_WRAPPER), module, *map(str, args)]
+    child_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(_extensions_dir()), RESULTS_ENV: str(results),
+                 "OMP_NUM_THREADS": str(max(1, detect().cpu_cores // nproc)), "PYTHONUNBUFFERED": "1",
+                 "PYTHONFAULTHANDLER": "1", **{k: str(v) for k, v in (env or {}).items()}}
+    proc, keep = None, False  # the results directory is kept for a LaunchFailed, which names it
+    try:
+        with open(results / "launcher.log", "wb") as log:
+            proc = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        code = _wait(proc, results, timeout, desc or module.rsplit(".", 1)[-1], verbose)
+        out = [_read_json(results / f"rank{r}.json") for r in range(nproc)]
+        if code == 0 and None not in out:
+            return out
+        keep = True
+        rank, why = _diagnose(results, nproc, code, timeout, launcher, child_env.get(FAULT_ENV))
+    finally:  # also on KeyboardInterrupt: nothing of this launch may outlive the call
+        _stop(proc, results)
+        deadline = time.monotonic() + 10
+        while port_in_use(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not keep:
+            shutil.rmtree(results, ignore_errors=True)
+    err = LaunchFailed(f"{desc or module}: {why} Logs: {results}")
+    err.rank, err.logs, err.port = rank, results, port
+    raise err
+
+
+def _wait(proc, results: Path, timeout: float, desc: str, verbose: bool) -> int | None:
+    """Wait for the launcher behind a progress bar: its exit code, or None after ``timeout`` s."""
+    from tqdm.auto import tqdm
+
+    start, offsets, shown = time.monotonic(), {}, None
+    with tqdm(desc=desc, unit="step") as bar:
+        while True:
+            code, progress = proc.poll(), _read_json(results / "progress.json")
+            if progress:
+                bar.total, bar.n = progress["total"], progress["done"]
+            if shown != (bar.n, int(time.monotonic() - start)):  # redraw on progress and every second
+                shown = (bar.n, int(time.monotonic() - start))
+                bar.refresh()
+            for f in sorted(p for p in results.iterdir() if p.suffix in (".log", ".out", ".err")) if verbose else ():
+                with open(f, "rb") as fh:
+                    fh.seek(offsets.get(f, 0))
+                    data = fh.read()
+                data = data[: data.rfind(b"\n") + 1]  # whole lines only
+                offsets[f] = offsets.get(f, 0) + len(data)
+                for line in data.decode(errors="replace").splitlines():
+                    tqdm.write(f"[{f.name}] {line}")
+            if code is not None or time.monotonic() - start > timeout:
+                return code
+            time.sleep(0.2)
+
+
+def _diagnose(results: Path, nproc: int, code: int | None, timeout: float, launcher: str, fault: str | None):
+    """(rank or None, one line: what happened, the rank's last error line, a hint)."""
+    exits = [_read_json(results / f"rank{r}.exit") for r in range(nproc)]
+    failed = sorted((e["time"], e["rank"], e["returncode"]) for e in exits if e and e["returncode"])
+    failed = [f for f in failed if f[2] not in _VICTIMS] or failed  # the first real failure
+    missing = [r for r in range(nproc) if not (results / f"rank{r}.json").exists()]
+    rc = failed[0][2] if failed else 0
+    if failed:
+        rank = failed[0][1]
+        what = f"rank {rank} of {nproc} " + (f"was killed by {signal.Signals(-rc).name}" if rc < 0
+                                              else f"exited with code {rc}")
+    elif code is None:
+        running = [r for r in range(nproc) if exits[r] is None]  # suspect first one that said something
+        rank = next((r for r in running if _last_line(results / f"rank{r}.err")), (running or [None])[0])
+        what = f"timed out after {timeout:g} s with rank(s) {running} still running"
+    elif missing and (code == 0 or all(exits)):
+        rank, what = missing[0], f"rank {missing[0]} exited without a result (did it call write_result?)"
+    else:
+        rank, what = None, f"the {launcher} launcher exited with code {code}"
+    line = _last_line(results / (f"rank{rank}.err" if rank is not None else "launcher.log"))
+    others = [r for r, e in enumerate(exits) if r != rank and (e is None or e["returncode"] in _VICTIMS)]
+    if rc == -signal.SIGKILL:
+        hint = "SIGKILL usually comes from the out-of-memory killer (see `dmesg`)"
+        hint += f", or from {FAULT_ENV}={fault}" if fault else ""
+    elif re.search(r"timed? ?out", line, re.IGNORECASE) and others:
+        hint = f"a collective timed out: rank(s) {others} never reached it (hung, crashed or much slower)"
+    elif code is None:
+        hint = "a rank stuck in a collective waits for one that never comes; if the run is just slow, raise timeout="
+    else:
+        hint = "the whole error is in " + (f"rank{rank}.err" if rank is not None else "launcher.log")
+    return rank, f"{what}" + (f': "{line}"' if line else "") + f". Hint: {hint}."
+
+
+def _last_line(path: Path) -> str:
+    """The exception line of the last traceback in ``path``, else its last line that is not noise."""
+    try:  # torch prefixes a rank's traceback lines with "[rankN]: "
+        lines = [re.sub(r"^\[rank\d+\]: ?", "", s) for s in path.read_text(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    starts = [i for i, s in enumerate(lines) if s.startswith("Traceback (most recent call last)")]
+    found = next((s for s in lines[starts[-1] + 1:] if s.strip() and not s[0].isspace()), None) if starts else None
+    found = found or next((s for s in reversed(lines) if s.strip() and not _NOISE.search(s)), "")
+    return found.strip()[:300]
+
+
+def _stop(proc, results: Path | None, grace: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL, the launcher's process group and every process of this launch; reap it.
+
+    torchrun starts each rank in a session of its own, out of reach of the group kill: ranks are
+    found as the launcher's descendants and by the results directory in their environment.
+    """
+    import psutil
+
+    if proc is None:
+        return
+    found = {}
+    if proc.poll() is None:  # still running, so the pid is still its own
+        with suppress(psutil.Error):
+            found = {p.pid: p for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]}
+    for p in psutil.process_iter() if results else ():
+        with suppress(psutil.Error):
+            if p.pid != os.getpid() and p.environ().get(RESULTS_ENV) == str(results):
+                found[p.pid] = p
+    found.pop(proc.pid, None)  # our own child is reaped by proc.wait, or its exit status reads 0
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        for p in found.values():
+            with suppress(psutil.Error):
+                p.send_signal(sig)
+        found = {p.pid: p for p in psutil.wait_procs(list(found.values()), timeout=grace)[1]}
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+        if not found and proc.returncode is not None:
+            break
+
+
+def prepare_deepspeed_ops(timeout: float = 900) -> None:
+    """Compile DeepSpeed's CPU comm op once, behind a progress bar; a fast no-op once done.
+
+    On CPU every ``deepspeed.init_distributed`` loads ``deepspeed_shm_comm`` (C++, JIT-built on first
+    use into ``TORCH_EXTENSIONS_DIR``, ~1 min on 2 cores) and fails without it. Building it here, into
+    :func:`cache_dir`, keeps the wait out of a launch's timeout. With CUDA there is no such op.
+
+    Raises:
+        OpBuildFailed: the build failed (it needs g++ and ninja) or took over ``timeout`` s.
+    """
+    from tqdm.auto import tqdm
+
+    from .machine import detect
+
+    ext, v = _extensions_dir(), importlib.metadata.version
+    stamp = ext / _SHM_OP / f".built-deepspeed{v('deepspeed')}-torch{v('torch')}"
+    if detect().device == "cuda" or sys.platform != "linux" or stamp.exists():
+        return
+    ext.mkdir(parents=True, exist_ok=True)
+    log_path, proc, start = ext / f"{_SHM_OP}.build.log", None, time.monotonic()
+    script = ("from deepspeed.accelerator import get_accelerator\n"
+              "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+              "if b is not None and b.is_compatible(): b.load()\n")
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)})
+        with tqdm(desc="compiling DeepSpeed's CPU comm op (once)", bar_format="{desc}: {elapsed}") as bar:
+            while proc.poll() is None and time.monotonic() - start < timeout:
+                time.sleep(0.5)
+                bar.refresh()
+    finally:
+        _stop(proc, None)
+        if proc is not None and proc.returncode != 0:  # torch's lock outlives a killed build; the next would wait
+            (ext / _SHM_OP / "lock").unlink(missing_ok=True)
+    if proc.returncode != 0:
+        line = _last_line(log_path) if proc.returncode > 0 else f"not done after {timeout:g} s"
+        raise OpBuildFailed(f"compiling DeepSpeed's {_SHM_OP} op failed: \"{line}\". Hint: it needs g++ and ninja "
+                            f"(pip install ninja); DeepSpeed cannot start on CPU without it. Log: {log_path}")
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.touch()
+
+
+# ---- rank side ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Worker:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: object  # torch.device: cuda:<local_rank> with GPUs, else cpu
+    backend: str  # "nccl" or "gloo"
+
+
+def init_worker(timeout_s: float = 30, *, deepspeed: bool = False) -> Worker:
+    """Join the process group the launcher described (``RANK``, ``WORLD_SIZE``, ``MASTER_*``...).
+
+    NCCL with a GPU per local rank; gloo on the CPU, with ``cores // local ranks`` threads per rank,
+    without GPUs or with fewer GPUs than local ranks (NCCL cannot put two ranks on one GPU). A
+    collective that waits over ``timeout_s`` s raises instead of hanging. ``deepspeed=True`` joins
+    through ``deepspeed.init_distributed`` (same backend, timeout); an existing group is kept.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .machine import detect
+
+    if "RANK" not in os.environ:
+        raise CourseError("init_worker() runs in a rank: start this module with teraflops.distributed.launch")
+    m = detect()
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
+    backend = "nccl" if m.gpu_count >= local_world else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, m.cpu_cores // local_world))
+    if not dist.is_initialized():
+        if deepspeed:
+            import deepspeed as ds
+
+            ds.init_distributed(backend, timeout=timedelta(seconds=timeout_s), verbose=False)
+        else:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return Worker(rank, world, local, device, backend)
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+    os.replace(tmp, path)  # a reader sees the old file or all of the new one
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_result(obj: dict) -> None:
+    """Hand ``obj`` (JSON-able; tensors become lists) back to :func:`launch`; printed when not launched."""
+    if RESULTS_ENV in os.environ:
+        _write_json(Path(os.environ[RESULTS_ENV]) / f"rank{os.environ.get('RANK', '0')}.json", obj)
+    else:
+        print(json.dumps(obj, default=str))
+
+
+def report_progress(done: int, total: int) -> None:
+    """Move the notebook's progress bar to ``done`` of ``total`` steps (rank 0 writes, others return)."""
+    if os.environ.get("RANK", "0") == "0" and RESULTS_ENV in os.environ:
+        _write_json(Path(os.environ[RESULTS_ENV]) / "progress.json", {"done": done, "total": total})
+
+
+class Fault(NamedTuple):
+    kind: str  # one of FAULT_KINDS
+    rank: int
+    step: int
+
+
+def parse_fault(spec: str | None) -> Fault | None:
+    """``"kill:rank=1:step=3"`` → ``Fault("kill", 1, 3)``; empty or None → None; ValueError otherwise."""
+    if not spec:
+        return None
+    kind, *fields = spec.strip().split(":")
+    pairs = dict(f.split("=", 1) for f in fields if "=" in f)
+    if kind not in FAULT_KINDS or len(fields) != 2 or set(pairs) != {"rank", "step"} or not all(
+            v.isdigit() for v in pairs.values()):
+        raise ValueError(f"{FAULT_ENV}={spec!r} is not KIND:rank=R:step=S with KIND one of "
+                         f"{', '.join(FAULT_KINDS)} (e.g. kill:rank=1:step=3)")
+    return Fault(kind, int(pairs["rank"]), int(pairs["step"]))
+
+
+def fault_point(step: int) -> None:
+    """Fail here if ``$TERAFLOPS_FAULT`` names this rank and ``step`` (see the module docstring)."""
+    fault = parse_fault(os.environ.get(FAULT_ENV))
+    if fault is None or fault.step != step or str(fault.rank) != os.environ.get("RANK", "0") or int(
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
+        return
+    print(f"{FAULT_ENV}: fault '{fault.kind}' injected in rank {fault.rank} at step {step}", file=sys.stderr,
+          flush=True)
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "raise":
+        raise RuntimeError(f"fault injected by {FAULT_ENV} at step {step}")
+    while True:
+        time.sleep(3600)
+
+
+def finish() -> None:
+    """Wait for every rank, then leave the process group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Worker modules: programs one rank runs, started by :func:`teraflops.distributed.launch`."""

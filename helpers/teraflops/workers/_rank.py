@@ -1,0 +1,39 @@
+"""Wrapper each rank of a launch runs in: ``python _rank.py MODULE ARGS...`` (started by the launcher).
+
+Runs ``python -m MODULE ARGS`` with its stdout and stderr appended to ``rank{RANK}.out`` and
+``rank{RANK}.err`` in ``$TERAFLOPS_RESULTS_DIR``, then records how it ended in ``rank{RANK}.exit``
+(JSON: ``returncode``, negative for a signal as in :mod:`subprocess`, and ``time``, Unix seconds),
+so the notebook can name the rank that failed first, even one killed by SIGKILL. SIGTERM and
+SIGINT are passed on to the rank; the wrapper then ends the way the rank did.
+
+Started as a script, not with ``-m``: importing the ``teraflops`` package would import torch here too.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def main(argv: list[str]) -> None:
+    rank = os.environ.get("RANK", "0")
+    base = os.path.join(os.environ["TERAFLOPS_RESULTS_DIR"], f"rank{rank}")
+    with open(base + ".out", "ab") as out, open(base + ".err", "ab") as err:
+        child = subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=err)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _frame: child.send_signal(s))
+    code = child.wait()
+    with open(base + ".exit.tmp", "w") as f:
+        json.dump({"rank": int(rank), "returncode": code, "time": time.time()}, f)
+    os.replace(base + ".exit.tmp", base + ".exit")
+    if code < 0:  # die of the same signal, so the launcher reports what happened to the rank
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # the two signals without a handler
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code if code >= 0 else 128 - code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

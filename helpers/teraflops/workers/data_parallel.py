@@ -1,0 +1,338 @@
+"""Rank side of Unit 2 §3-4: stale (relaxed) gradient updates, and all-reduce overlapped with backward.
+
+``python -m teraflops.workers.data_parallel [--experiments staleness,overlap] [--taus 0,1,4,16] ...``,
+started by :func:`teraflops.data_parallel.run` through :func:`~teraflops.distributed.launch`. Every
+run builds the same :class:`~teraflops.models.GPT` from ``--seed`` and feeds it the same Markov
+token stream (:func:`~teraflops.data.markov_tokens`): at step ``t`` rank ``r`` trains on sequences
+``(t * world + r) * B ... + B`` of it, so the global batch of step ``t`` is the same in every run.
+Optimizer: Adam.
+
+* **staleness**, for each τ: each rank computes the gradient of its micro-batch, copies it into one
+  flat buffer and starts ``dist.all_reduce(buffer, async_op=True)``; the (work, buffer) pairs wait
+  in a FIFO queue (:class:`DelayedGradients`). Once the queue holds more than τ of them, the oldest
+  is waited for, divided by the world size and applied. So the update made at step ``t`` uses the
+  gradient of step ``t - τ`` (computed on parameters τ updates old), the first τ steps make no
+  update, and the all-reduce of a step may run while the next τ steps compute. τ = 0 is plain
+  synchronous data parallelism. After the last step the queue is drained (untimed) and the loss of
+  held-out batches is measured, so every τ is compared after the same number of updates.
+* **overlap**: ``DistributedDataParallel`` with ``--bucket-mb`` buckets, whose hooks start the
+  all-reduce of a bucket as soon as its gradients are ready, while backward goes on (``bucketed``),
+  against the same model without DDP and one all-reduce of all gradients after backward
+  (``after``), and, as the floor, the same steps with no communication at all (``local``, whose
+  losses are each rank's own). ``bucketed`` and ``after`` compute the same averaged gradient.
+
+Interleaving, against the drift of other processes' load on a shared machine: the overlap modes
+take turns step by step (each finishes its communication within its step); the τ runs take turns
+in blocks of ``--block`` steps, and between blocks the paused run's in-flight all-reduces are
+waited for, untimed, which leaves its arithmetic unchanged. Times are ``time.perf_counter``
+seconds per step, the step ending when its optimizer step is done on the device (CUDA: the current
+stream, not the whole device, so all-reduces left in flight by a stale run are not waited for).
+Not timed (``None`` in ``step_s``): the first :data:`WARMUP_STEPS` steps of a run and the first
+step of each later block (its all-reduces had been drained, so it would look faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from teraflops.data import markov_tokens
+from teraflops.models import GPT, lm_loss
+
+OVERLAP_MODES = ("bucketed", "after", "local")
+WARMUP_STEPS = 3  # untimed: first-call allocations, DDP's bucket rebuild after its first step
+EVAL_BATCHES = 8  # global batches held out for eval_loss
+
+
+@dataclass(frozen=True)
+class Config:
+    """Model, batch and optimizer of every run (the same for all τ and all modes)."""
+
+    vocab: int = 64
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    seq_len: int = 16
+    micro_batch: int = 4  # sequences per rank per step
+    lr: float = 1e-3  # Adam
+    seed: int = 0
+
+
+def build_model(cfg: Config, device="cpu") -> GPT:
+    """The GPT of ``cfg``, initialised from ``cfg.seed`` (identical on every rank and in every run)."""
+    torch.manual_seed(cfg.seed)
+    return GPT(cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len).to(device)
+
+
+def make_data(cfg: Config, steps: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)``: ``steps`` global batches of ``world * micro_batch`` sequences, then
+    :data:`EVAL_BATCHES` more, held out (see :func:`held_out`)."""
+    return markov_tokens((steps + EVAL_BATCHES) * world * cfg.micro_batch, cfg.seq_len, cfg.vocab, seed=cfg.seed + 1)
+
+
+def held_out(data, steps: int, world: int, micro_batch: int):
+    """The rows after the first ``steps`` global batches of ``data``: no run of ``steps`` steps trained on them."""
+    rows = slice(steps * world * micro_batch, (steps + EVAL_BATCHES) * world * micro_batch)
+    return data[0][rows], data[1][rows]
+
+
+def rank_batch(data, step: int, rank: int, world: int, micro_batch: int):
+    """Rank ``rank``'s micro-batch of global step ``step``: ``micro_batch`` rows from row
+    ``(step * world + rank) * micro_batch`` of ``data = (inputs, targets)``."""
+    start = (step * world + rank) * micro_batch
+    return data[0][start:start + micro_batch], data[1][start:start + micro_batch]
+
+
+class DelayedGradients:
+    """FIFO of in-flight gradient all-reduces, released ``tau`` pushes late.
+
+    :meth:`push` a ``(work, buffer)`` pair (``work`` is what ``dist.all_reduce(..., async_op=True)``
+    returns, or None for a finished reduction); it returns the buffers now due, oldest first, each
+    waited for: none while the queue holds ``tau`` or fewer, else the oldest. :meth:`drain` returns
+    (waited) all that are left; :meth:`wait_all` waits for all without releasing any.
+    """
+
+    def __init__(self, tau: int):
+        if tau < 0:
+            raise ValueError(f"tau must be >= 0 (steps a gradient is applied late), got {tau}")
+        self.tau, self._queue = tau, deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def _pop(self):
+        work, buf = self._queue.popleft()
+        if work is not None:
+            work.wait()
+        return buf
+
+    def push(self, work, buffer) -> list:
+        self._queue.append((work, buffer))
+        return [self._pop() for _ in range(len(self._queue) - self.tau)]
+
+    def drain(self) -> list:
+        return [self._pop() for _ in range(len(self._queue))]
+
+    def wait_all(self) -> None:
+        for i, (work, buf) in enumerate(self._queue):
+            if work is not None:
+                work.wait()
+            self._queue[i] = (None, buf)
+
+
+def _flat_grads(params) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def _set_grads(params, flat: torch.Tensor) -> None:
+    """Point each parameter's ``.grad`` at its slice of ``flat`` (no copy)."""
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+
+
+def _sync(device) -> None:
+    """Wait for this rank's own queued device work (the current CUDA stream); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def train_reference(cfg: Config, steps: int, world: int) -> list[float]:
+    """Single-process synchronous training on the whole global batch of each step: the losses that
+    τ = 0 data parallelism must reproduce (the mean of the ranks' micro-batch losses), as floats."""
+    model, data = build_model(cfg), make_data(cfg, steps, world)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    losses = []
+    for step in range(steps):
+        parts = [rank_batch(data, step, r, world, cfg.micro_batch) for r in range(world)]
+        opt.zero_grad(set_to_none=True)
+        loss = sum(lm_loss(model(x), y) for x, y in parts) / world
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+class _Run:
+    """One training run on this rank: model, optimizer, per-step losses and times."""
+
+    def __init__(self, cfg: Config, data, w):
+        self.cfg, self.data, self.w = cfg, data, w
+        self.model = build_model(cfg, w.device)
+        self.params = list(self.model.parameters())
+        self.opt = torch.optim.Adam(self.params, lr=cfg.lr)
+        self.losses, self.step_s, self.timed_next = [], [], False
+
+    def batch(self, step: int):
+        w = self.w
+        return (t.to(w.device) for t in rank_batch(self.data, step, w.rank, w.world_size, self.cfg.micro_batch))
+
+    def record(self, loss: torch.Tensor, seconds: float) -> None:
+        self.losses.append(loss.item())
+        self.step_s.append(seconds if self.timed_next and len(self.step_s) >= WARMUP_STEPS else None)
+        self.timed_next = True
+
+
+class StaleRun(_Run):
+    """Data parallelism with every gradient applied ``tau`` steps late (see the module docstring)."""
+
+    def __init__(self, cfg: Config, tau: int, data, w):
+        super().__init__(cfg, data, w)
+        self.tau, self.queue, self.updates = tau, DelayedGradients(tau), 0
+
+    def _apply(self, flat: torch.Tensor) -> None:
+        _set_grads(self.params, flat.div_(self.w.world_size))
+        self.opt.step()
+        self.updates += 1
+
+    def step(self, step: int) -> None:
+        x, y = self.batch(step)
+        _sync(self.w.device)
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        loss = lm_loss(self.model(x), y)
+        loss.backward()
+        flat = _flat_grads(self.params)
+        for due in self.queue.push(dist.all_reduce(flat, async_op=True), flat):
+            self._apply(due)
+        loss = loss.detach()
+        _sync(self.w.device)
+        self.record(loss, time.perf_counter() - t0)
+
+    def pause(self) -> None:
+        """Let this run's in-flight all-reduces finish (untimed) before another run takes a turn."""
+        self.queue.wait_all()
+        if self.w.device.type == "cuda":
+            torch.cuda.synchronize(self.w.device)
+        self.timed_next = False
+
+    def result(self, eval_step: int) -> dict:
+        """``{"tau", "losses", "step_s", "updates", "eval_loss"}``: ``updates`` made during the steps;
+        then the queue is drained and ``eval_loss`` is the loss of the held-out rows after the first
+        ``eval_step`` global batches."""
+        made = self.updates
+        for due in self.queue.drain():
+            self._apply(due)
+        x, y = (t.to(self.w.device) for t in held_out(self.data, eval_step, self.w.world_size, self.cfg.micro_batch))
+        with torch.no_grad():
+            eval_loss = lm_loss(self.model(x), y).item()
+        return {"tau": self.tau, "losses": self.losses, "step_s": self.step_s, "updates": made,
+                "eval_loss": eval_loss}
+
+
+class ModeRun(_Run):
+    """One overlap mode: ``bucketed`` (DDP), ``after`` (one all-reduce after backward) or ``local``."""
+
+    def __init__(self, cfg: Config, mode: str, bucket_mb: float, data, w):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        super().__init__(cfg, data, w)
+        self.mode, self.net = mode, self.model
+        if mode == "bucketed":
+            ids = [w.device] if w.device.type == "cuda" else None
+            self.net = DDP(self.model, device_ids=ids, bucket_cap_mb=bucket_mb)
+        self.parts = {"forward_s": [], "backward_s": [], "comm_s": []}
+
+    def step(self, step: int) -> None:
+        x, y = self.batch(step)
+        dev = self.w.device
+        _sync(dev)
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        loss = lm_loss(self.net(x), y)
+        _sync(dev)
+        t1 = time.perf_counter()
+        loss.backward()  # DDP: returns once every bucket's all-reduce is done
+        _sync(dev)
+        t2 = time.perf_counter()
+        if self.mode == "after":
+            flat = _flat_grads(self.params)
+            dist.all_reduce(flat)
+            _set_grads(self.params, flat.div_(self.w.world_size))
+            _sync(dev)
+        t3 = time.perf_counter()
+        self.opt.step()
+        loss = loss.detach()
+        _sync(dev)
+        self.record(loss, time.perf_counter() - t0)
+        timed = self.step_s[-1] is not None
+        for key, dt in (("forward_s", t1 - t0), ("backward_s", t2 - t1), ("comm_s", t3 - t2)):
+            self.parts[key].append(dt if timed else None)
+
+    def result(self) -> dict:
+        """``{"mode", "losses", "step_s", "forward_s", "backward_s", "comm_s", "buckets"}``;
+        ``buckets``: all-reduces per step (DDP's after its rebuild on the first step)."""
+        buckets = {"after": 1, "local": 0}.get(self.mode)
+        if buckets is None:
+            info = self.net._get_ddp_logging_data()
+            sizes = str(info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes") or "")
+            buckets = len([s for s in sizes.split(",") if s.strip()])
+        return {"mode": self.mode, "losses": self.losses, "step_s": self.step_s, **self.parts, "buckets": buckets}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the experiments; write ``{"rank", "world_size", "backend", "device", "params", "config",
+    "staleness": [StaleRun.result()], "overlap": [ModeRun.result()]}`` for this rank. Fault points
+    (``TERAFLOPS_FAULT``) count every training step of the launch, in the order they run."""
+    from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
+
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experiments", default="staleness,overlap", help="comma-separated: staleness, overlap")
+    p.add_argument("--taus", default="0,1,4,16", help="comma-separated staleness values (steps)")
+    p.add_argument("--steps", type=int, default=20, help="training steps per τ")
+    p.add_argument("--block", type=int, default=10, help="steps a τ run takes in one turn")
+    p.add_argument("--overlap-steps", type=int, default=10, help="training steps per overlap mode")
+    p.add_argument("--modes", default=",".join(OVERLAP_MODES), help="comma-separated overlap modes")
+    p.add_argument("--bucket-mb", type=float, default=2.0, help="DDP bucket_cap_mb (MiB)")
+    for field in ("vocab", "d_model", "layers", "heads", "seq_len", "micro_batch", "seed"):
+        p.add_argument("--" + field.replace("_", "-"), type=int, default=getattr(d, field))
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--timeout", type=float, default=30, help="seconds a collective waits for the others")
+    a = p.parse_args(argv)
+    cfg = Config(a.vocab, a.d_model, a.layers, a.heads, a.seq_len, a.micro_batch, a.lr, a.seed)
+    experiments = [e for e in a.experiments.split(",") if e]
+    taus = [int(t) for t in a.taus.split(",") if t] if "staleness" in experiments else []
+    modes = [m for m in a.modes.split(",") if m] if "overlap" in experiments else []
+    bad = set(experiments) - {"staleness", "overlap"} or set(modes) - set(OVERLAP_MODES)
+    if bad or min(a.steps, a.block, a.overlap_steps) < 1:
+        p.error(f"unknown experiment or mode in {a.experiments!r} / {a.modes!r}, or steps < 1")
+
+    w = init_worker(a.timeout)
+    data = make_data(cfg, max(a.steps if taus else 0, a.overlap_steps if modes else 0), w.world_size)
+    total, done = len(taus) * a.steps + len(modes) * a.overlap_steps, 0
+
+    def step(run, i):
+        nonlocal done
+        fault_point(done)
+        run.step(i)
+        done += 1
+        report_progress(done, total)
+
+    result = {"rank": w.rank, "world_size": w.world_size, "backend": w.backend, "device": str(w.device),
+              "params": build_model(cfg).num_params(), "config": asdict(cfg), "staleness": [], "overlap": []}
+    stale = [StaleRun(cfg, tau, data, w) for tau in taus]
+    for start in range(0, a.steps if stale else 0, a.block):
+        for run in stale:
+            for i in range(start, min(start + a.block, a.steps)):
+                step(run, i)
+            run.pause()
+    result["staleness"] = [run.result(eval_step=a.steps) for run in stale]
+    del stale
+    runs = [ModeRun(cfg, mode, a.bucket_mb, data, w) for mode in modes]
+    for i in range(a.overlap_steps if runs else 0):
+        for run in runs:
+            step(run, i)
+    result["overlap"] = [run.result() for run in runs]
+    write_result(result)
+    finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Rank side of the ZeRO-1 check (Unit 2, exercise 3): the learner's optimizer against DDP + AdamW.
+
+``python -m teraflops.workers.zero1_check SOURCE CLASS [--steps N] [--timeout S]``, started by
+:func:`teraflops.grading.unit02.zero1_optimizer` through :func:`~teraflops.distributed.launch`.
+
+``SOURCE`` is a file holding the learner's class block; it runs in a namespace with only ``torch``,
+``dist`` (``torch.distributed``), ``math``, ``nn`` and ``F``. Every rank builds the same small MLP
+(Ψ = :data:`PSI` parameters, odd, so the flat vector needs padding for any even world size) and
+trains four copies of it for ``--steps`` steps on the same rank-specific batches:
+
+* the learner's: ``opt = CLASS(model.parameters(), **HYPER)``; ``opt.zero_grad()``, backward, ``opt.step()``;
+* the reference: the model wrapped in ``DistributedDataParallel`` with ``torch.optim.AdamW(**HYPER)``;
+* two wrong references, DDP + AdamW with the gradient scaled by ``world_size`` (summed, not
+  averaged) and by ``1/world_size`` (averaged twice), so the check can name those mistakes.
+
+The references use their own process group, so the learner's collectives never interleave with
+DDP's. ``HYPER`` has a large ``eps``: AdamW divides the gradient by its own running RMS, so a
+gradient scaled by a constant moves the parameters the same way unless ``eps`` is comparable to
+the gradient's size. An exception in the learner's code is caught and reported (where, type,
+first line, time) instead of crashing the rank.
+
+Result per rank (:func:`~teraflops.distributed.write_result`): ``psi``, ``world_size``, ``hyper``,
+``error``, ``params`` (the learner's final flat parameters), ``grad_left`` (max |grad| seen right
+after the learner's ``zero_grad()``), ``optimizers`` (each ``torch.optim.Optimizer`` found among the
+learner object and its attributes: type, whether torch.optim's own, hyperparameters, elements owned,
+elements of state tensors with dim > 0), ``comm`` (elements the learner's code passed to each
+``torch.distributed`` collective); rank 0 adds ``initial``, ``ref`` and ``alt`` (the flat parameters of the references).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import math
+import os
+import re
+import sys
+import time
+from contextlib import suppress
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
+
+HYPER = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-3, "weight_decay": 0.1}
+IN, HIDDEN, OUT, BATCH = 8, 31, 5, 16
+PSI = (IN + 1) * HIDDEN + 2 * HIDDEN + (HIDDEN + 1) * OUT  # 501
+_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
+                "broadcast", "reduce", "all_to_all_single", "_reduce_scatter_base", "_all_gather_base")
+
+
+def make_model() -> nn.Module:
+    """The model every rank trains: 6 parameter tensors, Ψ = 501 elements."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, OUT))
+
+
+def batch(step: int, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``: different on every rank, so gradients must be averaged."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(BATCH, IN, generator=g)
+    y = torch.sin(x[:, :OUT] * (rank + 1)) + 0.1 * torch.randn(BATCH, OUT, generator=g)
+    return x.to(device), y.to(device)
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float().cpu()
+
+
+class _CommLog:
+    """Counts the elements the learner's code passes to each collective (``active`` only while it runs)."""
+
+    def __init__(self):
+        self.active, self.elements = False, {}
+
+    def install(self) -> None:
+        for name in _COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                setattr(dist, name, self._wrap(name, fn))
+
+    def _wrap(self, name, fn):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            if self.active:
+                sizes = [a.numel() if isinstance(a, torch.Tensor) else
+                         sum(t.numel() for t in a if isinstance(t, torch.Tensor)) if isinstance(a, (list, tuple)) else 0
+                         for a in (*args, *kwargs.values())]
+                self.elements[name] = self.elements.get(name, 0) + max(sizes, default=0)
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _optimizers(obj) -> list[torch.optim.Optimizer]:
+    """``torch.optim.Optimizer`` instances among ``obj`` and its attributes (and in lists, tuples and
+    dicts among them)."""
+    found, seen = [], set()
+
+    def visit(x, depth):
+        if id(x) in seen or depth < 0:
+            return
+        seen.add(id(x))
+        if isinstance(x, torch.optim.Optimizer):
+            found.append(x)
+        if isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v, depth - 1)
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v, depth - 1)
+        elif x is obj and hasattr(x, "__dict__"):
+            for v in vars(x).values():
+                visit(v, depth - 1)
+
+    visit(obj, 2)
+    return found
+
+
+def _describe(opt: torch.optim.Optimizer) -> dict:
+    """Type (``torch``: one of torch.optim's own), first group's hyperparameters, elements owned, and
+    elements of state tensors with dim > 0 (AdamW's ``step`` is a 0-dim tensor: not counted)."""
+    group = opt.param_groups[0] if opt.param_groups else {}
+    state = sum(t.numel() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    owned = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k in HYPER}
+    return {"type": type(opt).__name__, "torch": type(opt).__module__.startswith("torch.optim"), "state": state,
+            "owned": owned, **hyper}
+
+
+def _error(where: str, e: BaseException) -> dict:
+    # torch's C++ checks start with log prefixes: "[rank0]:[F1129 21:31:24.98 ProcessGroupGloo.cpp:1537] Check failed"
+    lines = [re.sub(r"^(\[[^\]]*\]:?\s*)+", "", ln.strip()) for ln in str(e).strip().splitlines() if ln.strip()]
+    return {"where": where, "type": type(e).__name__, "message": lines[0][:400] if lines else "", "time": time.time()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("source", help="file with the learner's class")
+    p.add_argument("name", help="the class's name")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=20, help="seconds a collective waits for the others")
+    a = p.parse_args(argv)
+    w = init_worker(a.timeout)
+    ref_group = dist.new_group()  # DDP's collectives stay apart from the learner's (default group)
+    n = w.world_size
+    base = make_model().to(w.device)
+    model = copy.deepcopy(base)
+    refs = {}
+    for key, scale in (("ref", 1.0), ("sum", float(n)), ("double", 1.0 / n)):
+        m = nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=ref_group)
+        refs[key] = (m, torch.optim.AdamW(m.parameters(), **HYPER), scale)
+    comm = _CommLog()
+    comm.install()
+    result = {"rank": w.rank, "world_size": n, "psi": PSI, "hyper": HYPER, "steps": a.steps, "error": None,
+              "params": None, "grad_left": 0.0, "optimizers": [], "comm": comm.elements}
+    if w.rank == 0:
+        result["initial"] = flat(base).tolist()
+
+    def learner(where, fn, *args, **kwargs):
+        comm.active = True
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - anything the learner's code raised is reported
+            result["error"] = _error(where, e)
+        finally:
+            comm.active = False
+
+    def define():
+        namespace = {"torch": torch, "dist": dist, "math": math, "nn": nn, "F": F, "__name__": "zero1_learner"}
+        with open(a.source, encoding="utf-8") as f:
+            exec(compile(f.read(), f"<{a.name}>", "exec"), namespace)
+        return namespace[a.name]
+
+    cls = learner("class definition", define)
+    opt = None if result["error"] else learner(f"{a.name}(params, ...)", cls, model.parameters(), **HYPER)
+    for step in range(a.steps):
+        if result["error"]:
+            break
+        fault_point(step)
+        x, y = batch(step, w.rank, w.device)
+        learner("zero_grad()", opt.zero_grad)
+        if result["error"]:
+            break
+        result["grad_left"] = max([result["grad_left"]] + [p.grad.abs().max().item() for p in model.parameters()
+                                                           if p.grad is not None])
+        F.mse_loss(model(x), y).backward()
+        learner("step()", opt.step)
+        if result["error"]:
+            break
+        try:
+            for m, ref_opt, scale in refs.values():
+                ref_opt.zero_grad()
+                (scale * F.mse_loss(m(x), y)).backward()
+                ref_opt.step()
+        except Exception as e:  # noqa: BLE001 - another rank's learner code failed and left the group
+            result["error"] = {**_error("the DDP reference", e), "secondary": True}
+            break
+        report_progress(step + 1, a.steps)
+    if not result["error"]:
+        result["params"] = flat(model).tolist()
+        result["optimizers"] = [_describe(o) for o in _optimizers(opt)]
+        if w.rank == 0:
+            result["ref"] = flat(refs["ref"][0].module).tolist()
+            result["alt"] = {k: flat(refs[k][0].module).tolist() for k in ("sum", "double")}
+    write_result(result)
+    if not result["error"]:
+        with suppress(Exception):  # a rank whose learner code failed has left: no barrier with it
+            finish()
+
+
+if __name__ == "__main__":
+    main()
+    # The result is written and the group is gone: skip the interpreter's teardown of torch's modules
+    # (~1.5 s on 2 busy cores, spent after every check).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

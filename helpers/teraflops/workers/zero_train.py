@@ -1,0 +1,180 @@
+"""Rank side of Unit 2's ZeRO runs: train models.GPT under DeepSpeed at each ZeRO stage in turn.
+
+Started by :func:`teraflops.zero.run_zero` through the DeepSpeed launcher, one process per rank:
+``python -m teraflops.workers.zero_train --stages 0,1,2,3 --steps 4 ...``. For each stage the
+same model (same seed) sees the same global batches: rank ``r`` takes rows ``r·B … (r+1)·B − 1``
+of each step's ``world·B`` sequences, so the global batch, and with it the loss curve, does not
+depend on the stage.
+
+Per stage and rank it hands back (through :func:`teraflops.distributed.write_result`):
+
+* ``held``: elements this rank holds, read from the engine's real tensors (shared storage counted
+  once): ``params`` (the module's parameters, or under stage 3 their shards ``p.ds_tensor``),
+  ``grads`` (after ``backward``: full ``p.grad`` tensors, or the optimizer's reduced gradient
+  partitions), ``optimizer`` (AdamW's ``exp_avg``/``exp_avg_sq`` plus the fp32 master partition
+  DeepSpeed's ZeRO optimizers keep).
+* ``comms``: DeepSpeed's comms logger data as it keeps it, ``{op: {msg_size_bytes: [count,
+  [latency_ms…], [algbw_Gbps…], [busbw_Gbps…]]}}``, for the steps after the first (the first step is
+  warm-up), and ``logged_steps``.
+* ``step_s`` (wall seconds per step) and ``losses`` (this rank's micro-batch loss per step).
+
+Training runs in fp32 on every machine so that the stages can be compared to 1e-4; the DeepSpeed
+config keeps ZeRO's communication visible per collective (no overlap, no multi-rank bucket
+all-reduce, stage 3 re-gathering every parameter in the backward pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from teraflops.data import markov_tokens
+from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
+from teraflops.models import GPT, lm_loss
+
+
+def config(stage: int, micro_batch: int, bucket: int) -> dict:
+    """The DeepSpeed config of one run (https://www.deepspeed.ai/docs/config-json/)."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_allow_untested_optimizer": True,  # torch's AdamW, so no fused_adam op to compile
+        "steps_per_print": 10**9,
+        "comms_logger": {"enabled": True, "verbose": False, "prof_all": True},
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "use_multi_rank_bucket_allreduce": False,  # stages 1-2 reduce each partition to its owner
+            "stage3_param_persistence_threshold": 0,  # partition every parameter, however small
+            "stage3_max_live_parameters": 0,  # release gathered parameters after use ...
+            "stage3_max_reuse_distance": 0,  # ... so the backward pass gathers them again
+            "stage3_prefetch_bucket_size": 0,
+        },
+    }
+
+
+def _spans(tensors) -> list[tuple[int, int]]:
+    """The memory each tensor covers, as merged ``[start, end)`` byte ranges."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                   for t in tensors if torch.is_tensor(t) and t.numel())
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(m) for m in merged]
+
+
+def _elements(tensors, exclude=(), element_size: int = 4) -> int:
+    """fp32 elements of memory the tensors hold, each byte counted once (views of one buffer and
+    tensors sharing storage are not double-counted), leaving out bytes inside ``exclude`` spans."""
+    total = 0
+    for start, end in _spans(tensors):
+        total += end - start
+        for a, b in exclude:
+            total -= max(0, min(end, b) - max(start, a))
+    return total // element_size
+
+
+def _params(engine, stage: int) -> list:
+    params = list(engine.module.parameters())
+    return [p.ds_tensor for p in params] if stage == 3 else params
+
+
+def _grads(engine, stage: int) -> list:
+    opt = engine.optimizer
+    found = [p.grad for p in engine.module.parameters() if p.grad is not None and p.grad.numel()]
+    if stage == 3 and getattr(opt, "grad_partitions_flat_buffer", None) is not None:
+        found.append(opt.grad_partitions_flat_buffer)
+    elif isinstance(getattr(opt, "averaged_gradients", None), dict):
+        for parts in opt.averaged_gradients.values():
+            found.extend(parts if isinstance(parts, list) else [parts])
+    return found
+
+
+def _optimizer_states(engine) -> list:
+    opt = engine.optimizer
+    base = getattr(opt, "optimizer", opt)  # the ZeRO optimizers wrap the torch one
+    states = [t for st in base.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # fp32 master partitions
+        states.extend(getattr(opt, name, []))
+    return states
+
+
+def run_stage(stage: int, args, world: int, rank: int, step0: int) -> dict:
+    import deepspeed
+    import deepspeed.comm as ds_comm
+
+    torch.manual_seed(args.seed)
+    model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq_len)
+    psi = model.num_params()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                      config=config(stage, args.micro_batch, args.bucket))
+    inputs, targets = markov_tokens(world * args.micro_batch * args.steps, args.seq_len, args.vocab, seed=args.seed)
+    device = engine.device
+    losses, step_s, held = [], [], {}
+    for step in range(args.steps):
+        fault_point(step0 + step)
+        if step == 1:
+            ds_comm.comms_logger.comms_dict.clear()  # the first step also holds one-off set-up traffic
+        rows = slice((step * world + rank) * args.micro_batch, (step * world + rank + 1) * args.micro_batch)
+        x, y = inputs[rows].to(device), targets[rows].to(device)
+        start = time.perf_counter()
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        if step == 0:
+            held["grads"] = _elements(_grads(engine, stage))
+        engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_s.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        report_progress(step0 + step + 1, args.total_steps)
+    params = _params(engine, stage)
+    held["params"] = _elements(params)
+    # a master partition that *is* the parameter shard (stage 3 in fp32) is not counted twice
+    held["optimizer"] = _elements(_optimizer_states(engine), exclude=_spans(params))
+    comms = {op: {int(size): v for size, v in sizes.items()}  # DeepSpeed's raw format, see teraflops.zero
+             for op, sizes in ds_comm.comms_logger.comms_dict.items()}
+    ds_comm.comms_logger.comms_dict.clear()
+    result = {"stage": stage, "psi": psi, "held": held, "comms": comms, "logged_steps": args.steps - 1,
+              "losses": losses, "step_s": step_s, "optimizer_type": type(engine.optimizer).__name__}
+    engine.destroy()
+    del engine, model, optimizer
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", default="0,1,2,3")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bucket", type=int, default=100_000, help="reduce/all-gather bucket, elements")
+    parser.add_argument("--timeout", type=float, default=30, help="seconds a collective may wait")
+    args, _ = parser.parse_known_args()  # the DeepSpeed launcher may append --local_rank
+    stages = [int(s) for s in args.stages.split(",")]
+    args.total_steps = len(stages) * args.steps
+    worker = init_worker(args.timeout, deepspeed=True)
+    runs = [run_stage(s, args, worker.world_size, worker.rank, i * args.steps) for i, s in enumerate(stages)]
+    write_result({"rank": worker.rank, "world_size": worker.world_size, "backend": worker.backend, "runs": runs})
+    finish()
+
+
+if __name__ == "__main__":
+    main()

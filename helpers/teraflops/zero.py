@@ -1,0 +1,201 @@
+"""DeepSpeed ZeRO stages 0-3 run for real, measured against the ZeRO paper's formulas.
+
+:func:`run_zero` trains :class:`teraflops.models.GPT` for a few steps under DeepSpeed at each
+stage, on N ranks started by the DeepSpeed launcher (:mod:`teraflops.workers.zero_train`; gloo on
+CPU, NCCL on GPUs). What each rank holds is read from the engine's real tensors; communication
+comes from DeepSpeed's comms logger (https://www.deepspeed.ai/tutorials/comms-logging/). The
+tables compare both with :mod:`teraflops.model_states` (Rajbhandari et al. 2019, §5 and §7).
+
+Reading the comms log (:func:`comm_bytes_per_step`): DeepSpeed records, per collective and message
+size, ``[count, [latency_ms…], [algbw_Gbps…], [busbw_Gbps…]]``, where the message size is the bytes
+of the tensor the rank passes *in*: the full input of ``all_reduce``, ``reduce`` and
+``reduce_scatter_tensor``, but only this rank's shard for ``all_gather_into_tensor``. The paper
+counts a reduce-scatter or an all-gather of Ψ elements as Ψ and an all-reduce as 2Ψ
+(reduce-scatter + all-gather), so bytes per step are: all-reduce 2·s; reduce, reduce-scatter,
+broadcast s; all-gather s·N (the gathered output). Bytes per rank; GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model_states import FP32_ADAM, FP32_ADAM_MASTER, STAGE_NAMES, comm_volume, model_states
+from .tables import table
+
+PAPER_FACTOR = {"all_reduce": 2, "inference_all_reduce": 2, "all_reduce_coalesced": 2, "reduce": 1,
+                "reduce_scatter": 1, "reduce_scatter_tensor": 1, "broadcast": 1}
+"""Bytes counted per logged byte, by collective (all-gathers: × world size, see the module doc)."""
+ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_base")
+CATEGORIES = ("params", "grads", "optimizer")
+
+
+def comm_bytes_per_step(comms: dict, world_size: int, steps: int) -> float:
+    """Bytes one rank communicated per training step, by the ZeRO paper's accounting.
+
+    Args:
+        comms: DeepSpeed's comms-logger data, ``{op: {msg_size_bytes: [count, latencies, algbws,
+            busbws]}}`` (``deepspeed.comm.comms_logger.comms_dict``).
+        world_size: ranks in the group (an all-gather's output is ``world_size`` logged shards).
+        steps: training steps the log covers.
+
+    Raises:
+        ValueError: an op this accounting does not know (all_to_all, send/recv, ...), or steps < 1.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    total = 0.0
+    for op, sizes in comms.items():
+        factor = world_size if op in ALL_GATHERS else PAPER_FACTOR.get(op)
+        if factor is None:
+            raise ValueError(f"no byte accounting for DeepSpeed op {op!r}")
+        total += sum(factor * int(size) * int(entry[0]) for size, entry in sizes.items())
+    return total / steps
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """One ZeRO stage's run on every rank.
+
+    Attributes:
+        stage: ZeRO stage (0-3); psi: parameters of the model (Ψ).
+        world_size, backend: ranks and process-group backend.
+        held: per rank, ``{"params"|"grads"|"optimizer": fp32 elements held}``.
+        comms: per rank, DeepSpeed's comms-logger data (see :func:`comm_bytes_per_step`).
+        logged_steps: steps the comms log covers (all but the first).
+        losses: per rank, the micro-batch loss of each step (nats).
+        step_s: per rank, wall seconds of each step (forward + backward + optimizer step).
+    """
+
+    stage: int
+    psi: int
+    world_size: int
+    backend: str
+    held: list
+    comms: list
+    logged_steps: int
+    losses: list
+    step_s: list
+
+    @property
+    def global_losses(self) -> list[float]:
+        """Mean over ranks of each step's loss: the loss of the global batch."""
+        return [sum(step) / len(step) for step in zip(*self.losses)]
+
+    @property
+    def step_time(self) -> float:
+        """Median over steps after the first of the slowest rank's step time (s)."""
+        slowest = sorted(max(step) for step in list(zip(*self.step_s))[1:])
+        return slowest[len(slowest) // 2]
+
+    @property
+    def comm_bytes(self) -> float:
+        """Bytes per step of rank 0 by the paper's accounting."""
+        return comm_bytes_per_step(self.comms[0], self.world_size, self.logged_steps)
+
+    def calculator(self):
+        """The :func:`~teraflops.model_states.model_states` row these fp32 runs should match: stage 0
+        is torch's AdamW alone (momentum, variance: K = 8); stages 1-3 add DeepSpeed's fp32 master
+        partition (K = 12, :data:`~teraflops.model_states.FP32_ADAM_MASTER`)."""
+        return model_states(self.psi, self.stage, self.world_size, FP32_ADAM if self.stage == 0 else FP32_ADAM_MASTER)
+
+
+def run_zero(stages=(0, 1, 2, 3), plan=None, steps: int | None = None, timeout: float = 600,
+             env: dict | None = None) -> list[StageRun]:
+    """Train the preset's GPT under DeepSpeed at each of ``stages`` (one launch, stages in turn).
+
+    ``plan`` is a :class:`~teraflops.sizing.DataParallelPlan` (default: this machine's); ``env``
+    goes to the ranks (e.g. ``TERAFLOPS_FAULT``). Raises
+    :class:`~teraflops.distributed.LaunchFailed` (one line) if a rank fails, hangs or the launch
+    passes ``timeout`` seconds; no process or port is left behind.
+    """
+    from .distributed import launch
+    from .sizing import data_parallel_plan
+
+    plan = plan or data_parallel_plan()
+    p = plan.preset
+    args = ["--stages", ",".join(map(str, stages)), "--steps", steps or p.zero_steps,
+            "--micro-batch", p.dp_micro_batch, "--vocab", p.gpt_vocab, "--d-model", p.gpt_d_model,
+            "--layers", p.gpt_layers, "--heads", p.gpt_heads, "--seq-len", p.gpt_seq_len]
+    ranks = launch("teraflops.workers.zero_train", plan.ranks, args, launcher="deepspeed", timeout=timeout,
+                   env={**plan.env, **(env or {})}, desc="ZeRO stages " + ",".join(map(str, stages)))
+    def as_logged(comms):  # JSON made the message sizes strings; DeepSpeed keys them by int
+        return {op: {int(size): entry for size, entry in sizes.items()} for op, sizes in comms.items()}
+
+    runs = []
+    for i, stage in enumerate(stages):
+        per_rank = [r["runs"][i] for r in ranks]
+        first = per_rank[0]
+        runs.append(StageRun(stage, first["psi"], ranks[0]["world_size"], ranks[0]["backend"],
+                             [r["held"] for r in per_rank], [as_logged(r["comms"]) for r in per_rank],
+                             first["logged_steps"], [r["losses"] for r in per_rank], [r["step_s"] for r in per_rank]))
+    return runs
+
+
+def held_table(runs: list[StageRun]) -> str:
+    """Elements held per rank (rank 0; the other ranks are checked equal) against the calculator."""
+    rows = []
+    for run in runs:
+        calc = run.calculator()
+        for cat in CATEGORIES:
+            got = run.held[0][cat]
+            same = all(h[cat] == got for h in run.held)
+            want = getattr(calc, f"{cat}_elements")
+            rows.append([f"{run.stage} {STAGE_NAMES[run.stage]}", cat, got, want, got / want, "yes" if same else "NO"])
+    return table(rows, ["stage", "state", "measured", "calculator", "ratio", "same on all ranks"])
+
+
+def comm_table(runs: list[StageRun], bytes_per_element: int = 4) -> str:
+    """Bytes per step per rank from the comms log against the paper's 2Ψ / 3Ψ (fp32 runs: 4 B/element)."""
+    rows = []
+    for run in runs:
+        want = comm_volume(run.psi, run.stage, bytes_per_element)
+        rows.append([f"{run.stage} {STAGE_NAMES[run.stage]}", run.comm_bytes, want, run.comm_bytes / want,
+                     f"{run.comm_bytes / (run.psi * bytes_per_element):.2f}Ψ", run.step_time * 1e3])
+    return table(rows, ["stage", "measured B/step", "paper B/step", "ratio", "in Ψ", "step ms"])
+
+
+def ops_table(run: StageRun) -> str:
+    """One stage's comms log per collective: calls and logged bytes per step, bytes by the paper's count."""
+    rows = []
+    for op, sizes in sorted(run.comms[0].items()):
+        calls = sum(int(e[0]) for e in sizes.values()) / run.logged_steps
+        logged = sum(int(s) * int(e[0]) for s, e in sizes.items()) / run.logged_steps
+        counted = comm_bytes_per_step({op: sizes}, run.world_size, run.logged_steps)
+        rows.append([op, calls, logged, counted])
+    return table(rows, ["collective", "calls/step", "logged B/step", "counted B/step"])
+
+
+def max_loss_difference(runs: list[StageRun]) -> float:
+    """Largest |loss − loss of the first run| over stages and steps (global-batch losses)."""
+    ref = runs[0].global_losses
+    return max(abs(a - b) for run in runs[1:] for a, b in zip(run.global_losses, ref)) if len(runs) > 1 else 0.0
+
+
+def plot_tradeoff(runs: list[StageRun]):
+    """Two panels: model-state bytes per rank by stage (measured, stacked) and bytes communicated per
+    step by stage (measured bars, the paper's 2Ψ/3Ψ as markers). Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    fig, (mem, com) = plt.subplots(1, 2, figsize=(11, 3.8))
+    x = list(range(len(runs)))
+    labels = [f"stage {r.stage}\n{STAGE_NAMES[r.stage]}" for r in runs]
+    bottom = [0.0] * len(runs)
+    for cat, color in zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green")):
+        mb = [r.held[0][cat] * 4 / 1e6 for r in runs]
+        mem.bar(x, mb, bottom=bottom, color=color, label=cat)
+        bottom = [b + m for b, m in zip(bottom, mb)]
+    mem.set_xticks(x, labels)
+    mem.set_ylabel("model states per rank (MB, measured)")
+    mem.legend(fontsize=8)
+    mem.set_title("memory falls with each stage", fontsize=10)
+    com.bar(x, [r.comm_bytes / 1e6 for r in runs], color="tab:purple", label="measured (comms logger)")
+    com.scatter(x, [comm_volume(r.psi, r.stage, 4) / 1e6 for r in runs], color="black", marker="_", s=600,
+                label="paper: 2Ψ, 3Ψ", zorder=3)
+    com.set_xticks(x, labels)
+    com.set_ylabel("bytes sent per rank per step (MB)")
+    com.legend(fontsize=8)
+    com.set_title("communication rises at stage 3", fontsize=10)
+    fig.suptitle(f"ZeRO on {runs[0].world_size} ranks ({runs[0].backend}), Ψ = {runs[0].psi:,} parameters, fp32",
+                 fontsize=11)
+    fig.tight_layout()
+    return fig

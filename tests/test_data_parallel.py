@@ -1,0 +1,107 @@
+"""Unit 2 §3-4: stale updates and DDP overlap, run for real on two gloo ranks with tiny sizes."""
+
+import math
+
+import matplotlib
+import pytest
+import torch
+
+from teraflops import data_parallel as dp
+from teraflops.sizing import data_parallel_plan, preset
+from teraflops.workers.data_parallel import (EVAL_BATCHES, Config, DelayedGradients, held_out, make_data, rank_batch,
+                                            train_reference)
+
+STALENESS_KEYS = {"tau", "step_ms", "samples_per_s", "tokens_per_s", "speedup", "final_loss", "loss_delta",
+                  "eval_loss", "eval_delta", "updates", "losses"}
+OVERLAP_KEYS = {"mode", "key", "step_ms", "forward_ms", "backward_ms", "comm_ms", "exposed_ms", "buckets",
+                "max_loss_diff", "losses"}
+STEPS, OVERLAP_STEPS = 6, 5
+
+
+class FakeWork:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait(self):
+        self.log.append(self.name)
+
+
+@pytest.mark.parametrize("tau", [0, 1, 3])
+def test_delayed_gradients_release_each_buffer_tau_pushes_late(tau):
+    q, waited, released = DelayedGradients(tau), [], []
+    for step in range(6):
+        released.append(q.push(FakeWork(waited, step), f"g{step}"))
+    assert released == [[]] * tau + [[f"g{s}"] for s in range(6 - tau)]
+    assert waited == list(range(6 - tau)) and len(q) == tau
+    q.wait_all()
+    assert waited == list(range(6)) and len(q) == tau
+    assert q.drain() == [f"g{s}" for s in range(6 - tau, 6)] and waited == list(range(6)) and len(q) == 0
+
+
+def test_delayed_gradients_refuse_negative_tau():
+    with pytest.raises(ValueError, match="tau must be >= 0"):
+        DelayedGradients(-1)
+    with pytest.raises(ValueError, match="taus must be >= 0"):
+        dp.run(taus=(0, -2))
+
+
+def test_ranks_split_each_global_batch_and_the_held_out_rows_are_unseen():
+    cfg, world, steps = Config(micro_batch=3), 2, 4
+    inputs, targets = make_data(cfg, steps, world)
+    assert inputs.shape == ((steps + EVAL_BATCHES) * world * 3, cfg.seq_len)
+    assert (targets[:, :-1] == inputs[:, 1:]).all()
+    seen = [rank_batch((inputs, targets), s, r, world, 3)[0] for s in range(steps) for r in range(world)]
+    assert (torch.cat(seen) == inputs[:steps * world * 3]).all()
+    assert (held_out((inputs, targets), steps, world, 3)[0] == inputs[steps * world * 3:]).all()
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    """Both experiments in one launch of two gloo ranks (a few seconds of start-up, then tiny steps)."""
+    plan = data_parallel_plan(preset("tiny"))
+    return plan, dp.run(steps=STEPS, overlap_steps=OVERLAP_STEPS, plan=plan, timeout=240)
+
+
+def test_staleness_rows_and_tau_0_is_plain_synchronous_training(tiny_run):
+    plan, result = tiny_run
+    rows = result.staleness
+    assert [r["tau"] for r in rows] == list(dp.TAUS) and result.ranks == 2 and result.backend == "gloo"
+    for r in rows:
+        assert set(r) == STALENESS_KEYS and len(r["losses"]) == STEPS
+        assert r["updates"] == max(0, STEPS - r["tau"])
+        assert r["step_ms"] > 0 and math.isfinite(r["eval_loss"]) and r["speedup"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * plan.preset.dp_seq_len)
+    assert rows[0]["speedup"] == 1 and rows[0]["loss_delta"] == 0 and rows[0]["eval_delta"] == 0
+    reference = train_reference(Config(**result.config), STEPS, result.ranks)
+    assert max(abs(a - b) for a, b in zip(rows[0]["losses"], reference)) < 1e-5
+    first = {r["losses"][0] for r in rows}  # same initialisation and data for every τ
+    assert max(first) - min(first) < 1e-6
+    assert abs(rows[1]["losses"][1] - rows[0]["losses"][1]) > 1e-4  # τ = 1 has made no update yet
+
+
+def test_overlap_rows_agree_with_each_other_and_with_tau_0(tiny_run):
+    _, result = tiny_run
+    rows = {r["key"]: r for r in result.overlap}
+    assert list(rows) == ["bucketed", "after", "local"]
+    assert [r["mode"] for r in result.overlap] == [dp.MODE_LABELS[k] for k in rows]
+    for r in rows.values():
+        assert set(r) == OVERLAP_KEYS and len(r["losses"]) == OVERLAP_STEPS and r["step_ms"] > 0
+    assert rows["bucketed"]["buckets"] > 1 and rows["after"]["buckets"] == 1 and rows["local"]["buckets"] == 0
+    assert rows["bucketed"]["max_loss_diff"] < 1e-5 and rows["after"]["max_loss_diff"] == 0
+    assert rows["local"]["max_loss_diff"] is None and rows["local"]["exposed_ms"] is None
+    assert rows["after"]["comm_ms"] > rows["bucketed"]["comm_ms"]  # DDP has finished inside backward()
+    tau0 = result.staleness[0]["losses"]
+    assert max(abs(a - b) for a, b in zip(rows["after"]["losses"], tau0)) < 1e-5
+
+
+def test_tables_and_plots(tiny_run):
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, result = tiny_run
+    text = dp.staleness_table(result.staleness)
+    assert "speedup" in text and len(text.splitlines()) == 2 + len(dp.TAUS)
+    assert "bucketed (overlap)" in dp.overlap_table(result.overlap)
+    for fig in (dp.plot_staleness(result.staleness), dp.plot_overlap(result.overlap)):
+        assert fig.axes
+        plt.close(fig)

@@ -1,0 +1,114 @@
+"""teraflops.distributed on CPU (gloo): launches through torchrun and DeepSpeed, and clean failures.
+
+Every launch must leave no process and no bound port behind, whether it succeeds, a rank is
+killed or hangs, or the notebook interrupts it. Each launch costs ~10 s on 2 cores (torch imports).
+"""
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from teraflops.distributed import (FAULT_ENV, LaunchFailed, fault_point, free_port, launch, parse_fault,
+                                   port_in_use, report_progress, write_result)
+
+SELFTEST = "teraflops.workers.selftest"
+DONE = [{"rank": r, "world_size": 2, "sum": 4 * (1 + 2.0)} for r in range(2)]  # 4 steps of (1 + 2)
+
+
+def assert_clean(port):
+    assert psutil.Process().children(recursive=True) == []
+    assert not port_in_use(port)
+
+
+# A successful launch is exercised by the relaunch below (torchrun) and by tests/test_zero.py (DeepSpeed's
+# launcher); each launch costs ~10 s of start-up on 2 cores.
+
+
+@pytest.mark.slow
+def test_killed_rank_fails_in_one_line_then_the_port_is_reusable():
+    port, start = free_port(), time.monotonic()
+    with pytest.raises(LaunchFailed) as info:
+        launch(SELFTEST, 2, env={FAULT_ENV: "kill:rank=1:step=2"}, port=port, timeout=60)
+    msg = str(info.value)
+    assert time.monotonic() - start < 60
+    assert "\n" not in msg and "rank 1 of 2 was killed by SIGKILL" in msg and info.value.rank == 1, msg
+    assert str(info.value.logs) in msg
+    shutil.rmtree(info.value.logs)
+    assert_clean(port)
+    assert launch(SELFTEST, 2, ["--steps", "1"], port=port)[1]["sum"] == 3.0
+
+
+@pytest.mark.slow
+def test_hung_rank_makes_the_collective_time_out():
+    port, start = free_port(), time.monotonic()
+    with pytest.raises(LaunchFailed) as info:
+        launch(SELFTEST, 2, ["--timeout", "5"], env={FAULT_ENV: "hang:rank=1:step=2"}, port=port, timeout=60)
+    msg = str(info.value)
+    assert time.monotonic() - start < 60
+    assert "\n" not in msg and "timed out" in msg.lower() and "rank(s) [1] never reached it" in msg, msg
+    shutil.rmtree(info.value.logs)
+    assert_clean(port)
+
+
+@pytest.mark.slow
+def test_interrupt_stops_every_process():
+    port = free_port()  # the notebook's interrupt button raises KeyboardInterrupt in the kernel
+    timer = threading.Timer(8, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(SELFTEST, 2, ["--timeout", "60"], env={FAULT_ENV: "hang:rank=1:step=0"}, port=port, timeout=60)
+    finally:
+        timer.cancel()
+    assert_clean(port)
+
+
+def test_free_port_and_port_in_use():
+    import socket
+
+    port = free_port()
+    assert 0 < port < 65536 and not port_in_use(port)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert port_in_use(port)
+    assert not port_in_use(port)
+
+
+def test_parse_fault():
+    assert parse_fault("kill:rank=1:step=3") == ("kill", 1, 3)
+    assert parse_fault("hang:step=0:rank=2").rank == 2
+    assert parse_fault("") is None and parse_fault(None) is None
+
+
+@pytest.mark.parametrize("spec", ["kill", "kill:rank=1", "boom:rank=1:step=2", "kill:rank=x:step=1",
+                                  "kill:rank=1:step=2:extra=3", "kill:rank=1:rank=2"])
+def test_parse_fault_rejects(spec):
+    with pytest.raises(ValueError, match="KIND:rank=R:step=S"):
+        parse_fault(spec)
+
+
+def test_fault_point_fires_only_for_its_rank_and_step(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "raise:rank=1:step=2")
+    monkeypatch.setenv("RANK", "0")
+    fault_point(2)  # another rank: nothing happens
+    monkeypatch.setenv("RANK", "1")
+    fault_point(1)
+    with pytest.raises(RuntimeError, match="step 2"):
+        fault_point(2)
+
+
+def test_results_and_progress_files(monkeypatch, tmp_path):
+    monkeypatch.setenv("TERAFLOPS_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    write_result({"loss": 0.5})
+    report_progress(1, 4)  # only rank 0 reports progress
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank1.json"]
+    monkeypatch.setenv("RANK", "0")
+    report_progress(2, 4)
+    assert (tmp_path / "progress.json").read_text() == '{"done": 2, "total": 4}'

@@ -1,0 +1,25 @@
+"""`teraflops run 2` on this machine: ZeRO stages measured, and the summary says what they cost."""
+
+from pathlib import Path
+
+import pytest
+
+from teraflops import detect
+from teraflops.runner import format_summary, run_units
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_run_unit_2_reports_memory_and_communication_by_stage(tmp_path):
+    (result,) = run_units([2], out_dir=tmp_path, root=ROOT)
+    assert result.ok, result.error
+    h = {k: v["value"] for k, v in result.headline.items()}
+    memory = [h[f"zero{s}_bytes_per_rank"] for s in range(4)]
+    comm = [h[f"zero{s}_comm_per_step"] for s in range(4)]
+    assert memory[0] > memory[1] >= memory[2] > memory[3] > 0  # each stage holds less ...
+    assert comm[3] > 1.4 * comm[2] and abs(comm[0] - comm[2]) <= 0.1 * comm[0]  # ... stage 3 sends 1.5x
+    if detect().device == "cpu":
+        assert result.seconds < 300, f"Unit 2 took {result.seconds:.0f} s on CPU; the budget is 300 s"
+    summary = format_summary(detect(), [result])
+    assert "ZeRO stage 3" in summary and "communication per rank" in summary

@@ -1,0 +1,64 @@
+"""Unit 2's ZeRO runs: the comms-log accounting, real DeepSpeed runs, and a rank killed mid-run."""
+
+import time
+
+import psutil
+import pytest
+
+from teraflops import model_states, zero
+from teraflops.distributed import LaunchFailed, port_in_use
+from teraflops.sizing import PRESETS, data_parallel_plan
+
+
+def log(entries):
+    return {op: {size: [n, [1.0] * n, [1.0] * n, [1.0] * n] for size, n in sizes.items()} for op, sizes in entries.items()}
+
+
+def test_comm_bytes_per_step_counts_the_paper_way():
+    # all-reduce of S counts 2S; an all-gather logs the shard, so N shards; reduce-scatter logs its input
+    assert zero.comm_bytes_per_step(log({"all_reduce": {100: 3}}), 2, 3) == 200
+    assert zero.comm_bytes_per_step(log({"all_gather_into_tensor": {50: 2}}), 4, 2) == 200
+    assert zero.comm_bytes_per_step(log({"reduce_scatter_tensor": {100: 1}, "reduce": {10: 2}, "broadcast": {8: 1}}), 2, 1) == 128
+    with pytest.raises(ValueError, match="all_to_all"):
+        zero.comm_bytes_per_step(log({"all_to_all": {1: 1}}), 2, 1)
+    with pytest.raises(ValueError, match="steps"):
+        zero.comm_bytes_per_step({}, 2, 0)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return zero.run_zero(stages=(0, 1, 2, 3), plan=data_parallel_plan(PRESETS["tiny"]), steps=3)
+
+
+def test_zero_runs_hold_what_the_calculator_says(runs):
+    for run in runs:
+        calc = run.calculator()
+        for state in zero.CATEGORIES:
+            want = getattr(calc, f"{state}_elements")
+            if (run.stage, state) == (1, "grads"):  # DeepSpeed's stage 1 keeps only its gradient partition
+                want /= run.world_size
+            for held in run.held:
+                assert held[state] == pytest.approx(want, rel=0.01), (run.stage, state)
+
+
+def test_zero_losses_agree_and_communication_follows_the_paper(runs):
+    assert zero.max_loss_difference(runs) < 1e-4
+    for run in runs:
+        ratio = run.comm_bytes / model_states.comm_volume(run.psi, run.stage, 4)
+        assert 0.9 <= ratio <= 1.1 if run.stage < 3 else 1.0 <= ratio <= 1.25, (run.stage, ratio)
+    assert runs[3].comm_bytes > 1.4 * runs[2].comm_bytes  # stage 3 pays ~1.5x
+    assert "reduce_scatter_tensor" in runs[3].comms[0] and "all_reduce" in runs[0].comms[0]
+
+
+def test_a_rank_killed_mid_run_fails_cleanly_and_the_next_run_starts():
+    plan = data_parallel_plan(PRESETS["tiny"])
+    start = time.monotonic()
+    with pytest.raises(LaunchFailed) as info:
+        zero.run_zero(stages=(2,), plan=plan, steps=3, env={"TERAFLOPS_FAULT": "kill:rank=1:step=1"})
+    assert time.monotonic() - start < 60
+    message = str(info.value)
+    assert "\n" not in message and "rank 1" in message
+    assert not psutil.Process().children(recursive=True)
+    assert not port_in_use(info.value.port)
+    (again,) = zero.run_zero(stages=(0,), plan=plan, steps=2)
+    assert again.held[0]["params"] == again.psi
