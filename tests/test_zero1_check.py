@@ -137,7 +137,7 @@ def test_forgotten_all_gather_fails():
 
 
 def test_unsharded_optimizer_state_fails():
-    fails(Unsharded, "each rank holds 1,002 optimizer-state elements = 2Ψ", "expected 2·⌈Ψ/N⌉ = 502",
+    fails(Unsharded, "each rank holds 1,034 optimizer-state elements = 2Ψ", "expected 2·⌈Ψ/N⌉ = 518",
           "Hint: give AdamW only this rank's shard")
 
 
@@ -223,9 +223,9 @@ def test_judge_passes_a_correct_report():
     ({"grad_left": 0.5}, "after zero_grad() the parameters still hold gradients"),
     ({"params": lambda r, rep: [float("nan")] * len(rep["ref"])}, "NaN or inf"),
     ({"optimizers": []}, "no torch.optim optimizer is among your object's attributes"),
-    ({"optimizers": lambda r, rep: [{**rep["optimizers"][0], "state": 600 if r else 502}]}, "rank 1 holds 600"),
-    ({"optimizers": lambda r, rep: [{**rep["optimizers"][0], "state": 100}]}, "fewer than 2Ψ = 1,002"),
-    ({"comm": {"all_reduce": 3 * 502, "all_gather_into_tensor": 3 * 502}}, "all-reduces the whole gradient (502 elements"),
+    ({"optimizers": lambda r, rep: [{**rep["optimizers"][0], "state": 800 if r else 518}]}, "rank 1 holds 800"),
+    ({"optimizers": lambda r, rep: [{**rep["optimizers"][0], "state": 100}]}, "fewer than 2Ψ = 1,034"),
+    ({"comm": {"all_reduce": 3 * 518, "all_gather_into_tensor": 3 * 518}}, "all-reduces the whole gradient (518 elements"),
 ])
 def test_judge_names_the_mistake(change, phrase):
     assert phrase in judged(reports(**change))
@@ -241,7 +241,7 @@ def test_judge_reports_the_first_error_not_its_fallout():
     assert judged(reports(error=error)) == "your step() raised IndexError on rank 1: index 501 is out of bounds"
     same = {"where": "zero_grad()", "type": "NameError", "message": "name 'np' is not defined", "time": 1.0}
     assert judged(reports(error=same)).startswith("your zero_grad() raised NameError: name 'np' is not defined. "
-                                                 "Hint: the check runs your class alone")
+                                                 "Hint: only the class's own code goes to the ranks")
 
 
 # --- wrong answers defined in this file ----------------------------------------------------------

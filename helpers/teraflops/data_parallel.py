@@ -27,10 +27,11 @@ in other processes' load hits them alike; the first steps are not timed (see the
 docstring). What to expect on a small CPU machine, where the ranks' computation and gloo's
 communication threads share the same few cores: each gloo all-reduce pays a latency of a few ms
 whatever its size, so splitting the gradient into buckets adds about as much time as overlapping
-saves, and DDP gains little or nothing. A stale update gains more: its all-reduce can spread over
-whole later steps, and the ranks may drift up to τ steps apart, so a rank that is momentarily
+saves, and DDP gains little or nothing. A stale update can gain more: its all-reduce can spread
+over whole later steps, and the ranks may drift up to τ steps apart, so a rank that is momentarily
 slow (another process took its core) no longer stalls the others at every step, which is the
-straggler problem SSP was designed for. Both are results, not faults.
+straggler problem SSP was designed for; on a shared 2-core machine that gain swings by tens of
+percent from run to run (measured 0.8× to 1.46×). Both are results, not faults.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def overlap_table(rows: list[dict]) -> str:
     return table([(r["mode"], r["step_ms"], r["forward_ms"], r["backward_ms"], r["comm_ms"],
                    "-" if r["exposed_ms"] is None else r["exposed_ms"], r["buckets"],
                    "-" if r["max_loss_diff"] is None else f"{r['max_loss_diff']:.1e}") for r in rows],
-                 ["mode", "step ms", "forward", "backward", "comm after bwd", "exposed comm", "buckets",
+                 ["mode", "step ms", "forward ms", "backward ms", "comm after bwd ms", "exposed comm ms", "buckets",
                   "max |Δ loss|"])
 
 

@@ -100,10 +100,14 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
 
     if launcher not in ("torchrun", "deepspeed"):
         raise ValueError(f"launcher must be 'torchrun' or 'deepspeed', got {launcher!r}")
+    fault = parse_fault({**os.environ, **(env or {})}.get(FAULT_ENV))  # a malformed spec fails here, not in a rank
+    if fault is not None and fault.rank >= nproc:
+        raise ValueError(f"{FAULT_ENV} names rank {fault.rank}, but the launch has ranks 0-{nproc - 1}")
+    if launcher == "deepspeed":  # before anything that needs cleaning up
+        prepare_deepspeed_ops(cpu=True if (env or {}).get("CUDA_VISIBLE_DEVICES") == "" else None)
     port, results = port or free_port(), Path(tempfile.mkdtemp(prefix="teraflops-launch-"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     if launcher == "deepspeed":
-        prepare_deepspeed_ops()
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(port), "--no_local_rank"]
     elif any(a.startswith("--rdzv") for a in launcher_args):
@@ -126,7 +130,7 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
         keep = True
         rank, why = _diagnose(results, nproc, code, timeout, launcher, child_env.get(FAULT_ENV))
     finally:  # also on KeyboardInterrupt: nothing of this launch may outlive the call
-        _stop(proc, results)
+        _stop_uninterrupted(proc, results)
         deadline = time.monotonic() + 10
         while port_in_use(port) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -208,6 +212,23 @@ def _last_line(path: Path) -> str:
     return found.strip()[:300]
 
 
+def _stop_uninterrupted(proc, results: Path | None) -> None:
+    """:func:`_stop`, finished even if more interrupts arrive (an impatient second Ctrl-C must not
+    leave the ranks running); a KeyboardInterrupt that came meanwhile is raised afterwards."""
+    interrupted = False
+    if proc is not None:
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)  # first, before anything slow
+    while True:
+        try:
+            _stop(proc, results)
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+
+
 def _stop(proc, results: Path | None, grace: float = 3.0) -> None:
     """SIGTERM, then SIGKILL, the launcher's process group and every process of this launch; reap it.
 
@@ -240,12 +261,14 @@ def _stop(proc, results: Path | None, grace: float = 3.0) -> None:
             break
 
 
-def prepare_deepspeed_ops(timeout: float = 900) -> None:
+def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None:
     """Compile DeepSpeed's CPU comm op once, behind a progress bar; a fast no-op once done.
 
     On CPU every ``deepspeed.init_distributed`` loads ``deepspeed_shm_comm`` (C++, JIT-built on first
     use into ``TORCH_EXTENSIONS_DIR``, ~1 min on 2 cores) and fails without it. Building it here, into
     :func:`cache_dir`, keeps the wait out of a launch's timeout. With CUDA there is no such op.
+    ``cpu`` says whether the ranks run on CPU (default: when this process sees no GPU); ranks whose
+    GPUs are hidden (``CUDA_VISIBLE_DEVICES=""``) need the op although this process sees one.
 
     Raises:
         OpBuildFailed: the build failed (it needs g++ and ninja) or took over ``timeout`` s.
@@ -256,7 +279,8 @@ def prepare_deepspeed_ops(timeout: float = 900) -> None:
 
     ext, v = _extensions_dir(), importlib.metadata.version
     stamp = ext / _SHM_OP / f".built-deepspeed{v('deepspeed')}-torch{v('torch')}"
-    if detect().device == "cuda" or sys.platform != "linux" or stamp.exists():
+    cpu = detect().device != "cuda" if cpu is None else cpu
+    if not cpu or sys.platform != "linux" or stamp.exists():
         return
     ext.mkdir(parents=True, exist_ok=True)
     log_path, proc, start = ext / f"{_SHM_OP}.build.log", None, time.monotonic()
@@ -371,7 +395,7 @@ def parse_fault(spec: str | None) -> Fault | None:
     kind, *fields = spec.strip().split(":")
     pairs = dict(f.split("=", 1) for f in fields if "=" in f)
     if kind not in FAULT_KINDS or len(fields) != 2 or set(pairs) != {"rank", "step"} or not all(
-            v.isdigit() for v in pairs.values()):
+            v.isascii() and v.isdigit() for v in pairs.values()):
         raise ValueError(f"{FAULT_ENV}={spec!r} is not KIND:rank=R:step=S with KIND one of "
                          f"{', '.join(FAULT_KINDS)} (e.g. kill:rank=1:step=3)")
     return Fault(kind, int(pairs["rank"]), int(pairs["step"]))

@@ -69,9 +69,10 @@ FP32_ADAM_MASTER = Precision("fp32 Adam + fp32 master partition (DeepSpeed ZeRO)
 """fp32 training under DeepSpeed's ZeRO optimizers (``deepspeed/runtime/zero/stage_1_and_2.py`` and
 ``stage3.py``, 0.19.8): they keep this rank's partition of the weights as a separate fp32 master
 copy whatever the model's dtype, so an fp32 model carries 3 fp32 optimizer values per parameter
-(master, momentum, variance), K = 12, 20Ψ in all at stage 0's accounting. Stage 3 skips the copy
-only when the partition already is fp32 on the optimizer's own device; in the CPU runs of
-:mod:`teraflops.zero` it still made one (measured: 3 values per parameter at stages 1, 2 and 3)."""
+(master, momentum, variance), K = 12, 20Ψ in all at stage 0's accounting. ``stage3.py`` has a
+branch meant to reuse an fp32 parameter partition as the master, but 0.19.8 compares the
+partition's ``torch.device`` with a device *string*, so the copy is always made (measured in
+:mod:`teraflops.zero`: 3 values per parameter at stages 1, 2 and 3)."""
 
 
 def _check(psi, stage, nd) -> None:

@@ -45,6 +45,8 @@ def comm_bytes_per_step(comms: dict, world_size: int, steps: int) -> float:
         raise ValueError(f"steps must be >= 1, got {steps}")
     total = 0.0
     for op, sizes in comms.items():
+        if not any(int(size) for size in sizes):  # barriers: logged, with no bytes
+            continue
         factor = world_size if op in ALL_GATHERS else PAPER_FACTOR.get(op)
         if factor is None:
             raise ValueError(f"no byte accounting for DeepSpeed op {op!r}")
@@ -64,6 +66,8 @@ class StageRun:
         logged_steps: steps the comms log covers (all but the first).
         losses: per rank, the micro-batch loss of each step (nats).
         step_s: per rank, wall seconds of each step (forward + backward + optimizer step).
+        master_copy: the ZeRO optimizer keeps its fp32 master partition apart from the parameters
+            (stage 3 on a GPU uses an fp32 parameter shard itself as the master).
     """
 
     stage: int
@@ -75,6 +79,7 @@ class StageRun:
     logged_steps: int
     losses: list
     step_s: list
+    master_copy: bool = True
 
     @property
     def global_losses(self) -> list[float]:
@@ -95,8 +100,9 @@ class StageRun:
     def calculator(self):
         """The :func:`~teraflops.model_states.model_states` row these fp32 runs should match: stage 0
         is torch's AdamW alone (momentum, variance: K = 8); stages 1-3 add DeepSpeed's fp32 master
-        partition (K = 12, :data:`~teraflops.model_states.FP32_ADAM_MASTER`)."""
-        return model_states(self.psi, self.stage, self.world_size, FP32_ADAM if self.stage == 0 else FP32_ADAM_MASTER)
+        partition (K = 12, :data:`~teraflops.model_states.FP32_ADAM_MASTER`) where it keeps one apart."""
+        master = self.stage > 0 and self.master_copy
+        return model_states(self.psi, self.stage, self.world_size, FP32_ADAM_MASTER if master else FP32_ADAM)
 
 
 def run_zero(stages=(0, 1, 2, 3), plan=None, steps: int | None = None, timeout: float = 600,
@@ -111,6 +117,8 @@ def run_zero(stages=(0, 1, 2, 3), plan=None, steps: int | None = None, timeout: 
     from .distributed import launch
     from .sizing import data_parallel_plan
 
+    if steps is not None and steps < 2:
+        raise ValueError(f"steps must be >= 2 (the first is warm-up, left out of timings and comms), got {steps}")
     plan = plan or data_parallel_plan()
     p = plan.preset
     args = ["--stages", ",".join(map(str, stages)), "--steps", steps or p.zero_steps,
@@ -127,7 +135,8 @@ def run_zero(stages=(0, 1, 2, 3), plan=None, steps: int | None = None, timeout: 
         first = per_rank[0]
         runs.append(StageRun(stage, first["psi"], ranks[0]["world_size"], ranks[0]["backend"],
                              [r["held"] for r in per_rank], [as_logged(r["comms"]) for r in per_rank],
-                             first["logged_steps"], [r["losses"] for r in per_rank], [r["step_s"] for r in per_rank]))
+                             first["logged_steps"], [r["losses"] for r in per_rank], [r["step_s"] for r in per_rank],
+                             first["master_copy"]))
     return runs
 
 
@@ -141,7 +150,7 @@ def held_table(runs: list[StageRun]) -> str:
             same = all(h[cat] == got for h in run.held)
             want = getattr(calc, f"{cat}_elements")
             rows.append([f"{run.stage} {STAGE_NAMES[run.stage]}", cat, got, want, got / want, "yes" if same else "NO"])
-    return table(rows, ["stage", "state", "measured", "calculator", "ratio", "same on all ranks"])
+    return table(rows, ["stage", "state", "measured (fp32 elements)", "calculator", "ratio", "same on all ranks"])
 
 
 def comm_table(runs: list[StageRun], bytes_per_element: int = 4) -> str:

@@ -15,6 +15,7 @@ output, and returns a report; ``teraflops grade`` prints it.
 from __future__ import annotations
 
 import functools
+import numbers
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,15 @@ def expect_tensor(what: str, got, shape: tuple, dtype: torch.dtype | None = None
     if dtype is not None and got.dtype != dtype:
         fail(f"{what} has dtype {got.dtype}, expected {dtype} (the input dtype)")
     return got
+
+
+def expect_number(what: str, got, unit: str) -> float:
+    """Fail unless ``got`` is a real number (or a one-element tensor); returns it as a float."""
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = got.item()
+    if not isinstance(got, numbers.Real) or isinstance(got, bool):
+        fail(f"{what} should return a number ({unit}), got {type(got).__name__}")
+    return float(got)
 
 
 def max_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -7,7 +7,6 @@ reference attention), :mod:`teraflops.profiling` (the verdict rule).
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import torch.nn.functional as F
@@ -15,21 +14,13 @@ import torch.nn.functional as F
 from .. import roofline
 from ..machine import detect, triton_mode
 from ..profiling import classify, count_ops
-from .core import exercise, expect_tensor, fail, max_error
+from .core import exercise, expect_number, expect_tensor, fail, max_error
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _close(a: float, b: float, rel: float = 1e-6) -> bool:
     return abs(a - b) <= rel * max(abs(b), 1e-30)
-
-
-def _number(what: str, got) -> float:
-    if isinstance(got, torch.Tensor) and got.numel() == 1:
-        got = got.item()
-    if not isinstance(got, numbers.Real) or isinstance(got, bool):
-        fail(f"{what} should return a number (FLOP per byte), got {type(got).__name__}")
-    return float(got)
 
 
 def _size(dtype) -> int:
@@ -51,7 +42,7 @@ def _check_intensity(fn, what: str, shapes, reference, mistakes, default_hint: s
     """Call ``fn(*shape)`` for each shape (its last item is the dtype) and compare with ``reference``.
     On the first wrong case, fail with the hint of the first mistake that explains *every* case,
     so that a mistake is named only when it fits all the evidence."""
-    cases = [(_number(what, fn(*shape)), reference(*shape), shape[-1], shape) for shape in shapes]
+    cases = [(expect_number(what, fn(*shape), "FLOP per byte"), reference(*shape), shape[-1], shape) for shape in shapes]
     wrong = [c for c in cases if not _close(c[0], c[1])]
     if not wrong:
         return

@@ -23,7 +23,9 @@ Optimizer: Adam.
 
 Interleaving, against the drift of other processes' load on a shared machine: the overlap modes
 take turns step by step (each finishes its communication within its step); the τ runs take turns
-in blocks of ``--block`` steps, and between blocks the paused run's in-flight all-reduces are
+in blocks of ``--block`` steps (at least 2τ + WARMUP_STEPS + 1, so that most timed steps of a
+stale run are in the steady state, each waiting for the all-reduce of τ steps ago), and between
+blocks the paused run's in-flight all-reduces are
 waited for, untimed, which leaves its arithmetic unchanged. Times are ``time.perf_counter``
 seconds per step, the step ending when its optimizer step is done on the device (CUDA: the current
 stream, not the whole device, so all-reduces left in flight by a stale run are not waited for).
@@ -318,9 +320,12 @@ def main(argv: list[str] | None = None) -> None:
     result = {"rank": w.rank, "world_size": w.world_size, "backend": w.backend, "device": str(w.device),
               "params": build_model(cfg).num_params(), "config": asdict(cfg), "staleness": [], "overlap": []}
     stale = [StaleRun(cfg, tau, data, w) for tau in taus]
-    for start in range(0, a.steps if stale else 0, a.block):
+    # A block must be well over τ long: the first τ steps after a pause start all-reduces and wait for
+    # none, so with short blocks the timed steps of a large τ would never wait at all.
+    block = max(a.block, 2 * max(taus, default=0) + WARMUP_STEPS + 1)
+    for start in range(0, a.steps if stale else 0, block):
         for run in stale:
-            for i in range(start, min(start + a.block, a.steps)):
+            for i in range(start, min(start + block, a.steps)):
                 step(run, i)
             run.pause()
     result["staleness"] = [run.result(eval_step=a.steps) for run in stale]

@@ -5,7 +5,7 @@
 
 ``SOURCE`` is a file holding the learner's class block; it runs in a namespace with only ``torch``,
 ``dist`` (``torch.distributed``), ``math``, ``nn`` and ``F``. Every rank builds the same small MLP
-(Ψ = :data:`PSI` parameters, odd, so the flat vector needs padding for any even world size) and
+(Ψ = :data:`PSI` parameters, not divisible by any world size from 2 to 10, so the flat vector needs padding) and
 trains four copies of it for ``--steps`` steps on the same rank-specific batches:
 
 * the learner's: ``opt = CLASS(model.parameters(), **HYPER)``; ``opt.zero_grad()``, backward, ``opt.step()``;
@@ -47,14 +47,14 @@ import torch.nn.functional as F
 from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
 
 HYPER = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-3, "weight_decay": 0.1}
-IN, HIDDEN, OUT, BATCH = 8, 31, 5, 16
-PSI = (IN + 1) * HIDDEN + 2 * HIDDEN + (HIDDEN + 1) * OUT  # 501
+IN, HIDDEN, OUT, BATCH = 8, 32, 5, 16
+PSI = (IN + 1) * HIDDEN + 2 * HIDDEN + (HIDDEN + 1) * OUT  # 517 = 11 × 47: no world size from 2 to 10 divides it
 _COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
                 "broadcast", "reduce", "all_to_all_single", "_reduce_scatter_base", "_all_gather_base")
 
 
 def make_model() -> nn.Module:
-    """The model every rank trains: 6 parameter tensors, Ψ = 501 elements."""
+    """The model every rank trains: 6 parameter tensors, Ψ = 517 elements."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, OUT))
 
@@ -78,10 +78,15 @@ class _CommLog:
         self.active, self.elements = False, {}
 
     def install(self) -> None:
+        from torch.distributed import distributed_c10d  # where the functions live: wrap both names
+
         for name in _COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is not None:
-                setattr(dist, name, self._wrap(name, fn))
+                wrapped = self._wrap(name, fn)
+                for module in (dist, distributed_c10d):
+                    if getattr(module, name, None) is fn:
+                        setattr(module, name, wrapped)
 
     def _wrap(self, name, fn):
         @functools.wraps(fn)

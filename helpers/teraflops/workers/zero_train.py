@@ -12,7 +12,7 @@ Per stage and rank it hands back (through :func:`teraflops.distributed.write_res
   once): ``params`` (the module's parameters, or under stage 3 their shards ``p.ds_tensor``),
   ``grads`` (after ``backward``: full ``p.grad`` tensors, or the optimizer's reduced gradient
   partitions), ``optimizer`` (AdamW's ``exp_avg``/``exp_avg_sq`` plus the fp32 master partition
-  DeepSpeed's ZeRO optimizers keep).
+  DeepSpeed's ZeRO optimizers keep, unless it is the parameter shard itself: ``master_copy``).
 * ``comms``: DeepSpeed's comms logger data as it keeps it, ``{op: {msg_size_bytes: [count,
   [latency_ms…], [algbw_Gbps…], [busbw_Gbps…]]}}``, for the steps after the first (the first step is
   warm-up), and ``logged_steps``.
@@ -99,13 +99,18 @@ def _grads(engine, stage: int) -> list:
     return found
 
 
+def _master_partitions(engine) -> list:
+    """The fp32 master copy of this rank's partition that DeepSpeed's ZeRO optimizers keep."""
+    opt = engine.optimizer
+    return [t for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+            for t in getattr(opt, name, [])]
+
+
 def _optimizer_states(engine) -> list:
     opt = engine.optimizer
     base = getattr(opt, "optimizer", opt)  # the ZeRO optimizers wrap the torch one
     states = [t for st in base.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
-    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # fp32 master partitions
-        states.extend(getattr(opt, name, []))
-    return states
+    return states + _master_partitions(engine)
 
 
 def run_stage(stage: int, args, world: int, rank: int, step0: int) -> dict:
@@ -142,11 +147,13 @@ def run_stage(stage: int, args, world: int, rank: int, step0: int) -> dict:
     held["params"] = _elements(params)
     # a master partition that *is* the parameter shard (stage 3 in fp32) is not counted twice
     held["optimizer"] = _elements(_optimizer_states(engine), exclude=_spans(params))
+    master_copy = _elements(_master_partitions(engine), exclude=_spans(params)) > 0
     comms = {op: {int(size): v for size, v in sizes.items()}  # DeepSpeed's raw format, see teraflops.zero
              for op, sizes in ds_comm.comms_logger.comms_dict.items()}
     ds_comm.comms_logger.comms_dict.clear()
     result = {"stage": stage, "psi": psi, "held": held, "comms": comms, "logged_steps": args.steps - 1,
-              "losses": losses, "step_s": step_s, "optimizer_type": type(engine.optimizer).__name__}
+              "losses": losses, "step_s": step_s, "optimizer_type": type(engine.optimizer).__name__,
+              "master_copy": master_copy}
     engine.destroy()
     del engine, model, optimizer
     gc.collect()
