@@ -71,9 +71,9 @@ def test_staleness_rows_and_tau_0_is_plain_synchronous_training(tiny_run):
         assert r["updates"] == max(0, STEPS - r["tau"])
         assert r["step_ms"] > 0 and math.isfinite(r["eval_loss"]) and r["speedup"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * plan.preset.dp_seq_len)
-    assert rows[0]["speedup"] == 1 and rows[0]["loss_delta"] == 0 and rows[0]["eval_delta"] == 0
-    reference = train_reference(Config(**result.config), STEPS, result.ranks)
-    assert max(abs(a - b) for a, b in zip(rows[0]["losses"], reference)) < 1e-5
+    for r in rows:  # every τ reproduces one process applying each global-batch gradient τ steps late
+        reference = train_reference(Config(**result.config), STEPS, result.ranks, tau=r["tau"])
+        assert max(abs(a - b) for a, b in zip(r["losses"], reference)) < 1e-5, r["tau"]
     first = {r["losses"][0] for r in rows}  # same initialisation and data for every τ
     assert max(first) - min(first) < 1e-6
     assert abs(rows[1]["losses"][1] - rows[0]["losses"][1]) > 1e-4  # τ = 1 has made no update yet
@@ -87,7 +87,7 @@ def test_overlap_rows_agree_with_each_other_and_with_tau_0(tiny_run):
     for r in rows.values():
         assert set(r) == OVERLAP_KEYS and len(r["losses"]) == OVERLAP_STEPS and r["step_ms"] > 0
     assert rows["bucketed"]["buckets"] > 1 and rows["after"]["buckets"] == 1 and rows["local"]["buckets"] == 0
-    assert rows["bucketed"]["max_loss_diff"] < 1e-5 and rows["after"]["max_loss_diff"] == 0
+    assert rows["bucketed"]["max_loss_diff"] < 1e-5
     assert rows["local"]["max_loss_diff"] is None and rows["local"]["exposed_ms"] is None
     assert rows["after"]["comm_ms"] > rows["bucketed"]["comm_ms"]  # DDP has finished inside backward()
     tau0 = result.staleness[0]["losses"]

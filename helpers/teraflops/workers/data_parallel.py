@@ -145,18 +145,24 @@ def _sync(device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def train_reference(cfg: Config, steps: int, world: int) -> list[float]:
-    """Single-process synchronous training on the whole global batch of each step: the losses that
-    τ = 0 data parallelism must reproduce (the mean of the ranks' micro-batch losses), as floats."""
+def train_reference(cfg: Config, steps: int, world: int, tau: int = 0) -> list[float]:
+    """Single-process training on the whole global batch of each step, each step's gradient applied
+    ``tau`` steps late: the losses that data parallelism with staleness τ must reproduce (the mean
+    of the ranks' micro-batch losses), as floats."""
     model, data = build_model(cfg), make_data(cfg, steps, world)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    losses = []
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=cfg.lr)
+    losses, queue = [], []
     for step in range(steps):
         parts = [rank_batch(data, step, r, world, cfg.micro_batch) for r in range(world)]
         opt.zero_grad(set_to_none=True)
         loss = sum(lm_loss(model(x), y) for x, y in parts) / world
         loss.backward()
-        opt.step()
+        queue.append([p.grad.clone() for p in params])
+        if len(queue) > tau:
+            for p, g in zip(params, queue.pop(0)):
+                p.grad = g
+            opt.step()
         losses.append(loss.item())
     return losses
 
