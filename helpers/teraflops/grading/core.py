@@ -134,6 +134,28 @@ def expect_number(what: str, got, unit: str) -> float:
     return float(got)
 
 
+def close(a: float, b: float, rel: float = 1e-6) -> bool:
+    """|a − b| within ``rel`` of |b|."""
+    return abs(a - b) <= rel * max(abs(b), 1e-30)
+
+
+def check_cases(fn, what: str, unit: str, cases, reference, mistakes, default_hint: str, describe, compare) -> None:
+    """Call ``fn(*case)`` for every case and compare with ``reference(*case)``.
+
+    On a mismatch, fail on the first wrong case with the hint of the first mistake that holds for
+    *every* answer given, so that a mistake is named only when it fits all the evidence; else
+    ``default_hint``. ``mistakes``: ``(holds(got, want, case) -> bool, hint)`` pairs;
+    ``describe(case)`` and ``compare(got, want)`` word the message.
+    """
+    answers = [(expect_number(what, fn(*case), unit), reference(*case), case) for case in cases]
+    wrong = [a for a in answers if not close(a[0], a[1])]
+    if not wrong:
+        return
+    got, want, case = wrong[0]
+    hint = next((h for holds, h in mistakes if all(holds(*a) for a in answers)), default_hint)
+    fail(f"for {describe(case)}: {compare(got, want)}. Hint: {hint}")
+
+
 def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got − want| in fp32 (NaN if got has NaN or inf)."""
     diff = (got.float() - want.float()).abs()

@@ -14,13 +14,9 @@ import torch.nn.functional as F
 from .. import roofline
 from ..machine import detect, triton_mode
 from ..profiling import classify, count_ops
-from .core import exercise, expect_number, expect_tensor, fail, max_error
+from .core import check_cases, close, exercise, expect_tensor, fail, max_error
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _close(a: float, b: float, rel: float = 1e-6) -> bool:
-    return abs(a - b) <= rel * max(abs(b), 1e-30)
 
 
 def _size(dtype) -> int:
@@ -31,25 +27,20 @@ def _byte_mistakes(denominator: str) -> list:
     """Mistakes in the byte count, common to both intensity exercises, as (holds, hint) pairs;
     ``holds(got, want, dtype, shape)``."""
     return [
-        (lambda g, w, d, s: _close(g, w * _size(d)),
+        (lambda g, w, d, s: close(g, w * _size(d)),
          f"you counted elements, not bytes: the denominator is {denominator} × bytes per element of the dtype"),
-        *[(lambda g, w, d, s, b=b: _close(g, w * _size(d) / b), f"you used {b} bytes per element for every dtype: "
+        *[(lambda g, w, d, s, b=b: close(g, w * _size(d) / b), f"you used {b} bytes per element for every dtype: "
            "take it from the dtype (torch.empty((), dtype=dtype).element_size())") for b in (1, 2, 4, 8)],
     ]
 
 
 def _check_intensity(fn, what: str, shapes, reference, mistakes, default_hint: str) -> None:
-    """Call ``fn(*shape)`` for each shape (its last item is the dtype) and compare with ``reference``.
-    On the first wrong case, fail with the hint of the first mistake that explains *every* case,
-    so that a mistake is named only when it fits all the evidence."""
-    cases = [(expect_number(what, fn(*shape), "FLOP per byte"), reference(*shape), shape[-1], shape) for shape in shapes]
-    wrong = [c for c in cases if not _close(c[0], c[1])]
-    if not wrong:
-        return
-    got, want, dtype, shape = wrong[0]
-    hint = next((h for holds, h in mistakes if all(holds(*c) for c in cases)), default_hint)
-    sizes = "×".join(str(x) for x in shape[:-1])
-    fail(f"for {sizes} {dtype}: got {got:.4g}, expected {want:.4g} FLOP/byte. Hint: {hint}")
+    """:func:`~.core.check_cases` over ``shapes`` (their last item is the dtype); ``mistakes`` hold
+    as ``holds(got, want, dtype, shape)``."""
+    check_cases(fn, what, "FLOP per byte", shapes, reference,
+                [(lambda g, w, s, holds=holds: holds(g, w, s[-1], s), hint) for holds, hint in mistakes], default_hint,
+                lambda s: f"{'×'.join(str(x) for x in s[:-1])} {s[-1]}",
+                lambda got, want: f"got {got:.4g}, expected {want:.4g} FLOP/byte")
 
 
 @exercise(1, "arithmetic intensity of a matmul")
@@ -58,8 +49,8 @@ def matmul_intensity(fn) -> None:
     shapes = [(4096, 4096, 4096, torch.float32), (1, 8192, 8192, torch.bfloat16),
               (128, 512, 256, torch.float16), (64, 64, 2048, torch.float32)]
     mistakes = _byte_mistakes("(m·k + k·n + m·n)") + [
-        (lambda g, w, d, s: _close(g, w / 2), "one multiply-add is 2 FLOPs, so a matmul does 2·m·n·k"),
-        (lambda g, w, d, s: _close(g, 2 * s[0] * s[1] * s[2] / ((s[0] * s[2] + s[2] * s[1]) * _size(d))),
+        (lambda g, w, d, s: close(g, w / 2), "one multiply-add is 2 FLOPs, so a matmul does 2·m·n·k"),
+        (lambda g, w, d, s: close(g, 2 * s[0] * s[1] * s[2] / ((s[0] * s[2] + s[2] * s[1]) * _size(d))),
          "the output C (m×n) has to be written too"),
     ]
     _check_intensity(fn, "matmul_intensity", shapes, roofline.matmul_intensity, mistakes,
@@ -71,7 +62,7 @@ def softmax_intensity(fn) -> None:
     """``fn(rows, cols, dtype) -> float``: 5 FLOPs per element over 2 elements moved."""
     shapes = [(4096, 4096, torch.float32), (32, 50257, torch.bfloat16), (1, 128, torch.float16)]
     mistakes = _byte_mistakes("2 × rows × cols") + [
-        (lambda g, w, d, s: _close(g, w * 2), "the output is written once too: bytes = 2 × elements × element size"),
+        (lambda g, w, d, s: close(g, w * 2), "the output is written once too: bytes = 2 × elements × element size"),
     ]
     _check_intensity(fn, "softmax_intensity", shapes, roofline.softmax_intensity, mistakes,
                      "count 5 FLOPs per element (max, subtract, exp, sum, divide); read the input once, "

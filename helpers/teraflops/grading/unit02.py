@@ -26,26 +26,16 @@ from ..labs import PLACEHOLDER_MESSAGE
 from ..model_states import Precision, comm_volume, model_states
 from ..zero import ALL_GATHERS, PAPER_FACTOR, comm_bytes_per_step
 from ..sizing import data_parallel_plan
-from .core import exercise, expect_number, fail
+from .core import check_cases, close, exercise, fail
 
 # --- exercises 1 and 2: model-state bytes and communication per stage --------------------------
 
 
-def _close(a: float, b: float, rel: float = 1e-6) -> bool:
-    return abs(a - b) <= rel * max(abs(b), 1.0)
-
-
 def _check_cases(fn, what: str, cases, reference, mistakes, default_hint: str, describe) -> None:
-    """Call ``fn(*case)`` for every case and compare with ``reference(*case)``. On a mismatch, name
-    the first mistake whose prediction equals *every* answer given (so a hint is only offered
-    when it fits all the evidence), else ``default_hint``."""
-    answers = [(expect_number(what, fn(*case), "bytes"), reference(*case), case) for case in cases]
-    wrong = [a for a in answers if not _close(a[0], a[1])]
-    if not wrong:
-        return
-    got, want, case = wrong[0]
-    hint = next((h for mistaken, h in mistakes if all(_close(g, mistaken(*c)) for g, _, c in answers)), default_hint)
-    fail(f"for {describe(*case)}: got {got:,.0f} bytes, expected {want:,.0f}. Hint: {hint}")
+    """:func:`~.core.check_cases` in bytes; ``mistakes`` are ``(mistaken(*case) -> bytes, hint)``."""
+    check_cases(fn, what, "bytes", cases, reference,
+                [(lambda g, w, c, mistaken=mistaken: close(g, mistaken(*c)), hint) for mistaken, hint in mistakes],
+                default_hint, lambda c: describe(*c), lambda got, want: f"got {got:,.0f} bytes, expected {want:,.0f}")
 
 
 def _states_bytes(psi, stage, nd, k):

@@ -144,10 +144,10 @@ def run_stage(stage: int, args, world: int, rank: int, step0: int) -> dict:
         losses.append(loss.item())
         report_progress(step0 + step + 1, args.total_steps)
     params = _params(engine, stage)
-    held["params"] = _elements(params)
+    held["params"], param_spans = _elements(params), _spans(params)
     # a master partition that *is* the parameter shard (stage 3 in fp32) is not counted twice
-    held["optimizer"] = _elements(_optimizer_states(engine), exclude=_spans(params))
-    master_copy = _elements(_master_partitions(engine), exclude=_spans(params)) > 0
+    held["optimizer"] = _elements(_optimizer_states(engine), exclude=param_spans)
+    master_copy = _elements(_master_partitions(engine), exclude=param_spans) > 0
     comms = {op: {int(size): v for size, v in sizes.items()}  # DeepSpeed's raw format, see teraflops.zero
              for op, sizes in ds_comm.comms_logger.comms_dict.items()}
     ds_comm.comms_logger.comms_dict.clear()
