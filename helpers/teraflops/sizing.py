@@ -61,12 +61,24 @@ class Preset:
     dp_steps: int = 50  # training steps per staleness τ
     dp_overlap_steps: int = 16  # training steps per overlap mode
     dp_bucket_mb: float = 2.0  # DDP bucket_cap_mb (MiB): the CPU model's 6.4 MB of gradients make 4 buckets
+    # Unit 3: synchronous data parallelism with an injected straggler (stragglers.py) and elastic
+    # recovery (elastic.py), on the GPT of gpt_* sizes
+    straggler_ranks_cpu: int = 4  # ranks on a CPU machine; with GPUs, one rank per GPU
+    straggler_micro_batch: int = 4  # sequences per rank per step (before rebalancing)
+    straggler_steps: int = 16  # timed steps per injection setting (after warm-up steps)
+    straggler_delays_ms: tuple[int, ...] = (0, 50, 100, 200)  # constant delay sweep, ms per step
+    straggler_lr: float = 0.3  # SGD with momentum 0.9 (local SGD at k = 1 equals synchronous DP only for SGD)
+    elastic_steps: int = 30  # training steps of the elastic-recovery demo
+    elastic_checkpoint_every: int = 5  # steps between (atomic) checkpoints
+    elastic_kill_step: int = 17  # the step at which one rank is killed
 
 
 PRESETS = {
     "tiny": Preset("tiny", "cpu", torch.float32, 256, 16 * MiB, (32, 256), 1 << 18, (1, 1 << 10, 1 << 16),
                    1, 2, 32, torch.float32, (64, 128), 64, 2, 32, 2, 0.02, gpt_d_model=64, gpt_seq_len=32, zero_steps=3,
-                   dp_d_model=64, dp_steps=6, dp_overlap_steps=4, dp_bucket_mb=0.05),
+                   dp_d_model=64, dp_steps=6, dp_overlap_steps=4, dp_bucket_mb=0.05,
+                   straggler_steps=4, straggler_delays_ms=(0, 50), elastic_steps=8, elastic_checkpoint_every=3,
+                   elastic_kill_step=5),
     "cpu": Preset("cpu", "cpu", torch.float32, 1024, 128 * MiB, (16, 64, 256, 1024), 1 << 24,
                   (1, 1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 22), 1, 2, 32, torch.float32,
                   (128, 256, 512, 1024), 256, 4, 128, 4, 0.1),
@@ -75,7 +87,8 @@ PRESETS = {
                   (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536), 2048, 16, 2048, 8, 0.2,
                   gpt_vocab=32768, gpt_d_model=1024, gpt_layers=8, gpt_heads=16, gpt_seq_len=1024, dp_micro_batch=8,
                   zero_steps=6, dp_vocab=4096, dp_d_model=1024, dp_layers=8, dp_seq_len=256, dp_lr=3e-4,
-                  dp_steps=100, dp_overlap_steps=30, dp_bucket_mb=25.0),
+                  dp_steps=100, dp_overlap_steps=30, dp_bucket_mb=25.0, straggler_micro_batch=8, straggler_lr=0.05,
+                  straggler_steps=30, elastic_steps=60, elastic_checkpoint_every=10, elastic_kill_step=33),
 }
 
 
@@ -109,15 +122,16 @@ class DataParallelPlan:
     note: str
 
 
-def data_parallel_plan(p: Preset | None = None) -> DataParallelPlan:
-    """One rank per GPU with NCCL when there are at least two GPUs; otherwise ``dp_ranks_cpu`` CPU
-    ranks with gloo (NCCL cannot put two ranks on one GPU, and one rank has nothing to shard), with
-    the GPU hidden from the ranks and the CPU preset's sizes."""
+def data_parallel_plan(p: Preset | None = None, ranks_cpu: int | None = None) -> DataParallelPlan:
+    """One rank per GPU with NCCL when there are at least two GPUs; otherwise ``ranks_cpu`` (default
+    the preset's ``dp_ranks_cpu``) CPU ranks with gloo (NCCL cannot put two ranks on one GPU, and
+    one rank has nothing to shard), with the GPU hidden from the ranks and the CPU preset's sizes."""
     p = p or preset()
     gpus = detect().gpu_count
     if p.device == "cuda" and gpus >= 2:
         return DataParallelPlan(gpus, {}, p, f"{gpus} ranks, one per GPU, NCCL")
     cpu = p if p.device == "cpu" else PRESETS["cpu"]
+    ranks = ranks_cpu or cpu.dp_ranks_cpu
     why = "one GPU cannot host two NCCL ranks, so " if gpus == 1 else ""
-    return DataParallelPlan(cpu.dp_ranks_cpu, {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}, cpu,
-                            f"{why}{cpu.dp_ranks_cpu} CPU ranks with gloo")
+    return DataParallelPlan(ranks, {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}, cpu,
+                            f"{why}{ranks} CPU ranks with gloo")

@@ -127,11 +127,11 @@ class DelayedGradients:
             self._queue[i] = (None, buf)
 
 
-def _flat_grads(params) -> torch.Tensor:
+def flat_grads(params) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in params])
 
 
-def _set_grads(params, flat: torch.Tensor) -> None:
+def set_grads(params, flat: torch.Tensor) -> None:
     """Point each parameter's ``.grad`` at its slice of ``flat`` (no copy)."""
     offset = 0
     for p in params:
@@ -139,7 +139,7 @@ def _set_grads(params, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
-def _sync(device) -> None:
+def sync_device(device) -> None:
     """Wait for this rank's own queued device work (the current CUDA stream); nothing on the CPU."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -195,22 +195,22 @@ class StaleRun(_Run):
         self.tau, self.queue, self.updates = tau, DelayedGradients(tau), 0
 
     def _apply(self, flat: torch.Tensor) -> None:
-        _set_grads(self.params, flat.div_(self.w.world_size))
+        set_grads(self.params, flat.div_(self.w.world_size))
         self.opt.step()
         self.updates += 1
 
     def step(self, step: int) -> None:
         x, y = self.batch(step)
-        _sync(self.w.device)
+        sync_device(self.w.device)
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = lm_loss(self.model(x), y)
         loss.backward()
-        flat = _flat_grads(self.params)
+        flat = flat_grads(self.params)
         for due in self.queue.push(dist.all_reduce(flat, async_op=True), flat):
             self._apply(due)
         loss = loss.detach()
-        _sync(self.w.device)
+        sync_device(self.w.device)
         self.record(loss, time.perf_counter() - t0)
 
     def pause(self) -> None:
@@ -250,24 +250,24 @@ class ModeRun(_Run):
     def step(self, step: int) -> None:
         x, y = self.batch(step)
         dev = self.w.device
-        _sync(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = lm_loss(self.net(x), y)
-        _sync(dev)
+        sync_device(dev)
         t1 = time.perf_counter()
         loss.backward()  # DDP: returns once every bucket's all-reduce is done
-        _sync(dev)
+        sync_device(dev)
         t2 = time.perf_counter()
         if self.mode == "after":
-            flat = _flat_grads(self.params)
+            flat = flat_grads(self.params)
             dist.all_reduce(flat)
-            _set_grads(self.params, flat.div_(self.w.world_size))
-            _sync(dev)
+            set_grads(self.params, flat.div_(self.w.world_size))
+            sync_device(dev)
         t3 = time.perf_counter()
         self.opt.step()
         loss = loss.detach()
-        _sync(dev)
+        sync_device(dev)
         self.record(loss, time.perf_counter() - t0)
         timed = self.step_s[-1] is not None
         for key, dt in (("forward_s", t1 - t0), ("backward_s", t2 - t1), ("comm_s", t3 - t2)):

@@ -1,0 +1,205 @@
+"""Checks for Unit 3 (Runtime orchestration). Each takes the learner's function and nothing else.
+
+Every check runs the learner's function on cases whose answer the package's reference gives
+(:mod:`teraflops.stragglers`, :mod:`teraflops.detection`, :mod:`teraflops.scheduling`), and, on a
+wrong answer, runs the plausible wrong versions too: a mistake is named only when it reproduces
+every answer the learner gave.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..detection import flag_stragglers as reference_flags
+from ..scheduling import fifo, make_trace, simulate
+from ..stragglers import idle_fraction as reference_idle
+from .core import exercise, fail
+
+
+def _array(what: str, got, shape: tuple) -> np.ndarray:
+    try:
+        x = np.asarray(got.detach().cpu() if hasattr(got, "detach") else got, dtype=np.float64)
+    except (TypeError, ValueError):
+        fail(f"{what} should return numbers (a NumPy array or list), got {type(got).__name__}")
+    if x.shape != shape:
+        fail(f"{what} returned shape {x.shape}, expected {shape}: one value per rank. "
+             "Hint: reduce over the steps (axis 0), not the ranks")
+    return x
+
+
+def _named_mistake(answers, mistakes, same) -> str | None:
+    """The hint of the first wrong version that reproduces every learner answer, else None."""
+    for wrong, hint in mistakes:
+        try:
+            if all(same(got, wrong(*case)) for got, _, case in answers):
+                return hint
+        except Exception:  # noqa: BLE001 - a wrong version may fail on a case; then it is not the mistake
+            continue
+    return None
+
+
+# --- exercise 1: idle fraction from a per-rank timeline ------------------------------------------
+
+
+def _timelines():
+    """Per-step (step_s, wait_s) matrices [steps, ranks]: one straggler, a varying one, no straggler."""
+    rng = np.random.default_rng(3)
+    cases = []
+    for steps, ranks, slow, delay in [(6, 4, 3, 0.1), (10, 8, 5, 0.05), (5, 3, None, 0.0)]:
+        busy = 0.04 + rng.uniform(0, 0.01, size=(steps, ranks))
+        if slow is not None:
+            busy[:, slow] += delay * rng.uniform(0.2, 2.0, size=steps)  # varying delay: step times vary
+        step = np.repeat(busy.max(axis=1, keepdims=True) + 0.002, ranks, axis=1)  # everyone leaves together
+        cases.append((step, step - busy))
+    return cases
+
+
+@exercise(1, "idle fraction from a per-rank timeline")
+def idle_fraction(fn) -> None:
+    """``fn(step_s, wait_s) -> [ranks]``: per rank, seconds spent waiting in the collective over
+    seconds of all steps (arrays ``[steps, ranks]``, seconds)."""
+    answers = []
+    for step, wait in _timelines():
+        got = _array("idle_fraction", fn(step.copy(), wait.copy()), (step.shape[1],))
+        answers.append((got, reference_idle(step, wait), (step, wait)))
+    wrong = [a for a in answers if not np.allclose(a[0], a[1], rtol=1e-6, atol=1e-9)]
+    if not wrong:
+        return
+    mistakes = [
+        (lambda s, w: (w / s).mean(axis=0), "a long step weighs more than a short one: divide the total wait by "
+                                             "the total step time, not the average of per-step ratios"),
+        (lambda s, w: 1 - w.sum(0) / s.sum(0), "that is the busy fraction; idle = time waiting / time"),
+        (lambda s, w: 100 * w.sum(0) / s.sum(0), "return a fraction between 0 and 1, not a percentage"),
+        (lambda s, w: w.sum(0) / (s - w).sum(0), "divide by the step time, not the busy time"),
+    ]
+    got, want, (step, _) = wrong[0]
+    hint = _named_mistake(answers, mistakes, lambda g, x: np.allclose(g, x, rtol=1e-6)) or \
+        "idle fraction of rank r = sum over steps of wait_s[:, r] / sum of step_s[:, r]"
+    fail(f"on a {step.shape[0]}-step, {step.shape[1]}-rank timeline: got {np.round(got, 3).tolist()}, expected "
+         f"{np.round(want, 3).tolist()}. Hint: {hint}")
+
+
+# --- exercise 2: the straggler detector -----------------------------------------------------------
+
+
+def _detector_cases():
+    rng = np.random.default_rng(7)
+
+    def jitter(steps, ranks, spread=0.003):
+        return 0.04 + rng.uniform(0, spread, size=(steps, ranks))
+
+    one = jitter(8, 4)
+    one[:, 3] += 0.05
+    two = jitter(8, 8)
+    two[:, [1, 6]] += 0.08
+    bursty = jitter(12, 4)
+    bursty[::3, 0] += 0.12
+    fast = jitter(8, 4)
+    fast[:, 2] -= 0.03  # a faster rank is not a straggler
+    equal = np.full((5, 4), 0.04)  # MAD = 0
+    close = np.full((5, 4), 0.04) + [0, 1e-4, 0, 4e-4]  # rank 3 is 1 % slower: MAD ~ 0 makes that an outlier
+    quiet = jitter(8, 6, spread=0.006)
+    return [("one rank 50 ms slower", one), ("two of eight ranks slow", two), ("rank 0 slow every third step", bursty),
+            ("one rank faster than the rest", fast), ("identical ranks", equal), ("ranks within 1 %", close), ("jitter only", quiet)]
+
+
+def _mean_std(busy):
+    m = busy.mean(axis=0)
+    sd = m.std()
+    return [] if sd == 0 else [int(r) for r in np.flatnonzero((m - m.mean()) / sd > 3.5)]
+
+
+def _two_sided(busy):
+    m = busy.mean(axis=0)
+    med = np.median(m)
+    mad = max(np.median(np.abs(m - med)), 0.05 * med)
+    return [int(r) for r in np.flatnonzero(np.abs(0.6745 * (m - med) / mad) > 3.5)]
+
+
+def _no_floor(busy):
+    m = busy.mean(axis=0)
+    med = np.median(m)
+    mad = np.median(np.abs(m - med))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = 0.6745 * (m - med) / mad
+    return [int(r) for r in np.flatnonzero(np.nan_to_num(z, nan=0.0) > 3.5)]
+
+
+@exercise(2, "straggler detector (median / MAD)")
+def straggler_detector(fn) -> None:
+    """``fn(busy_s) -> list of ranks``: modified z-score 0.6745 (x − median) / max(MAD, 5 % of median)
+    of each rank's mean busy time, flagged above 3.5 (Iglewicz & Hoaglin 1993)."""
+    cases = _detector_cases()
+    answers = []
+    for name, busy in cases:
+        got = fn(busy.copy())
+        try:
+            got = sorted(int(r) for r in (got.tolist() if hasattr(got, "tolist") else got))
+        except (TypeError, ValueError):
+            fail(f"flag_stragglers should return a list of rank numbers, got {type(got).__name__}")
+        answers.append((got, reference_flags(busy), (busy,)))
+    wrong = [(a, name) for a, (name, _) in zip(answers, cases) if a[0] != a[1]]
+    if not wrong:
+        return
+    mistakes = [
+        (_mean_std, "the straggler inflates the standard deviation it is measured against, so a mean/std z-score "
+                    "cannot exceed (n-1)/sqrt(n); use the median and the MAD"),
+        (_no_floor, "when the ranks agree, the MAD is ~0 and any jitter looks infinite: floor the MAD at 5 % of "
+                    "the median"),
+        (_two_sided, "only slow ranks are stragglers: flag z > 3.5, not |z| > 3.5"),
+    ]
+    (got, want, _), name = wrong[0]
+    hint = _named_mistake(answers, mistakes, lambda g, x: sorted(g) == sorted(x)) or \
+        "per rank: the mean busy time over steps; z = 0.6745 (x - median) / max(MAD, 0.05 * median); flag z > 3.5"
+    fail(f"on '{name}': flagged {got}, expected {want}. Hint: {hint}")
+
+
+# --- exercise 3: micro-batch rebalancing ------------------------------------------------------------
+
+
+@exercise(3, "micro-batch rebalancing by measured speed")
+def rebalance(fn) -> None:
+    """``fn(speeds, global_batch) -> list[int]``: micro-batch sizes proportional to each rank's
+    speed (samples/s), integers that sum to ``global_batch``, each at least 1 and within one sample
+    of its exact share."""
+    cases = [([100.0, 100.0, 100.0, 50.0], 16), ([10.0, 20.0, 30.0, 40.0], 20), ([1.0, 1.0, 1.0], 7),
+             ([300.0, 100.0], 9), ([5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 0.5], 64)]
+    for speeds, batch in cases:
+        got = fn(list(speeds), batch)
+        try:
+            sizes = [int(b) for b in got]
+        except (TypeError, ValueError):
+            fail(f"rebalance should return a list of integers, got {type(got).__name__}")
+        where = f"for speeds {speeds} and global batch {batch}: got {list(got)}"
+        if any(float(b) != int(b) for b in got):
+            fail(f"{where}. Hint: a micro-batch is a whole number of samples; round, then fix the sum")
+        if len(sizes) != len(speeds):
+            fail(f"{where}. Hint: return one size per rank")
+        share = np.asarray(speeds) / sum(speeds) * batch
+        if sum(sizes) != batch:
+            fail(f"{where}, which sums to {sum(sizes)}. Hint: the global batch must not change (the update would); "
+                 "floor the shares, then hand the leftover samples to the largest remainders")
+        if min(sizes) < 1:
+            fail(f"{where}. Hint: every rank needs at least one sample, or it has no gradient to contribute")
+        if any(sizes[i] < sizes[j] for i in range(len(speeds)) for j in range(len(speeds)) if speeds[i] > speeds[j]):
+            fail(f"{where}. Hint: a faster rank should get more samples: sizes proportional to speed, not to time")
+        if np.any(np.abs(np.asarray(sizes) - np.maximum(share, 1)) >= 1):
+            fail(f"{where}; exact shares {np.round(share, 2).tolist()}. Hint: each size should be within one "
+                 "sample of global_batch * speed / sum(speeds)")
+
+
+# --- exercise 4: a backfill policy ------------------------------------------------------------------
+
+
+@exercise(4, "backfill scheduling policy")
+def backfill_policy(fn) -> None:
+    """``fn(queue, cluster, now) -> list of jobs to start``, on the course trace: a utilisation
+    above FIFO's and the head job never pushed later (no ``head_delays``)."""
+    trace = make_trace()
+    base, mine = simulate(trace, fifo), simulate(trace, fn)
+    if mine.head_delays:
+        fail(f"{mine.head_delays[0]}. Hint: backfill a job only if starting it now leaves the head job's earliest "
+             "start where it was: cluster.earliest_start(head, assuming=[...jobs you start...])")
+    if mine.utilisation <= base.utilisation + 1e-9:
+        fail(f"utilisation {mine.utilisation:.1%} is not above FIFO's {base.utilisation:.1%}. Hint: after the jobs "
+             "that start in order, start later jobs that fit now and do not delay the head")

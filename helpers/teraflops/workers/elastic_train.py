@@ -1,0 +1,108 @@
+"""Rank side of Unit 3 §4b: synchronous data-parallel training that resumes from its last checkpoint.
+
+``python -m teraflops.workers.elastic_train --checkpoint-dir DIR [--steps 30] [--checkpoint-every 5] ...``,
+started by :func:`teraflops.elastic.run` through :func:`~teraflops.distributed.launch`, under
+torchrun's elastic agent, which restarts every rank when one fails.
+
+Training: the :class:`~teraflops.models.GPT` of ``--seed`` on the Markov token stream
+(:func:`~teraflops.data.markov_tokens`); at step ``t`` rank ``r`` trains on sequences
+``(t * world + r) * B ... + B``, so the batches depend on the global step only and a resumed run
+sees exactly the batches an uninterrupted one does. Each step all-reduces one flat buffer holding
+every gradient and the loss (gloo or NCCL sum, divided by the world size) and takes an Adam step,
+so all ranks keep identical parameters and the logged loss is the global batch's.
+
+Recovery: at start every rank loads the newest checkpoint in ``--checkpoint-dir``
+(:func:`teraflops.checkpoint.latest`; model, optimizer, step, loss history) or starts from
+scratch if there is none. After every ``--checkpoint-every`` completed steps rank 0 saves
+``step-NNNNNN.pt`` atomically (:func:`teraflops.checkpoint.save_atomic`), then all ranks pass a
+barrier, so a rank that fails later can only lose the steps after a checkpoint that is on disk.
+Each step begins at :func:`~teraflops.distributed.fault_point`, so ``TERAFLOPS_FAULT=kill:rank=1:step=17``
+kills rank 1 before step 17 in the first attempt. Rank 0 appends ``{"step", "loss", "attempt",
+"time"}`` (attempt: ``TORCHELASTIC_RESTART_COUNT``; time: Unix seconds when the step finished) to
+``steps.jsonl`` in the checkpoint directory, one flushed line per step, which outlives the attempt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from teraflops.checkpoint import checkpoint_path, latest, load, save_atomic
+from teraflops.data import markov_tokens
+from teraflops.models import GPT, lm_loss
+from teraflops.workers.data_parallel import rank_batch, set_grads
+
+STEPS_LOG = "steps.jsonl"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train; write ``{"rank", "world_size", "backend", "attempt", "resumed_from" (the checkpoint's
+    step, 0 if none), "steps", "losses" (global loss per step, all steps), "final_loss", "params",
+    "train_s" (this attempt's training seconds)}`` for this rank."""
+    from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint-dir", required=True, type=Path)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--checkpoint-every", type=int, default=5, help="completed steps between checkpoints")
+    for name, default in (("vocab", 256), ("d-model", 128), ("layers", 2), ("heads", 4), ("seq-len", 64),
+                          ("micro-batch", 4), ("seed", 0)):
+        p.add_argument("--" + name, type=int, default=default)
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam")
+    p.add_argument("--timeout", type=float, default=30, help="seconds a collective waits for the others")
+    a = p.parse_args(argv)
+    if min(a.steps, a.checkpoint_every) < 1:
+        p.error("--steps and --checkpoint-every must be >= 1")
+
+    w = init_worker(a.timeout)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    torch.manual_seed(a.seed)
+    model = GPT(a.vocab, a.d_model, a.layers, a.heads, a.seq_len).to(w.device)
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=a.lr)
+    inputs, targets = markov_tokens(a.steps * w.world_size * a.micro_batch, a.seq_len, a.vocab, seed=a.seed + 1)
+    start, losses = 0, []
+    if (found := latest(a.checkpoint_dir)) is not None:
+        state = load(found, map_location=w.device)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start, losses = state["step"], list(state["losses"])
+    log = open(a.checkpoint_dir / STEPS_LOG, "a") if w.rank == 0 else None
+    t0 = time.perf_counter()
+    for step in range(start, a.steps):
+        fault_point(step)
+        x, y = (t.to(w.device) for t in rank_batch((inputs, targets), step, w.rank, w.world_size, a.micro_batch))
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        flat = torch.cat([q.grad.reshape(-1) for q in params] + [loss.detach().reshape(1)])
+        dist.all_reduce(flat)
+        flat /= w.world_size
+        set_grads(params, flat[:-1])
+        opt.step()
+        losses.append(flat[-1].item())
+        if log:
+            log.write(json.dumps({"step": step, "loss": losses[-1], "attempt": attempt, "time": time.time()}) + "\n")
+            log.flush()
+        if (step + 1) % a.checkpoint_every == 0:
+            if w.rank == 0:
+                save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                             "losses": losses}, checkpoint_path(a.checkpoint_dir, step + 1))
+            dist.barrier()
+        report_progress(step + 1, a.steps)
+    if log:
+        log.close()
+    write_result({"rank": w.rank, "world_size": w.world_size, "backend": w.backend, "attempt": attempt,
+                  "resumed_from": start, "steps": a.steps, "losses": losses, "final_loss": losses[-1],
+                  "params": sum(q.numel() for q in params), "train_s": time.perf_counter() - t0})
+    finish()
+
+
+if __name__ == "__main__":
+    main()

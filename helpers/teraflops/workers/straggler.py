@@ -1,0 +1,265 @@
+"""Rank side of Unit 3 §1 and §4: synchronous data parallelism with an injected straggler.
+
+``python -m teraflops.workers.straggler --experiments sweep,kinds,rebalance,localsgd [sizes...]``,
+started by :func:`teraflops.stragglers.run` through :func:`~teraflops.distributed.launch`. Every
+setting trains a fresh :class:`~teraflops.models.GPT` from ``--seed`` with SGD (momentum
+:data:`MOMENTUM`) on the same Markov token stream: at step ``t`` the global batch is rows
+``t·B ... (t+1)·B`` and rank ``r`` takes ``sizes[r]`` of them after those of the ranks before it
+(:func:`rank_rows`), so every setting sees the same global batches.
+
+One synchronous step, each phase timed (``time.perf_counter``; on CUDA after synchronizing):
+forward and backward of the rank's micro-batch (**compute**; the ``compute`` injection makes the
+injected rank go on computing, forward and backward of one sequence at a time with the gradients
+discarded, until its compute has lasted ``factor``× as long: a device at 1/factor of its speed,
+whose extra time is proportional to its micro-batch) → the injected **delay** (``time.sleep``,
+after backward and before the collective, so the rank is late to it while the others' compute is
+undisturbed) → one blocking ``all_reduce`` of all gradients flattened into one buffer (**wait**:
+the rank waits there for the last one, then the transfer) → the optimizer step (**update**).
+Each rank's loss is weighted by ``b_r / B`` and the gradients are summed: the global batch's mean
+gradient for any split. Local SGD (``local_k = k``): the rank steps on its own gradient (loss not
+weighted, no all-reduce); every ``k`` steps the parameters are all-reduce-averaged (the wait).
+
+Experiments: ``sweep`` (a constant delay per ``--delays-ms``) and ``kinds`` (intermittent, random,
+compute on the last rank), all taking turns step by step (:func:`take_turns`), so that drift in
+other processes' load hits them alike; ``rebalance`` (compute ×``--factor`` on the last rank: a
+calibration run with equal micro-batches, then, taking turns, the equal split and the sizes that
+:func:`teraflops.stragglers.rebalance` gives for the calibration's speeds); ``localsgd`` (random
+delays on every rank; synchronous, then local SGD per ``--local-ks``, one after the other; steps
+rounded up so that the last step is an average). Each setting begins with
+:data:`~teraflops.stragglers.WARMUP` untimed steps and a barrier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from teraflops.models import lm_loss
+from teraflops.stragglers import (EXPERIMENTS, FACTOR, JITTER_MS, JITTER_PROB, KIND_DELAY_MS, LOCAL_K, WARMUP,
+                                  Injection, rebalance)
+from teraflops.workers.data_parallel import Config, flat_grads, set_grads, sync_device, build_model, held_out, make_data
+
+MOMENTUM = 0.9
+RECORDS = ("start", "compute", "delay", "wait", "update", "step", "batch", "loss")
+
+
+def rank_rows(step: int, rank: int, sizes) -> slice:
+    """Rows of the data that ``rank`` trains on at global step ``step`` when rank r takes ``sizes[r]``."""
+    lo = step * sum(sizes) + sum(sizes[:rank])
+    return slice(lo, lo + sizes[rank])
+
+
+def weighted_loss(model, x: torch.Tensor, y: torch.Tensor, global_batch: int) -> torch.Tensor:
+    """The micro-batch's mean loss times ``len(x) / global_batch``: summed over ranks (and so their
+    gradients), the mean loss of the global batch, whatever the split."""
+    return lm_loss(model(x), y) * (len(x) / global_batch)
+
+
+def _slow_down(model, params, x, y, until: float, device) -> None:
+    """Forward and backward passes over one sequence, gradients discarded, until ``time.perf_counter()``
+    reaches ``until``: real computation that changes nothing but takes time."""
+    while time.perf_counter() < until:
+        torch.autograd.grad(lm_loss(model(x[:1]), y[:1]), params)
+        sync_device(device)
+
+
+def _average(params, world: int) -> None:
+    vec = parameters_to_vector(params)
+    dist.all_reduce(vec)
+    vector_to_parameters(vec.div_(world), params)
+
+
+def _stopwatch(device):
+    """``lap()``: seconds since the previous lap (or the call), the device synchronized first."""
+    sync_device(device)
+    last = [time.perf_counter()]
+
+    def lap() -> float:
+        sync_device(device)
+        now = time.perf_counter()
+        dt, last[0] = now - last[0], now
+        return dt
+
+    return lap
+
+
+class Setting:
+    """One training setting on this rank: a fresh model (from ``cfg.seed``), SGD, an injection, the
+    micro-batch sizes of all ranks, and the records of its timed steps. :meth:`step` runs the next
+    step; the first :data:`WARMUP` are not recorded."""
+
+    def __init__(self, w, cfg: Config, data, name: str, inj: Injection, steps: int, sizes, local_k: int = 0):
+        self.w, self.cfg, self.data, self.name, self.inj = w, cfg, data, name, inj
+        self.sizes, self.local_k = list(sizes), local_k
+        self.model = build_model(cfg, w.device)
+        self.params = list(self.model.parameters())
+        self.opt = torch.optim.SGD(self.params, lr=cfg.lr, momentum=MOMENTUM)
+        self.t, self.total = 0, WARMUP + steps
+        self.delays = inj.delays_s(self.total, w.rank, w.world_size)
+        self.slow = inj.kind == "compute" and w.rank in inj.ranks(w.world_size)
+        self.rec = {k: [] for k in RECORDS}
+
+    def step(self) -> None:
+        t, w, params, k, global_batch = self.t, self.w, self.params, self.local_k, sum(self.sizes)
+        x, y = (v[rank_rows(t, w.rank, self.sizes)].to(w.device) for v in self.data)
+        lap = _stopwatch(w.device)
+        start = time.time()
+        self.opt.zero_grad(set_to_none=True)
+        loss = lm_loss(self.model(x), y) if k else weighted_loss(self.model, x, y, global_batch)
+        loss.backward()
+        flat = None if k else flat_grads(params)
+        compute = lap()
+        if self.slow:  # a device at 1/factor of its speed: the compute lasts factor× as long
+            _slow_down(self.model, params, x, y, time.perf_counter() + (self.inj.factor - 1) * compute, w.device)
+            compute += lap()
+        if self.delays[t]:
+            time.sleep(self.delays[t])
+        delay = lap()
+        if k:  # local SGD: own update, then every k steps (and at the end) average the parameters
+            self.opt.step()
+            update = lap()
+            if (t + 1) % k == 0 or t == self.total - 1:
+                _average(params, w.world_size)
+            wait = lap()
+        else:
+            dist.all_reduce(flat)
+            wait = lap()
+            set_grads(params, flat)
+            self.opt.step()
+            update = lap()
+        if t >= WARMUP:
+            own = loss.item() * (1 if k else global_batch / len(x))  # the micro-batch's mean loss
+            for key, v in zip(RECORDS, (start, compute, delay, wait, update, compute + delay + wait + update,
+                                        len(x), own)):
+                self.rec[key].append(v)
+        self.t += 1
+
+    def speed(self) -> float:
+        """This rank's samples/s: micro-batch over the median compute time of the timed steps."""
+        return self.sizes[self.w.rank] / statistics.median(self.rec["compute"])
+
+    def result(self, evaluate: bool = False) -> dict:
+        """``{"name", "injection", "local_k", "sizes", "records", "eval_loss"}``: ``records`` holds a list
+        per :data:`RECORDS` entry, one value per timed step (times in s, ``start`` in ``time.time()``
+        seconds); ``eval_loss`` (held-out rows, nats) if ``evaluate``, else None."""
+        eval_loss = None
+        if evaluate:
+            rows = held_out(self.data, self.total, self.w.world_size, self.cfg.micro_batch)
+            x, y = (v.to(self.w.device) for v in rows)
+            with torch.no_grad():
+                eval_loss = lm_loss(self.model(x), y).item()
+        return {"name": self.name, "injection": asdict(self.inj), "local_k": self.local_k, "sizes": self.sizes,
+                "records": self.rec, "eval_loss": eval_loss}
+
+
+def take_turns(settings: list[Setting], tick) -> None:
+    """Run the settings to their end: each one's warm-up steps, a barrier (the timed steps start
+    together), then their timed steps in turn, step by step, so that drift in other processes' load
+    hits them alike. ``tick()`` after every step."""
+    for s in settings:
+        for _ in range(WARMUP):
+            s.step()
+            tick()
+    dist.barrier()
+    while any(s.t < s.total for s in settings):
+        for s in (s for s in settings if s.t < s.total):
+            s.step()
+            tick()
+
+
+def settings(a) -> dict[str, list[tuple]]:
+    """Per experiment, ``(name, Injection, steps, local_k)`` of each setting (rebalance: the
+    calibration, whose speeds size the micro-batches, and the equal split; the rebalanced setting
+    is the equal split's with those sizes)."""
+    kind_d, ks = a.kind_delay_ms, [int(k) for k in a.local_ks.split(",") if k]
+    lcm = math.lcm(*ks) if ks else 1
+    local_steps = -(-(WARMUP + a.steps) // lcm) * lcm - WARMUP  # the last step of every k is an average
+    jitter = Injection("random", a.jitter_ms, rank="all", prob=a.jitter_prob, seed=a.seed)
+    slow = Injection("compute", factor=a.factor)
+    return {"sweep": [(f"{d:g} ms", Injection("constant", d), a.steps, 0)
+                      for d in (float(s) for s in a.delays_ms.split(",") if s)],
+            "kinds": [("intermittent", Injection("intermittent", kind_d), a.steps, 0),
+                      ("random", Injection("random", kind_d, seed=a.seed), a.steps, 0),
+                      ("compute", slow, a.steps, 0)],
+            "rebalance": [("calibration", slow, max(2, a.steps // 2), 0), ("equal split", slow, a.steps, 0)],
+            "localsgd": [("synchronous", jitter, local_steps, 0)] + [(f"local SGD k={k}", jitter, local_steps, k)
+                                                                    for k in ks]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the experiments; write ``{"rank", "world_size", "backend", "device", "params", "config",
+    EXPERIMENT: [Setting.result() per setting], "calibration_speeds"}`` for this rank. The sweep and kinds settings take
+    turns (:func:`take_turns`); rebalance runs its calibration alone, then the equal split and the
+    rebalanced split in turns; the local-SGD runs go one after the other (taking turns step by step
+    would synchronise local SGD's ranks at every step)."""
+    from teraflops.distributed import finish, init_worker, report_progress, write_result
+
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experiments", default=",".join(EXPERIMENTS), help="comma-separated: " + ", ".join(EXPERIMENTS))
+    p.add_argument("--delays-ms", default="0,50,100,200", help="comma-separated constant delays of the sweep (ms)")
+    p.add_argument("--steps", type=int, default=16, help="timed steps per setting")
+    p.add_argument("--kind-delay-ms", type=float, default=KIND_DELAY_MS, help="delay of intermittent and random")
+    p.add_argument("--factor", type=float, default=FACTOR, help="compute slow-down of the compute kind and rebalance")
+    p.add_argument("--jitter-ms", type=float, default=JITTER_MS, help="local SGD: random delay on every rank (ms)")
+    p.add_argument("--jitter-prob", type=float, default=JITTER_PROB, help="local SGD: its probability per step")
+    p.add_argument("--local-ks", default=str(LOCAL_K), help="comma-separated steps between averages of local SGD")
+    for f in ("vocab", "d_model", "layers", "heads", "seq_len", "micro_batch", "seed"):
+        p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
+    p.add_argument("--lr", type=float, default=0.3, help="SGD learning rate")
+    p.add_argument("--timeout", type=float, default=30, help="seconds a collective waits for the others")
+    a = p.parse_args(argv)
+    experiments = [e for e in a.experiments.split(",") if e]
+    if set(experiments) - set(EXPERIMENTS) or a.steps < 1:
+        p.error(f"unknown experiment in {a.experiments!r}, or steps < 1")
+    cfg = Config(a.vocab, a.d_model, a.layers, a.heads, a.seq_len, a.micro_batch, a.lr, a.seed)
+    plan = {e: s for e, s in settings(a).items() if e in experiments}
+
+    w = init_worker(a.timeout)
+    equal = [cfg.micro_batch] * w.world_size
+    data = make_data(cfg, max(WARMUP + s[2] for ss in plan.values() for s in ss), w.world_size)
+    total = sum(WARMUP + s[2] for ss in plan.values() for s in ss) + (WARMUP + a.steps if "rebalance" in plan else 0)
+    done = 0
+
+    def tick():
+        nonlocal done
+        done += 1
+        report_progress(done, total)
+
+    def setting(spec, sizes=equal, name=None):
+        return Setting(w, cfg, data, name or spec[0], spec[1], spec[2], sizes, spec[3])
+
+    result = {"rank": w.rank, "world_size": w.world_size, "backend": w.backend, "device": str(w.device),
+              "params": build_model(cfg).num_params(), "config": asdict(cfg)}
+    group = {e: [setting(s) for s in plan[e]] for e in ("sweep", "kinds") if e in plan}
+    take_turns([s for ss in group.values() for s in ss], tick)
+    result.update({e: [s.result() for s in ss] for e, ss in group.items()})
+    del group
+    if "rebalance" in plan:  # micro-batches proportional to the speeds measured with equal ones
+        probe, spec = setting(plan["rebalance"][0]), plan["rebalance"][1]
+        take_turns([probe], tick)
+        speeds = torch.zeros(w.world_size, dtype=torch.float64, device=w.device)
+        speeds[w.rank] = probe.speed()
+        dist.all_reduce(speeds)
+        pair = [setting(spec), setting(spec, rebalance(speeds.tolist(), sum(equal)), "rebalanced")]
+        take_turns(pair, tick)
+        result["rebalance"], result["calibration_speeds"] = [s.result() for s in pair], speeds.tolist()
+        del pair
+    result["localsgd"] = []
+    for spec in plan.get("localsgd", []):
+        run = setting(spec)
+        take_turns([run], tick)
+        result["localsgd"].append(run.result(evaluate=True))
+    write_result(result)
+    finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Unit 3 §4b: a rank killed mid-training, torchrun's elastic agent restarting the job from the last
+checkpoint, on two gloo ranks with the tiny preset's sizes (each launch ~10-20 s of start-up)."""
+
+import shutil
+import tempfile
+import time
+
+import matplotlib
+import psutil
+import pytest
+
+import teraflops.distributed as distributed
+from teraflops import elastic
+from teraflops.distributed import LaunchFailed, port_in_use
+from teraflops.sizing import data_parallel_plan, preset
+
+TINY = preset("tiny")  # elastic_steps=8, elastic_checkpoint_every=3, elastic_kill_step=5
+
+
+def tiny_plan():
+    return data_parallel_plan(TINY, ranks_cpu=2)
+
+
+@pytest.fixture
+def private_tmp(monkeypatch, tmp_path):
+    """Temporary directories (the launches' and the checkpoints') go here, so leftovers can be counted
+    without seeing other tests' runs; the ports launches pick are recorded."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ports = []
+
+    def recording_free_port(free_port=distributed.free_port):
+        ports.append(free_port())
+        return ports[-1]
+
+    monkeypatch.setattr(distributed, "free_port", recording_free_port)
+    return tmp_path, ports
+
+
+def assert_clean(tmp, ports):
+    assert psutil.Process().children(recursive=True) == []
+    assert ports and not any(port_in_use(p) for p in ports)
+    assert list(tmp.iterdir()) == []
+
+
+def test_launcher_args_and_arguments_checked_before_any_launch():
+    args = elastic.elastic_launcher_args(1)
+    assert args[:4] == ["--max-restarts", "1", "--rdzv-backend", "c10d"] and args[4] == "--rdzv-id"
+    assert args[5] != elastic.elastic_launcher_args(1)[5]  # a fresh rendezvous id each time
+    with pytest.raises(ValueError, match="kill_step=8 must be a step of the run"):
+        elastic.run(tiny_plan(), kill_step=8)
+    with pytest.raises(ValueError, match="kill_rank=2 is not a rank"):
+        elastic.run(tiny_plan(), kill_rank=2)
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_from_the_last_checkpoint_to_the_reference_loss(private_tmp):
+    matplotlib.use("Agg")
+    tmp, ports = private_tmp
+    run = elastic.run(tiny_plan(), kill_rank=1, timeout=180)
+    assert (run.steps, run.checkpoint_every, run.kill_step, run.ranks, run.backend) == (8, 3, 5, 2, "gloo")
+    assert run.restarts == 1 and run.last_checkpoint_step == 3 and run.steps_recomputed == 2
+    assert run.final_loss_diff <= 1e-4 and run.max_loss_diff <= 1e-4 and len(run.losses) == 8
+    assert [(r["step"], r["attempt"]) for r in run.records] == \
+        [(s, 0) for s in range(5)] + [(s, 1) for s in range(3, 8)]
+    assert [r["step"] for r in run.reference_records] == list(range(8))
+    assert {r["attempt"] for r in run.reference_records} == {0}
+    for r in run.records:  # a recomputed step sees the same batch and parameters, so the same loss
+        assert abs(r["loss"] - run.reference_losses[r["step"]]) <= 1e-4
+    assert run.step_s > 0 and run.restart_s > 0 and run.interrupted_wall_s > run.restart_s
+    assert run.training_lost_s == pytest.approx(run.restart_s + 2 * run.step_s, abs=3.0)  # noisy steps
+    table = elastic.recovery_table(run)
+    assert "rank 1 killed at step 5" in table and len(table.splitlines()) == 4
+    assert len(elastic.plot_recovery(run).axes) == 2
+    assert_clean(tmp, ports)
+
+
+@pytest.mark.slow
+def test_without_restarts_a_kill_fails_the_launch_naming_the_rank(private_tmp):
+    tmp, ports = private_tmp
+    checkpoints, start = tmp / "checkpoints", time.monotonic()
+    checkpoints.mkdir()
+    with pytest.raises(LaunchFailed) as info:
+        elastic.launch_training(checkpoints, tiny_plan(), 8, 3, fault="kill:rank=1:step=4", max_restarts=0, timeout=60)
+    msg = str(info.value)
+    assert time.monotonic() - start < 60
+    assert "\n" not in msg and "rank 1 of 2 was killed by SIGKILL" in msg and info.value.rank == 1, msg
+    assert [p.name for p in sorted(checkpoints.iterdir())] == ["step-000003.pt", "steps.jsonl"]  # kept for a rerun
+    shutil.rmtree(info.value.logs)  # kept for the learner on a failure
+    shutil.rmtree(checkpoints)
+    assert_clean(tmp, ports)

@@ -1,0 +1,65 @@
+"""Unit 3's checks: the references pass, plausible wrong answers fail with the hint that names them."""
+
+import numpy as np
+import pytest
+
+from teraflops import detection, scheduling, stragglers
+from teraflops.errors import ExerciseFailed, NotAttempted
+from teraflops.grading import unit03 as check
+
+
+def test_references_pass(capsys):
+    check.idle_fraction(stragglers.idle_fraction)
+    check.straggler_detector(detection.flag_stragglers)
+    check.rebalance(stragglers.rebalance)
+    check.backfill_policy(scheduling.backfill)
+    assert capsys.readouterr().out.count("passed") == 4
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda s, w: (w / s).mean(axis=0), "not the average of per-step ratios"),
+    (lambda s, w: (w / s).mean(axis=1), "reduce over the steps"),
+    (lambda s, w: 100 * w.sum(0) / s.sum(0), "not a percentage"),
+    (lambda s, w: 1 - w.sum(0) / s.sum(0), "busy fraction"),
+])
+def test_idle_fraction_mistakes(wrong, hint):
+    with pytest.raises(ExerciseFailed, match=hint):
+        check.idle_fraction(wrong)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (check._mean_std, "median and the MAD"),
+    (check._no_floor, "floor the MAD"),
+    (check._two_sided, "only slow ranks"),
+    (lambda busy: [], "flagged \\[\\], expected \\[3\\]"),
+])
+def test_detector_mistakes(wrong, hint):
+    with pytest.raises(ExerciseFailed, match=hint):
+        check.straggler_detector(wrong)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda s, g: [round(g * x / sum(s)) for x in s], "must not change"),
+    (lambda s, g: [g * x / sum(s) for x in s], "whole number"),
+    (lambda s, g: stragglers.rebalance([1 / x for x in s], g), "proportional to speed, not to time"),
+    (lambda s, g: [g // len(s)] * (len(s) - 1) + [g - g // len(s) * (len(s) - 1)], "within one"),
+])
+def test_rebalance_mistakes(wrong, hint):
+    with pytest.raises(ExerciseFailed, match=hint):
+        check.rebalance(wrong)
+
+
+def test_policy_mistakes():
+    with pytest.raises(ExerciseFailed, match="not above FIFO"):
+        check.backfill_policy(scheduling.fifo)
+    with pytest.raises(ExerciseFailed, match="pushed the head job"):
+        check.backfill_policy(scheduling.greedy)
+
+
+def test_placeholder_is_not_attempted():
+    def placeholder(*args):
+        raise NotImplementedError
+
+    for name in ("idle_fraction", "straggler_detector", "rebalance", "backfill_policy"):
+        with pytest.raises(NotAttempted):
+            getattr(check, name)(placeholder)

@@ -1,0 +1,232 @@
+"""Unit 3 §1 and §4: straggler injection in synchronous data parallelism, on four gloo ranks with tiny sizes.
+
+The pure functions (idle fraction, prediction, rebalancing, injections, the weighted split) are
+tested in-process; one real launch serves the rest. Behaviour is asserted, never speed.
+"""
+
+import math
+
+import matplotlib
+import numpy as np
+import pytest
+import torch
+
+from teraflops import stragglers as st
+from teraflops.sizing import data_parallel_plan, preset
+from teraflops.workers.data_parallel import Config, build_model, make_data
+from teraflops.workers.straggler import rank_rows, weighted_loss
+
+STEPS, DELAYS_MS = 4, (0, 50, 150)
+
+
+def make_timeline(step, wait, injection=st.Injection("constant", 0)):
+    step, wait = np.asarray(step, float), np.asarray(wait, float)
+    zeros = np.zeros_like(step)
+    return st.Timeline("t", injection, zeros, step - wait, zeros, wait, zeros, step, np.ones(step.shape, int),
+                       np.zeros(len(step)))
+
+
+# ---- pure functions ------------------------------------------------------------------------------
+
+
+def test_idle_fraction_is_total_wait_over_total_step_per_rank():
+    step = [[1.0, 2.0], [3.0, 2.0]]
+    wait = [[0.5, 0.0], [1.5, 1.0]]
+    np.testing.assert_allclose(st.idle_fraction(step, wait), [0.5, 0.25])
+    assert st.idle_fraction(np.ones((3, 4)), np.zeros((3, 4))).shape == (4,)
+
+
+@pytest.mark.parametrize("step, wait, match", [
+    (np.ones((2, 3)), np.ones((3, 2)), "same"), (np.ones(3), np.zeros(3), "same"),
+    (np.ones((2, 2)), -np.ones((2, 2)), ">= 0"), (np.ones((2, 2)), 2 * np.ones((2, 2)), "at most")])
+def test_idle_fraction_rejects_bad_arrays_in_one_line(step, wait, match):
+    with pytest.raises(ValueError, match=match) as info:
+        st.idle_fraction(step, wait)
+    assert "\n" not in str(info.value) and "Hint" in str(info.value)
+
+
+def test_predicted_idle_is_one_minus_busy_over_stretched_step():
+    base = make_timeline(np.full((4, 4), 0.1), np.full((4, 4), 0.02))  # T0 = 100 ms, busy0 = 80 ms
+    assert st.predicted_idle(base, 0.0) == pytest.approx(0.2)
+    assert st.predicted_idle(base, 0.1) == pytest.approx(1 - 0.08 / 0.2)
+    assert st.predicted_idle(base, 0.3) > st.predicted_idle(base, 0.1)
+    with pytest.raises(ValueError, match=">= 0"):
+        st.predicted_idle(base, -0.01)
+
+
+def test_predicted_idle_uses_the_baselines_healthy_ranks():
+    step = np.full((2, 2), 0.1)
+    base = make_timeline(step, [[0.05, 0.0], [0.05, 0.0]])  # rank 1 is the injected one (0 ms)
+    assert st.predicted_idle(base, 0.0) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("speeds, batch, expected", [
+    ([1, 1, 1, 1], 16, [4, 4, 4, 4]), ([1, 1, 1, 0.5], 16, [5, 5, 4, 2]), ([3, 1], 8, [6, 2]),
+    ([1, 1, 1], 4, [2, 1, 1]), ([1000, 1], 3, [2, 1])])
+def test_rebalance_is_proportional_with_largest_remainders(speeds, batch, expected):
+    sizes = st.rebalance(speeds, batch)
+    assert sizes == expected and sum(sizes) == batch and min(sizes) >= 1
+    assert all(isinstance(b, int) for b in sizes)
+
+
+def test_rebalance_sizes_stay_within_one_of_the_quota():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        speeds, batch = rng.uniform(0.2, 5, 5), int(rng.integers(5, 200))
+        sizes = np.array(st.rebalance(speeds, batch))
+        quota = batch * speeds / speeds.sum()
+        assert sizes.sum() == batch and (sizes >= 1).all()
+        assert (np.abs(sizes - quota) < 1).all() or quota.min() < 1
+
+
+@pytest.mark.parametrize("speeds, batch", [([1, 0], 4), ([1, -2], 4), ([1, float("nan")], 4), ([], 4),
+                                           ([1, 1, 1], 2), ([1, 1], 4.5)])
+def test_rebalance_rejects_bad_input(speeds, batch):
+    with pytest.raises(ValueError) as info:
+        st.rebalance(speeds, batch)
+    assert "\n" not in str(info.value)
+
+
+def test_injection_delays_per_kind():
+    world, steps = 4, 12
+    assert st.Injection("constant", 50).delays_s(steps, 3, world).tolist() == [0.05] * steps
+    assert st.Injection("constant", 50).delays_s(steps, 0, world).tolist() == [0.0] * steps  # not injected
+    inter = st.Injection("intermittent", 100, every=4).delays_s(steps, 3, world)
+    assert np.flatnonzero(inter).tolist() == [3, 7, 11] and inter.max() == pytest.approx(0.1)
+    rnd = st.Injection("random", 100, rank="all", prob=0.5, seed=1)
+    per_rank = [rnd.delays_s(200, r, world) for r in range(world)]
+    assert all(np.array_equal(d, rnd.delays_s(200, r, world)) for r, d in enumerate(per_rank))  # reproducible
+    assert not np.array_equal(per_rank[0], per_rank[1])  # independent per rank
+    assert 0.3 < np.mean(per_rank[0] > 0) < 0.7
+    assert not st.Injection("compute", factor=2).delays_s(steps, 3, world).any()
+
+
+def test_injection_ranks_and_errors():
+    assert st.Injection("constant", 1).ranks(4) == (3,)
+    assert st.Injection("constant", 1, rank=1).ranks(4) == (1,)
+    assert st.Injection("random", 1, rank="all").ranks(3) == (0, 1, 2)
+    assert st.Injection("random", 1, rank=[0, 2]).ranks(3) == (0, 2)  # a list, as from JSON
+    assert st.Injection().ranks(4) == ()
+    with pytest.raises(ValueError, match="not a rank"):
+        st.Injection("constant", 1, rank=4).ranks(4)
+    for bad in (dict(kind="slow"), dict(kind="constant", delay_ms=-1), dict(kind="intermittent", every=0),
+                dict(kind="random", prob=1.5), dict(kind="compute", factor=0.5)):
+        with pytest.raises(ValueError):
+            st.Injection(**bad)
+
+
+def test_run_rejects_bad_arguments_before_launching():
+    with pytest.raises(ValueError, match="experiments"):
+        st.run(experiments=("sweep", "nap"))
+    with pytest.raises(ValueError, match="delays_ms"):
+        st.run(delays_ms=(0, -5))
+    with pytest.raises(ValueError, match="delays_ms"):
+        st.run(delays_ms=())
+    with pytest.raises(ValueError, match="k >= 1"):
+        st.run(local_ks=(0,))
+
+
+def test_any_split_weighted_by_b_over_B_gives_the_global_batch_gradient():
+    cfg, world = Config(d_model=32, micro_batch=4), 4
+    model = build_model(cfg)
+    data = make_data(cfg, 2, world)
+
+    def gradient(sizes):
+        model.zero_grad()
+        for r in range(world):
+            rows = rank_rows(1, r, sizes)
+            weighted_loss(model, data[0][rows], data[1][rows], sum(sizes)).backward()  # summed over ranks
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+    equal, uneven = gradient([4, 4, 4, 4]), gradient([6, 5, 4, 1])
+    torch.testing.assert_close(uneven, equal, rtol=1e-5, atol=1e-7)
+    assert rank_rows(1, 0, [6, 5, 4, 1]) == slice(16, 22) and rank_rows(1, 3, [6, 5, 4, 1]) == slice(31, 32)
+
+
+# ---- one real launch -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    """All four experiments in one launch of four gloo ranks (start-up ~10 s, then tiny steps)."""
+    p = preset("tiny")
+    plan = data_parallel_plan(p, ranks_cpu=p.straggler_ranks_cpu)
+    return st.run(plan, delays_ms=DELAYS_MS, steps=STEPS, local_ks=(1, 4), timeout=240)
+
+
+@pytest.mark.slow
+def test_timelines_have_step_by_rank_arrays(tiny_run):
+    run = tiny_run
+    assert run.world_size == 4 and run.backend == "gloo" and run.params > 0
+    assert [t.injection.delay_ms for t in run.sweep] == list(DELAYS_MS)
+    assert [t.injection.kind for t in run.kinds] == ["intermittent", "random", "compute"]
+    for tl in run.sweep + run.kinds:
+        for name in ("start", "compute", "delay", "wait", "update", "step"):
+            arr = getattr(tl, name)
+            assert arr.shape == (STEPS, 4) and arr.dtype == np.float64 and (arr >= 0).all(), name
+        assert tl.batch.shape == (STEPS, 4) and (tl.batch == preset("tiny").straggler_micro_batch).all()
+        assert tl.loss.shape == (STEPS,) and np.isfinite(tl.loss).all()
+        np.testing.assert_allclose(tl.step, tl.compute + tl.delay + tl.wait + tl.update)
+        slowed = tl.injection.delay_ms > 0 or tl.injection.kind == "compute"
+        assert (tl.injected_ranks, tl.healthy_ranks) == (([3], [0, 1, 2]) if slowed else ([], [0, 1, 2, 3]))
+    first = {float(t.loss[0]) for t in run.sweep + run.kinds}  # same initialisation and data everywhere
+    assert max(first) - min(first) < 1e-5
+
+
+@pytest.mark.slow
+def test_only_the_injected_rank_sleeps_and_it_waits_least(tiny_run):
+    for tl in tiny_run.sweep[1:]:
+        d = tl.injection.delay_ms / 1e3
+        assert (tl.delay[:, 3] >= d).all() and (tl.delay[:, 3] < d + 0.1).all()
+        assert (tl.delay[:, :3] < d / 2).all()  # no sleep: only the time between two clock reads
+        assert tl.wait[:, 3].mean() < tl.wait[:, :3].mean(0).min()
+    inter = tiny_run.kinds[0]
+    assert np.flatnonzero(inter.delay[:, 3] > 0.05).tolist() == [s for s in range(STEPS) if (s + st.WARMUP) % 4 == 3]
+
+
+@pytest.mark.slow
+def test_healthy_idle_grows_with_the_delay_as_predicted(tiny_run):
+    rows = st.sweep_rows(tiny_run)
+    healthy = [r["healthy_idle"] for r in rows]
+    assert healthy == sorted(healthy) and healthy[-1] > healthy[0]
+    assert rows[0]["predicted_idle"] == pytest.approx(rows[0]["healthy_idle"], abs=0.02)  # its own baseline
+    assert all(r["straggler_idle"] < r["healthy_idle"] for r in rows[1:])
+    for row in rows + st.kinds_rows(tiny_run):
+        assert row["abs_diff"] == pytest.approx(abs(row["healthy_idle"] - row["predicted_idle"]))
+    assert "healthy idle" in st.sweep_table(rows)
+    assert f"compute ×{st.FACTOR:g}" in st.kinds_table(st.kinds_rows(tiny_run))
+
+
+@pytest.mark.slow
+def test_rebalancing_keeps_the_update_and_gives_the_slow_rank_less(tiny_run):
+    equal, balanced = tiny_run.rebalance
+    batch = 4 * preset("tiny").straggler_micro_batch
+    assert equal["sizes"] == [batch // 4] * 4 and sum(balanced["sizes"]) == batch
+    assert balanced["sizes"] == st.rebalance(balanced["calibration_speeds"], batch)  # timings vary, the rule does not
+    assert (balanced["timeline"].batch == balanced["sizes"]).all()
+    assert balanced["max_loss_diff"] < 1e-5  # same global batches, same mean gradient
+    assert equal["speedup"] == 1 and balanced["speedup"] > 0
+    assert "max |Δ loss|" in st.rebalance_table(tiny_run.rebalance)
+
+
+@pytest.mark.slow
+def test_local_sgd_with_k_1_is_synchronous_dp_and_k_4_communicates_less(tiny_run):
+    sync, k1, k4 = tiny_run.local_sgd
+    assert [r["k"] for r in (sync, k1, k4)] == [0, 1, 4]
+    np.testing.assert_allclose(k1["timeline"].loss, sync["timeline"].loss, atol=1e-5)
+    assert k1["eval_loss"] == pytest.approx(sync["eval_loss"], abs=1e-5)
+    assert k4["bytes_per_step"] == sync["bytes_per_step"] / 4 == tiny_run.params
+    assert math.isfinite(k4["eval_loss"]) and k4["eval_loss"] != sync["eval_loss"]
+    for row in (sync, k1, k4):  # every rank jittered; the runs end on an average
+        assert row["timeline"].injected_ranks == [0, 1, 2, 3] and (len(row["timeline"].step) + st.WARMUP) % 4 == 0
+
+
+@pytest.mark.slow
+def test_plots_return_figures(tiny_run):
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for fig in (st.plot_timeline(tiny_run.sweep[-1], steps=3), st.plot_idle_vs_delay(st.sweep_rows(tiny_run)),
+                st.plot_rebalance(tiny_run.rebalance)):
+        assert isinstance(fig, matplotlib.figure.Figure)
+        plt.close(fig)

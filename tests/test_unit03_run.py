@@ -1,0 +1,23 @@
+"""`teraflops run 3` on this machine: the straggler measured, recovered from, and scheduled around."""
+
+from pathlib import Path
+
+import pytest
+
+from teraflops import detect
+from teraflops.runner import format_summary, run_units
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_run_unit_3_reports_idle_time_at_the_largest_delay(tmp_path):
+    (result,) = run_units([3], out_dir=tmp_path, root=ROOT)
+    assert result.ok, result.error
+    h = {k: v["value"] for k, v in result.headline.items()}
+    assert 0 < h["idle_at_max_delay"] < 100 and abs(h["idle_at_max_delay"] - h["idle_predicted"]) <= 10
+    assert h["backfill_utilisation"] > h["fifo_utilisation"] and h["elastic_time_lost"] > 0
+    if detect().device == "cpu":
+        assert result.seconds < 300, f"Unit 3 took {result.seconds:.0f} s on CPU; the budget is 300 s"
+    summary = format_summary(detect(), [result])
+    assert "healthy ranks idle at" in summary and "%" in summary
