@@ -32,6 +32,10 @@ def test_idle_fraction_mistakes(wrong, hint):
     (check._no_floor, "floor the MAD"),
     (check._two_sided, "only slow ranks"),
     (lambda busy: [], "flagged \\[\\], expected \\[3\\]"),
+    (check._no_scale, "multiply by 0.6745"),
+    (check._inverse_scale, "multiply by 0.6745"),
+    (check._any_step, "one slow step is not a straggler"),
+    (lambda busy: (busy.mean(0) > 1.3 * np.median(busy.mean(0))).tolist(), "a mask"),
 ])
 def test_detector_mistakes(wrong, hint):
     with pytest.raises(ExerciseFailed, match=hint):
@@ -43,13 +47,36 @@ def test_detector_mistakes(wrong, hint):
     (lambda s, g: [g * x / sum(s) for x in s], "whole number"),
     (lambda s, g: stragglers.rebalance([1 / x for x in s], g), "proportional to speed, not to time"),
     (lambda s, g: [g // len(s)] * (len(s) - 1) + [g - g // len(s) * (len(s) - 1)], "within one"),
+    (lambda s, g: _largest_remainder_without_minimum(s, g), "at least one sample"),
 ])
 def test_rebalance_mistakes(wrong, hint):
     with pytest.raises(ExerciseFailed, match=hint):
         check.rebalance(wrong)
 
 
+def _largest_remainder_without_minimum(speeds, batch):
+    share = np.asarray(speeds) / sum(speeds) * batch
+    sizes = np.floor(share).astype(int)
+    sizes[np.argsort(-(share - sizes), kind="stable")[: batch - sizes.sum()]] += 1
+    return sizes.tolist()
+
+
+def _candidates_tested_alone(queue, cluster, now):
+    started = []
+    for i, job in enumerate(queue):
+        if not cluster.fits(job, assuming=started):
+            break
+        started.append(job)
+    else:
+        return started
+    reservation = cluster.earliest_start(queue[i], assuming=started)
+    return started + [j for j in queue[i + 1:] if cluster.fits(j, assuming=started)
+                      and cluster.earliest_start(queue[i], assuming=[j]) <= reservation]
+
+
 def test_policy_mistakes():
+    with pytest.raises(ExerciseFailed, match="together with the jobs you already chose"):
+        check.backfill_policy(_candidates_tested_alone)
     with pytest.raises(ExerciseFailed, match="not above FIFO"):
         check.backfill_policy(scheduling.fifo)
     with pytest.raises(ExerciseFailed, match="pushed the head job"):

@@ -185,3 +185,13 @@ def test_plot_timeline_returns_a_figure():
     fig = plot_timeline(simulate(BLOCKED, backfill, nodes=2))
     assert len(fig.axes) == 3
     plt.close(fig)
+
+
+def test_holding_back_a_head_that_fits_is_a_head_delay():
+    def lazy_head(queue, cluster, now):  # backfills around the head, starts it only when nothing else can
+        chosen = [j for j in queue[1:2] if cluster.fits(j)]
+        return chosen or [queue[0]]
+
+    trace = [Job(0, "a", 4, 0, 1), Job(1, "b", 4, 0, 1), Job(2, "b", 4, 0, 1)]
+    delays = simulate(trace, lazy_head, nodes=1).head_delays
+    assert delays and delays[0].job is None and "left the head job 0" in str(delays[0])

@@ -5,6 +5,7 @@ tested in-process; one real launch serves the rest. Behaviour is asserted, never
 """
 
 import math
+import shutil
 
 import matplotlib
 import numpy as np
@@ -54,10 +55,13 @@ def test_predicted_idle_is_one_minus_busy_over_stretched_step():
         st.predicted_idle(base, -0.01)
 
 
-def test_predicted_idle_uses_the_baselines_healthy_ranks():
+def test_prediction_adds_the_transfer_of_the_last_rank_to_its_delay():
     step = np.full((2, 2), 0.1)
-    base = make_timeline(step, [[0.05, 0.0], [0.05, 0.0]])  # rank 1 is the injected one (0 ms)
-    assert st.predicted_idle(base, 0.0) == pytest.approx(0.5)
+    base = make_timeline(step, [[0.03, 0.01], [0.03, 0.01]])  # busy0 = 80 ms, transfer c = 10 ms
+    assert st.baseline_means(base) == pytest.approx((0.1, 0.08, 0.01))
+    assert st.predicted_step_s(base, 0.0) == pytest.approx(0.1)  # T0: the slowest rank's busy + c
+    assert st.predicted_step_s(base, 0.05) == pytest.approx(0.14)
+    assert st.predicted_idle(base, 0.05) == pytest.approx(1 - 0.08 / 0.14)
 
 
 @pytest.mark.parametrize("speeds, batch, expected", [
@@ -230,3 +234,25 @@ def test_plots_return_figures(tiny_run):
                 st.plot_rebalance(tiny_run.rebalance)):
         assert isinstance(fig, matplotlib.figure.Figure)
         plt.close(fig)
+
+
+def test_jitter_cost_matches_a_simulation_and_shrinks_with_k():
+    rng = np.random.default_rng(0)
+    late = (rng.random((100_000, 4, 4)) < 0.25) * 0.05  # [trials, ranks, steps]
+    assert st.jitter_cost_s(0.05, 0.25, 4, 1) == pytest.approx(0.05 * (1 - 0.75 ** 4))
+    assert st.jitter_cost_s(0.05, 0.25, 4, 4) == pytest.approx(late.sum(2).max(1).mean() / 4, rel=0.01)
+    assert st.jitter_cost_s(0.05, 0.25, 4, 4) < st.jitter_cost_s(0.05, 0.25, 4, 1)
+    with pytest.raises(ValueError, match="prob"):
+        st.jitter_cost_s(0.05, 1.5, 4)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_run_with_one_line(monkeypatch):
+    from teraflops.distributed import LaunchFailed
+
+    monkeypatch.setenv("TERAFLOPS_FAULT", "kill:rank=1:step=2")
+    plan = data_parallel_plan(preset("tiny"), ranks_cpu=4)
+    with pytest.raises(LaunchFailed, match="rank 1") as info:
+        st.run(plan, delays_ms=(0,), steps=3, experiments="sweep", timeout=60)
+    assert "\n" not in str(info.value)
+    shutil.rmtree(info.value.logs, ignore_errors=True)

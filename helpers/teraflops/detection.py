@@ -8,8 +8,8 @@ records the timing of each rank's critical code segments with CUDA events to fin
 whose busy time stands out from the others'.
 
 "Stands out" needs a statistic that the outlier does not distort. Mean and standard deviation fail:
-with n ranks, one outlier's z-score is at most (n - 1)/sqrt(n) (1.5 for n = 4), however slow it
-is, because it inflates the standard deviation it is measured against. The median and the median
+with n ranks, one outlier's z-score is at most (n - 1)/sqrt(n) with the sample standard deviation
+(1.5 for n = 4; sqrt(n - 1) with the population one), however slow it is, because it inflates the standard deviation it is measured against. The median and the median
 absolute deviation (MAD) ignore one outlier in n >= 3. This module uses the *modified z-score* of
 Iglewicz and Hoaglin ("How to Detect and Handle Outliers", ASQC 1993, ch. 3):
 
@@ -22,7 +22,8 @@ floored at ``rel_floor`` × median (default 5 %): a rank must be at least
 3.5 / 0.6745 × 5 % ≈ 26 % slower than the median rank to be flagged.
 
 :func:`detect` gives the verdict for a run: the statistic on each rank's mean busy time over all
-its steps (:func:`flag_stragglers`), which also catches a rank that is late only every few steps.
+its steps (:func:`flag_stragglers`), which also catches a rank that is late only every few steps
+as long as its average lateness clears the MAD floor (about 26 % of the median busy time).
 It also applies the statistic to each sliding window of ``window`` steps, as a live monitor would,
 to show *when* a rank stood out; its false-alarm rate (:func:`false_alarm_rate`) is the fraction
 of (window, rank) pairs flagged among ranks nobody slowed, measured on an uninjected run.
@@ -112,8 +113,8 @@ def detect(busy_s, window: int = 5, threshold: float = THRESHOLD, rel_floor: flo
         ValueError: bad shapes or times (see :func:`flag_stragglers`), ``window < 1``.
     """
     x = _as_matrix(busy_s)
-    if window < 1:
-        raise ValueError(f"window must be >= 1 steps, got {window}")
+    if not (isinstance(window, (int, np.integer)) and window >= 1):
+        raise ValueError(f"window must be a whole number of steps >= 1, got {window!r}")
     w = min(window, x.shape[0])
     run_z = modified_z(x.mean(axis=0), rel_floor)
     z = np.stack([modified_z(x[i:i + w].mean(axis=0), rel_floor) for i in range(x.shape[0] - w + 1)])

@@ -130,12 +130,14 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
         keep = True
         rank, why = _diagnose(results, nproc, code, timeout, launcher, child_env.get(FAULT_ENV))
     finally:  # also on KeyboardInterrupt: nothing of this launch may outlive the call
-        _stop_uninterrupted(proc, results)
-        deadline = time.monotonic() + 10
-        while port_in_use(port) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if not keep:
-            shutil.rmtree(results, ignore_errors=True)
+        try:
+            _stop_uninterrupted(proc, results)
+            deadline = time.monotonic() + 10
+            while port_in_use(port) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:  # a second Ctrl-C cuts the wait for the port short, not the clean-up of the folder
+            if not keep:
+                shutil.rmtree(results, ignore_errors=True)
     err = LaunchFailed(f"{desc or module}: {why} Logs: {results}")
     err.rank, err.logs, err.port = rank, results, port
     raise err

@@ -176,7 +176,10 @@ def run(plan: DataParallelPlan | None = None, steps: int | None = None, checkpoi
     """
     plan = plan or data_parallel_plan(preset(), ranks_cpu=preset().straggler_ranks_cpu)
     p = plan.preset
-    steps, every = steps or p.elastic_steps, checkpoint_every or p.elastic_checkpoint_every
+    steps = p.elastic_steps if steps is None else steps
+    every = p.elastic_checkpoint_every if checkpoint_every is None else checkpoint_every
+    if steps < 1 or every < 1:
+        raise ValueError(f"steps={steps} and checkpoint_every={every} must be >= 1 (training steps)")
     kill_step = p.elastic_kill_step if kill_step is None else kill_step
     kill_rank = plan.ranks - 1 if kill_rank is None else kill_rank
     if not 0 <= kill_step < steps:

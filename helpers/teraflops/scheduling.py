@@ -66,7 +66,7 @@ class Job:
             object.__setattr__(self, "estimate", self.duration)
 
     def __str__(self) -> str:
-        return f"job {self.id} ({self.gpus} GPU{'s' * (self.gpus != 1)}, {self.estimate:.1f} h)"
+        return f"job {self.id} ({self.gpus} GPU{'' if self.gpus == 1 else 's'}, {self.estimate:.1f} h)"
 
 
 Alloc = tuple  # ((node, gpus), ...)
@@ -203,6 +203,8 @@ def fair_share(queue: list[Job], cluster: ClusterView, now: float, shares: dict[
     overtaken by light users' new ones, which shows up in ``head_delays``.
     """
     shares = shares or {}
+    if any(not v > 0 for v in shares.values()):
+        raise SchedulingError(f"fair-share shares must be > 0, got {shares}. Hint: a user with no share gets a small one")
     return _easy(sorted(queue, key=lambda j: cluster.usage(j.user) / shares.get(j.user, 1.0)), cluster)
 
 
@@ -228,15 +230,19 @@ class JobRun:
 @dataclass(frozen=True)
 class HeadDelay:
     """At ``time`` (hours) the policy started ``job``, which moved the head job's earliest start
-    from ``before`` to ``after`` (hours)."""
+    from ``before`` to ``after`` (hours); or (``job`` None) it left the head waiting although the
+    head fitted next to the jobs it started."""
 
     time: float
-    job: Job
+    job: Job | None
     head: Job
     before: float
     after: float
 
     def __str__(self) -> str:
+        if self.job is None:
+            return (f"your policy left the head job {self.head.id} ({self.head.gpus} GPUs) waiting at t={self.time:.1f} h "
+                    "although it fitted next to the jobs it started")
         return (f"your policy started {self.job} at t={self.time:.1f} h, which pushed the head job {self.head.id} "
                 f"from t={self.before:.1f} h to t={self.after:.1f} h")
 
@@ -286,8 +292,8 @@ def check_trace(trace: Sequence[Job], nodes: int = 8, gpus_per_node: int = 8) ->
             hint = f"gpus must be an integer from 1 to {nodes * gpus_per_node}"
         elif j.gpus > gpus_per_node and j.gpus % gpus_per_node:
             hint = f"a job bigger than one node takes whole nodes: use a multiple of {gpus_per_node} GPUs"
-        elif not (j.duration > 0 and j.estimate > 0 and j.submit >= 0):
-            hint = "duration and estimate must be > 0 h and submit >= 0 h"
+        elif not (0 < j.duration < math.inf and 0 < j.estimate < math.inf and 0 <= j.submit < math.inf):
+            hint = "duration and estimate must be finite and > 0 h, submit finite and >= 0 h"
         if hint:
             raise SchedulingError(f"{j} of user {j.user!r} cannot run on {nodes}×{gpus_per_node} GPUs. Hint: {hint}")
         seen.add(j.id)
@@ -403,6 +409,8 @@ class _Sim:
             if after > before + 1e-9:
                 self.delays.append(HeadDelay(view.now, job, head, before, after))
             before = after
+        if view.fits(head, assuming=chosen):  # it could have started now, and was held back
+            self.delays.append(HeadDelay(view.now, None, head, view.now, math.inf))
 
     def result(self, name: str) -> SimResult:
         if self.queue:

@@ -9,11 +9,15 @@ GPUs), makes one rank late on purpose (:class:`Injection`) and records, per step
 the time went (:class:`Timeline`): compute (forward and backward), the injected delay, waiting
 inside the all-reduce, and the optimizer update.
 
-The model behind the measurements (§1): each synchronous step takes as long as its slowest rank,
-so a delay ``d`` on one rank lengthens every step, ``T(d) = T0 + d``, while a healthy rank's busy
-time stays ``busy0``; the rest is idle, waiting in the all-reduce. Healthy idle fraction:
-``1 - busy0 / (T0 + d)`` (:func:`predicted_idle`). With ``d`` per step on average (an
-intermittent or random delay), ``d`` is the mean delay: the fraction is a ratio of sums over steps.
+The model behind the measurements (§1): a synchronous step lasts as long as its slowest rank's
+busy time plus the transfer ``c`` of the all-reduce (what the last rank to arrive spends in it: it
+waits for nobody). A delay ``d`` on one rank makes it the last, so a step takes
+``T(d) = max(T0, busy0 + d + c)``, with ``T0``, ``busy0`` and ``c`` from the run without delay,
+while a healthy rank still works only ``busy0``; the rest of its step it sits in the all-reduce.
+Healthy idle fraction: ``1 - busy0 / T(d)`` (:func:`predicted_idle`). ("Idle" counts all of the
+time inside the collective, the transfer included: with no straggler at all it is ``c / T0``.)
+With ``d`` per step on average (an intermittent or random delay), ``d`` is the mean delay: the
+fraction is a ratio of sums over steps.
 
 Mitigations measured here (§4):
 
@@ -46,6 +50,7 @@ loss ~0.03 nats higher after the same steps.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -59,7 +64,7 @@ from .tables import table
 WORKER = "teraflops.workers.straggler"
 EXPERIMENTS = ("sweep", "kinds", "rebalance", "localsgd")
 KINDS = ("none", "constant", "intermittent", "random", "compute")
-KIND_DELAY_MS = 100  # the intermittent and random kinds
+KIND_DELAY_MS = 200  # the intermittent and random kinds: 50 ms per step on average, well above the detector's floor
 FACTOR = 3.0  # the compute kind and rebalance: the straggler computes at a third of the speed
 JITTER_MS, JITTER_PROB = 50, 0.25  # local SGD: every rank independently late by 50 ms with p = 0.25
 LOCAL_K = 4  # local SGD: steps between parameter averages
@@ -98,7 +103,7 @@ class Injection:
             object.__setattr__(self, "rank", tuple(self.rank))  # as it comes back from JSON
         if self.kind not in KINDS:
             raise ValueError(f"unknown injection kind {self.kind!r}; choose one of {KINDS}")
-        if self.delay_ms < 0 or self.every < 1 or not 0 <= self.prob <= 1 or self.factor < 1:
+        if not (0 <= self.delay_ms < math.inf and self.every >= 1 and 0 <= self.prob <= 1 and 1 <= self.factor < math.inf):
             raise ValueError(f"{self}: needs delay_ms >= 0, every >= 1, 0 <= prob <= 1 and factor >= 1")
 
     def ranks(self, world: int) -> tuple[int, ...]:
@@ -228,26 +233,32 @@ def idle_fraction(step_s, wait_s) -> np.ndarray:
 def predicted_idle(baseline: Timeline, mean_delay_s: float) -> float:
     """Healthy ranks' idle fraction predicted for a straggler late by ``mean_delay_s`` (s) per step.
 
-    Each synchronous step takes the slowest rank's time, ``T(d) = T0 + d``, and a healthy rank's
-    busy time stays ``busy0``, so its idle fraction is ``1 - busy0 / (T0 + d)``; ``T0`` and ``busy0``
-    are means over the steps and healthy ranks of ``baseline``, the same run without delay.
-    Measured idle tends to fall a little below this: without delay a step already waits for the
-    slowest of the ranks' varying compute times, while with a long delay the straggler is last
-    anyway and the others' variation hides under its delay, so ``T(d)`` grows by slightly less than ``d``.
+    A step lasts the slowest rank's busy time plus the all-reduce's transfer, so with the straggler
+    last, ``T(d) = max(T0, busy0 + d + c)`` (:func:`predicted_step_s`); a healthy rank works
+    ``busy0`` of it and waits the rest: idle fraction ``1 - busy0 / T(d)``. ``T0``, ``busy0`` and
+    ``c`` come from ``baseline``, the same run without delay (:func:`baseline_means`).
 
     Raises:
         ValueError: a negative delay.
     """
     if mean_delay_s < 0:
         raise ValueError(f"mean_delay_s must be >= 0 (seconds), got {mean_delay_s}")
-    t0, busy0 = _baseline_means(baseline)
-    return float(1 - busy0 / (t0 + mean_delay_s))
+    return float(1 - baseline_means(baseline)[1] / predicted_step_s(baseline, mean_delay_s))
 
 
-def _baseline_means(baseline: Timeline) -> tuple[float, float]:
-    """``(T0, busy0)`` (s): mean step and busy time of the baseline's healthy ranks (all, if none is)."""
+def predicted_step_s(baseline: Timeline, mean_delay_s: float) -> float:
+    """``T(d) = max(T0, busy0 + d + c)`` (s): the step time with one rank late by ``d`` (module docstring)."""
+    t0, busy0, c = baseline_means(baseline)
+    return max(t0, busy0 + mean_delay_s + c)
+
+
+def baseline_means(baseline: Timeline) -> tuple[float, float, float]:
+    """``(T0, busy0, c)`` (s) of a run without delay: mean step and busy time of its healthy ranks
+    (all, if none was injected), and the transfer ``c``: per step, the wait of the rank that waited
+    least (the last to arrive, which waits for nobody), averaged over steps."""
     ranks = baseline.healthy_ranks or list(range(baseline.step.shape[1]))
-    return float(baseline.step[:, ranks].mean()), float(baseline.busy[:, ranks].mean())
+    return (float(baseline.step[:, ranks].mean()), float(baseline.busy[:, ranks].mean()),
+            float(baseline.wait.min(axis=1).mean()))
 
 
 def rebalance(speeds, global_batch: int) -> list[int]:
@@ -314,6 +325,7 @@ def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None 
         ValueError: an unknown experiment, a negative delay, steps or k below 1.
         LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
     """
+    experiments = (experiments,) if isinstance(experiments, str) else tuple(experiments)
     if set(experiments) - set(EXPERIMENTS) or not experiments:
         raise ValueError(f"experiments must be some of {EXPERIMENTS}, got {tuple(experiments)}")
     bad_delays = delays_ms is not None and (len(delays_ms) == 0 or min(delays_ms) < 0)
@@ -368,7 +380,7 @@ def _idle_row(tl: Timeline, baseline: Timeline | None) -> dict:
     predicted = None if baseline is None else predicted_idle(baseline, max(late, 0.0))
     return {"name": tl.name, "injection": tl.injection.label, "delay_ms": tl.injection.delay_ms,
             "late_ms": 1e3 * late, "step_ms": 1e3 * tl.step.mean(),
-            "predicted_step_ms": None if baseline is None else 1e3 * (_baseline_means(baseline)[0] + late),
+            "predicted_step_ms": None if baseline is None else 1e3 * predicted_step_s(baseline, max(late, 0.0)),
             "healthy_idle": healthy, "predicted_idle": predicted,
             "abs_diff": None if predicted is None else abs(healthy - predicted),
             "straggler_idle": float(idle[tl.injected_ranks].mean()) if tl.injected_ranks else None, "idle": idle}
@@ -382,7 +394,7 @@ def sweep_rows(run: StragglerRun) -> list[dict]:
     """One row per constant delay of ``run.sweep``.
 
     Keys: ``delay_ms`` (configured), ``late_ms`` (:func:`late_s`: the straggler's measured mean
-    delay per step), ``step_ms`` (mean over steps and ranks), ``predicted_step_ms`` (``T0 + d``
+    delay per step), ``step_ms`` (mean over steps and ranks), ``predicted_step_ms`` (``T(d)``, :func:`predicted_step_s`
     with ``d = late_ms``), ``healthy_idle`` (mean :func:`idle_fraction` of the healthy ranks),
     ``predicted_idle`` (:func:`predicted_idle` with the 0-ms setting as baseline; None without
     one), ``abs_diff``, ``straggler_idle``, ``idle`` (per rank), ``name``, ``injection``.
@@ -400,7 +412,7 @@ def sweep_table(rows: list[dict]) -> str:
     """The sweep rows as a text table."""
     return table([(r["delay_ms"], r["step_ms"], r["predicted_step_ms"], r["healthy_idle"], r["predicted_idle"],
                    r["abs_diff"], r["straggler_idle"]) for r in rows],
-                 ["delay ms", "step ms", "T0 + d ms", "healthy idle", "predicted", "|diff|", "straggler idle"])
+                 ["delay ms", "step ms", "predicted T(d) ms", "healthy idle", "predicted", "|diff|", "straggler idle"])
 
 
 def kinds_table(rows: list[dict]) -> str:
@@ -442,6 +454,21 @@ def rebalance_table(rows: list[dict]) -> str:
     return text + ("" if speeds is None else f"\nsizes from the calibration run's samples/s: {join(speeds, '.0f')}")
 
 
+def jitter_cost_s(delay_s: float, prob: float, ranks: int, k: int = 1) -> float:
+    """Expected time per step (s) that independent jitter adds to a job that synchronises every
+    ``k`` steps: each of ``ranks`` ranks is late by ``delay_s`` with probability ``prob`` per step.
+
+    Every ``k`` steps the job waits for the rank with the most late steps, so per step it pays
+    ``delay_s × E[max_r B_r] / k`` with ``B_r ~ Binomial(k, prob)`` independent, and
+    ``E[max] = Σ_{j=1..k} (1 - F(j - 1)^ranks)`` (F: the binomial CDF; the maximum of independent
+    draws has CDF F^n). ``k = 1`` (synchronous) gives ``delay_s (1 - (1 - prob)^ranks)``.
+    """
+    if not 0 <= prob <= 1 or ranks < 1 or k < 1:
+        raise ValueError(f"need 0 <= prob <= 1, ranks >= 1 and k >= 1, got prob={prob}, ranks={ranks}, k={k}")
+    cdf = np.cumsum([math.comb(k, j) * prob ** j * (1 - prob) ** (k - j) for j in range(k + 1)])
+    return delay_s * float(sum(1 - cdf[j - 1] ** ranks for j in range(1, k + 1))) / k
+
+
 def local_sgd_rows(tls: list[Timeline], params: int) -> list[dict]:
     """One row per run of the local-SGD experiment (synchronous first).
 
@@ -449,9 +476,12 @@ def local_sgd_rows(tls: list[Timeline], params: int) -> list[dict]:
     over all ranks, per step), ``wait_ms`` and ``delay_ms`` (per step, mean over ranks),
     ``bytes_per_step`` (fp32 buffer each rank all-reduces per step: gradients ``4Ψ`` every step, or
     parameters ``4Ψ`` every k steps), ``eval_loss`` (held-out, after the final average),
-    ``eval_delta`` (minus the synchronous run's), ``speedup``, ``timeline``.
+    ``eval_delta`` (minus the synchronous run's), ``speedup``, ``jitter_ms`` (:func:`jitter_cost_s`,
+    the jitter's predicted cost per step), ``timeline``.
     """
     rows = [{"mode": tl.name, "k": tl.local_k, "step_ms": 1e3 * (tl.start[-1] + tl.step[-1]).max() / len(tl.step),
+             "jitter_ms": 1e3 * jitter_cost_s(tl.injection.delay_ms / 1e3, tl.injection.prob, tl.step.shape[1],
+                                              max(tl.local_k, 1)),
              "wait_ms": 1e3 * tl.wait.mean(), "delay_ms": 1e3 * tl.delay.mean(), "eval_loss": tl.eval_loss,
              "bytes_per_step": 4 * params / max(tl.local_k, 1), "timeline": tl} for tl in tls]
     for row in rows:
@@ -462,9 +492,9 @@ def local_sgd_rows(tls: list[Timeline], params: int) -> list[dict]:
 
 def local_sgd_table(rows: list[dict]) -> str:
     """The local-SGD rows as a text table."""
-    return table([(r["mode"], r["step_ms"], r["delay_ms"], r["wait_ms"], r["bytes_per_step"] / 1e6,
+    return table([(r["mode"], r["step_ms"], r["delay_ms"], r["jitter_ms"], r["wait_ms"], r["bytes_per_step"] / 1e6,
                    f"{r['speedup']:.2f}×", r["eval_loss"], f"{r['eval_delta']:+.3f}") for r in rows],
-                 ["mode", "ms/step (wall)", "delay ms/step", "wait ms/step", "MB all-reduced/step", "speed-up",
+                 ["mode", "ms/step (wall)", "delay ms/step", "jitter cost ms/step (predicted)", "wait ms/step", "MB all-reduced/step", "speed-up",
                   "eval loss", "Δ eval"])
 
 
@@ -511,7 +541,7 @@ def plot_idle_vs_delay(rows: list[dict]):
     fig, ax = plt.subplots(figsize=(6, 4))
     d = [r["delay_ms"] for r in rows]
     predicted = [np.nan if r["predicted_idle"] is None else r["predicted_idle"] for r in rows]
-    ax.plot(d, predicted, "-", color="grey", label="predicted: 1 − busy₀ / (T₀ + d)")
+    ax.plot(d, predicted, "-", color="grey", label="predicted: 1 − busy₀ / max(T₀, busy₀ + d + c)")
     ax.plot(d, [r["healthy_idle"] for r in rows], "o", label="healthy ranks, measured")
     ax.plot(d, [np.nan if r["straggler_idle"] is None else r["straggler_idle"] for r in rows], "s",
             label="straggler, measured")

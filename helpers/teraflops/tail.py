@@ -80,7 +80,9 @@ def tail_rows(samples, base_s: float, delay_s: float, p: float, ranks=RANKS) -> 
     the median sample, whether N exceeds the number of samples (a lower bound then), the hiccup
     model's expected step and the probability that some rank hiccups."""
     x = np.asarray(samples, dtype=np.float64).ravel()
-    med = float(np.median(x))
+    med = float(np.median(x)) if x.size else 0.0
+    if not med > 0:
+        raise ValueError(f"samples must be positive times (got {x.size} samples, median {med}); hint: pass busy times in s")
     rows = []
     for n in ranks:
         emp = expected_max(x, n)
@@ -94,7 +96,7 @@ def tail_table(rows: list[dict]) -> str:
     """:func:`tail_rows` as text (``>=`` marks empirical values capped by the sample maximum)."""
     return table([(r["ranks"], (">= " if r["lower_bound"] else "") + f"{r['empirical_ms']:.1f}",
                    f"{r['slowdown']:.2f}x", f"{r['hiccup_ms']:.1f}", f"{r['p_any_hiccup']:.1%}") for r in rows],
-                 ["ranks N", "E[step] measured dist. (ms)", "vs median", "E[step] hiccup model (ms)",
+                 ["ranks N", "E[max busy] measured dist. (ms)", "vs median", "E[max busy] hiccup model (ms)",
                   "P(some rank hiccups)"])
 
 
@@ -113,7 +115,7 @@ def plot_tail(rows: list[dict], p: float | None = None):
             label="hiccup model" + (f" (p = {p:g} per rank-step)" if p is not None else ""))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("ranks N")
-    ax.set_ylabel("expected step time (ms)")
+    ax.set_ylabel("expected slowest busy time (ms)")
     ax.set_title("A synchronous step waits for the slowest of N ranks")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -8,10 +8,12 @@ every answer the learner gave.
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from ..detection import flag_stragglers as reference_flags
-from ..scheduling import fifo, make_trace, simulate
+from ..scheduling import Job, fifo, make_trace, simulate
 from ..stragglers import idle_fraction as reference_idle
 from .core import exercise, fail
 
@@ -21,6 +23,9 @@ def _array(what: str, got, shape: tuple) -> np.ndarray:
         x = np.asarray(got.detach().cpu() if hasattr(got, "detach") else got, dtype=np.float64)
     except (TypeError, ValueError):
         fail(f"{what} should return numbers (a NumPy array or list), got {type(got).__name__}")
+    if x.ndim == 0:
+        fail(f"{what} returned one number, expected {shape[0]}: one value per rank. Hint: sum over the steps "
+             "only (axis=0), keeping the ranks apart")
     if x.shape != shape:
         fail(f"{what} returned shape {x.shape}, expected {shape}: one value per rank. "
              "Hint: reduce over the steps (axis 0), not the ranks")
@@ -49,7 +54,8 @@ def _timelines():
         busy = 0.04 + rng.uniform(0, 0.01, size=(steps, ranks))
         if slow is not None:
             busy[:, slow] += delay * rng.uniform(0.2, 2.0, size=steps)  # varying delay: step times vary
-        step = np.repeat(busy.max(axis=1, keepdims=True) + 0.002, ranks, axis=1)  # everyone leaves together
+        # everyone leaves together; a rank's step starts when it left the previous one (a few ms apart)
+        step = busy.max(axis=1, keepdims=True) + 0.002 + rng.uniform(0, 0.004, size=(steps, ranks))
         cases.append((step, step - busy))
     return cases
 
@@ -96,16 +102,20 @@ def _detector_cases():
     bursty[::3, 0] += 0.12
     fast = jitter(8, 4)
     fast[:, 2] -= 0.03  # a faster rank is not a straggler
+    spread = np.tile([1.0, 1.2, 0.8, 1.1, 0.9, 1.15, 0.85, 1.63], (6, 1)) * 0.04  # last: 4.2 MADs, z = 2.8
+    spike = jitter(12, 4)
+    spike[5, 1] += 0.02  # one slow step: 4 % on the mean, not a straggler
     equal = np.full((5, 4), 0.04)  # MAD = 0
     close = np.full((5, 4), 0.04) + [0, 1e-4, 0, 4e-4]  # rank 3 is 1 % slower: MAD ~ 0 makes that an outlier
     quiet = jitter(8, 6, spread=0.006)
     return [("one rank 50 ms slower", one), ("two of eight ranks slow", two), ("rank 0 slow every third step", bursty),
-            ("one rank faster than the rest", fast), ("identical ranks", equal), ("ranks within 1 %", close), ("jitter only", quiet)]
+            ("one rank faster than the rest", fast), ("identical ranks", equal), ("ranks within 1 %", close), ("jitter only", quiet),
+            ("a rank 4 MADs above the median (z < 3.5)", spread), ("one slow step on rank 1", spike)]
 
 
 def _mean_std(busy):
     m = busy.mean(axis=0)
-    sd = m.std()
+    sd = m.std(ddof=1)
     return [] if sd == 0 else [int(r) for r in np.flatnonzero((m - m.mean()) / sd > 3.5)]
 
 
@@ -125,6 +135,25 @@ def _no_floor(busy):
     return [int(r) for r in np.flatnonzero(np.nan_to_num(z, nan=0.0) > 3.5)]
 
 
+def _z_scaled(busy, scale):
+    m = busy.mean(axis=0)
+    med = np.median(m)
+    mad = max(np.median(np.abs(m - med)), 0.05 * med)
+    return [int(r) for r in np.flatnonzero(scale * (m - med) / mad > 3.5)]
+
+
+def _no_scale(busy):
+    return _z_scaled(busy, 1.0)
+
+
+def _inverse_scale(busy):
+    return _z_scaled(busy, 1 / 0.6745)
+
+
+def _any_step(busy):
+    return sorted({r for row in busy for r in reference_flags(row)})
+
+
 @exercise(2, "straggler detector (median / MAD)")
 def straggler_detector(fn) -> None:
     """``fn(busy_s) -> list of ranks``: modified z-score 0.6745 (x − median) / max(MAD, 5 % of median)
@@ -133,6 +162,9 @@ def straggler_detector(fn) -> None:
     answers = []
     for name, busy in cases:
         got = fn(busy.copy())
+        if np.asarray(got).dtype == bool or (len(np.shape(got)) == 1 and len(got) == busy.shape[1]
+                                             and set(np.asarray(got).tolist()) <= {0, 1} and name.startswith("one rank 50")):
+            fail(f"on '{name}': got {np.asarray(got).tolist()}, a mask. Hint: return the rank numbers, e.g. [3]")
         try:
             got = sorted(int(r) for r in (got.tolist() if hasattr(got, "tolist") else got))
         except (TypeError, ValueError):
@@ -142,11 +174,14 @@ def straggler_detector(fn) -> None:
     if not wrong:
         return
     mistakes = [
-        (_mean_std, "the straggler inflates the standard deviation it is measured against, so a mean/std z-score "
-                    "cannot exceed (n-1)/sqrt(n); use the median and the MAD"),
+        (_mean_std, "your detector flags nobody, even a rank 50 ms slower: with mean and standard deviation the "
+                    "straggler inflates the spread it is measured against (z <= (n-1)/sqrt(n)); use the median and the MAD"),
         (_no_floor, "when the ranks agree, the MAD is ~0 and any jitter looks infinite: floor the MAD at 5 % of "
                     "the median"),
         (_two_sided, "only slow ranks are stragglers: flag z > 3.5, not |z| > 3.5"),
+        (_no_scale, "multiply by 0.6745: it puts the MAD on the scale of a standard deviation"),
+        (_inverse_scale, "multiply by 0.6745, do not divide by it"),
+        (_any_step, "average each rank's busy time over the steps first: one slow step is not a straggler"),
     ]
     (got, want, _), name = wrong[0]
     hint = _named_mistake(answers, mistakes, lambda g, x: sorted(g) == sorted(x)) or \
@@ -163,26 +198,30 @@ def rebalance(fn) -> None:
     speed (samples/s), integers that sum to ``global_batch``, each at least 1 and within one sample
     of its exact share."""
     cases = [([100.0, 100.0, 100.0, 50.0], 16), ([10.0, 20.0, 30.0, 40.0], 20), ([1.0, 1.0, 1.0], 7),
-             ([300.0, 100.0], 9), ([5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 0.5], 64)]
+             ([300.0, 100.0], 9), ([5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 0.5], 64), ([100.0, 100.0, 100.0, 1.0], 8)]
     for speeds, batch in cases:
         got = fn(list(speeds), batch)
         try:
+            got = list(got)
             sizes = [int(b) for b in got]
         except (TypeError, ValueError):
             fail(f"rebalance should return a list of integers, got {type(got).__name__}")
+        if not all(isinstance(b, (numbers.Real, np.number)) and not isinstance(b, bool) for b in got):
+            fail(f"rebalance should return a list of integers, got {got!r}")
         where = f"for speeds {speeds} and global batch {batch}: got {list(got)}"
         if any(float(b) != int(b) for b in got):
             fail(f"{where}. Hint: a micro-batch is a whole number of samples; round, then fix the sum")
         if len(sizes) != len(speeds):
             fail(f"{where}. Hint: return one size per rank")
+        if any(sizes[i] < sizes[j] for i in range(len(speeds)) for j in range(len(speeds)) if speeds[i] > speeds[j]):
+            fail(f"{where}. Hint: a faster rank should get more samples: sizes proportional to speed, not to time")
         share = np.asarray(speeds) / sum(speeds) * batch
         if sum(sizes) != batch:
             fail(f"{where}, which sums to {sum(sizes)}. Hint: the global batch must not change (the update would); "
                  "floor the shares, then hand the leftover samples to the largest remainders")
         if min(sizes) < 1:
-            fail(f"{where}. Hint: every rank needs at least one sample, or it has no gradient to contribute")
-        if any(sizes[i] < sizes[j] for i in range(len(speeds)) for j in range(len(speeds)) if speeds[i] > speeds[j]):
-            fail(f"{where}. Hint: a faster rank should get more samples: sizes proportional to speed, not to time")
+            fail(f"{where}. Hint: every rank needs at least one sample, or it has no gradient to contribute; "
+                 "raise it to 1 and take the sample from the largest micro-batch")
         if np.any(np.abs(np.asarray(sizes) - np.maximum(share, 1)) >= 1):
             fail(f"{where}; exact shares {np.round(share, 2).tolist()}. Hint: each size should be within one "
                  "sample of global_batch * speed / sum(speeds)")
@@ -195,11 +234,28 @@ def rebalance(fn) -> None:
 def backfill_policy(fn) -> None:
     """``fn(queue, cluster, now) -> list of jobs to start``, on the course trace: a utilisation
     above FIFO's and the head job never pushed later (no ``head_delays``)."""
+    trap = simulate(_trap_trace(), fn, nodes=4)
+    if trap.head_delays:
+        _fail_delay(trap.head_delays[0], "on a 4-node trace: ", "test each candidate together with the jobs you "
+                    "already chose: earliest_start(head, assuming=[*chosen, candidate])")
     trace = make_trace()
     base, mine = simulate(trace, fifo), simulate(trace, fn)
     if mine.head_delays:
-        fail(f"{mine.head_delays[0]}. Hint: backfill a job only if starting it now leaves the head job's earliest "
-             "start where it was: cluster.earliest_start(head, assuming=[...jobs you start...])")
+        _fail_delay(mine.head_delays[0], "", "backfill a job only if starting it now leaves the head job's earliest "
+                    "start where it was: cluster.earliest_start(head, assuming=[...jobs you start...])")
     if mine.utilisation <= base.utilisation + 1e-9:
         fail(f"utilisation {mine.utilisation:.1%} is not above FIFO's {base.utilisation:.1%}. Hint: after the jobs "
-             "that start in order, start later jobs that fit now and do not delay the head")
+             "that start in order, start later jobs that fit now and do not delay the head (not later: <=)")
+
+
+def _fail_delay(delay, where: str, hint: str):
+    if delay.job is None:
+        hint = "start jobs in queue order while they fit, the head first; backfill only behind a head that does not fit"
+    fail(f"{where}{delay}. Hint: {hint}")
+
+
+def _trap_trace() -> list[Job]:
+    """Two whole-node jobs run to 5 h; a 3-node head waits for them; two 1-node, 20-h jobs arrive together.
+    Either alone leaves the head a free node at 5 h; both together push it to 20.1 h."""
+    return [Job(0, "a", 8, 0.0, 5.0), Job(1, "a", 8, 0.0, 5.0), Job(2, "b", 24, 0.05, 2.0),
+            Job(3, "c", 8, 0.1, 20.0), Job(4, "c", 8, 0.1, 20.0)]

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     turns (:func:`take_turns`); rebalance runs its calibration alone, then the equal split and the
     rebalanced split in turns; the local-SGD runs go one after the other (taking turns step by step
     would synchronise local SGD's ranks at every step)."""
-    from teraflops.distributed import finish, init_worker, report_progress, write_result
+    from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
 
     d = Config()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -228,8 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     total = sum(WARMUP + s[2] for ss in plan.values() for s in ss) + (WARMUP + a.steps if "rebalance" in plan else 0)
     done = 0
 
-    def tick():
+    def tick():  # after each step of any setting: the launch's step count, for progress and TERAFLOPS_FAULT
         nonlocal done
+        fault_point(done)
         done += 1
         report_progress(done, total)
 
