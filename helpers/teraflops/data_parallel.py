@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from .distributed import launch
 from .sizing import DataParallelPlan, data_parallel_plan
 from .tables import table
+from .workers.data_parallel import Config, config_args
 
 WORKER = "teraflops.workers.data_parallel"
 TAUS = (0, 1, 4, 16)
@@ -83,9 +84,9 @@ def worker_args(plan: DataParallelPlan, *, taus=TAUS, steps=None, overlap_steps=
     p = plan.preset
     return ["--experiments", ",".join(experiments), "--taus", ",".join(str(int(t)) for t in taus),
             "--steps", str(steps or p.dp_steps), "--overlap-steps", str(overlap_steps or p.dp_overlap_steps),
-            "--bucket-mb", str(p.dp_bucket_mb), "--vocab", str(p.dp_vocab), "--d-model", str(p.dp_d_model),
-            "--layers", str(p.dp_layers), "--heads", str(p.gpt_heads), "--seq-len", str(p.dp_seq_len),
-            "--micro-batch", str(p.dp_micro_batch), "--lr", str(p.dp_lr), "--timeout", str(collective_timeout)]
+            "--bucket-mb", str(p.dp_bucket_mb),
+            *config_args(Config(p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len, p.dp_micro_batch,
+                                p.dp_lr)), "--timeout", str(collective_timeout)]
 
 
 def run(taus=TAUS, steps: int | None = None, overlap_steps: int | None = None, plan: DataParallelPlan | None = None,

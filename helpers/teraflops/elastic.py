@@ -56,6 +56,7 @@ from pathlib import Path
 from .distributed import FAULT_ENV, launch
 from .sizing import DataParallelPlan, data_parallel_plan, preset
 from .tables import table
+from .workers.data_parallel import Config, config_args
 from .workers.elastic_train import STEPS_LOG
 
 WORKER = "teraflops.workers.elastic_train"
@@ -125,9 +126,9 @@ def worker_args(plan: DataParallelPlan, checkpoint_dir, steps: int, checkpoint_e
     sequences per rank, ``dp_lr``."""
     p = plan.preset
     return ["--checkpoint-dir", str(checkpoint_dir), "--steps", str(steps), "--checkpoint-every",
-            str(checkpoint_every), "--vocab", str(p.gpt_vocab), "--d-model", str(p.gpt_d_model),
-            "--layers", str(p.gpt_layers), "--heads", str(p.gpt_heads), "--seq-len", str(p.gpt_seq_len),
-            "--micro-batch", str(p.straggler_micro_batch), "--lr", str(p.dp_lr), "--timeout", str(collective_timeout)]
+            str(checkpoint_every), *config_args(Config(p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads,
+                                                       p.gpt_seq_len, p.straggler_micro_batch, p.dp_lr)),
+            "--timeout", str(collective_timeout)]
 
 
 def launch_training(checkpoint_dir, plan: DataParallelPlan | None = None, steps: int | None = None,

@@ -60,6 +60,7 @@ import numpy as np
 from .distributed import launch
 from .sizing import DataParallelPlan, data_parallel_plan, preset
 from .tables import table
+from .workers.data_parallel import Config, config_args
 
 WORKER = "teraflops.workers.straggler"
 EXPERIMENTS = ("sweep", "kinds", "rebalance", "localsgd")
@@ -302,9 +303,8 @@ def worker_args(plan: DataParallelPlan, *, delays_ms=None, steps=None, experimen
     delays = p.straggler_delays_ms if delays_ms is None else delays_ms
     return ["--experiments", ",".join(experiments), "--delays-ms", ",".join(f"{d:g}" for d in delays),
             "--steps", str(steps or p.straggler_steps), "--local-ks", ",".join(str(int(k)) for k in local_ks),
-            "--vocab", str(p.gpt_vocab), "--d-model", str(p.gpt_d_model), "--layers", str(p.gpt_layers),
-            "--heads", str(p.gpt_heads), "--seq-len", str(p.gpt_seq_len), "--micro-batch", str(p.straggler_micro_batch),
-            "--lr", str(p.straggler_lr), "--timeout", str(collective_timeout)]
+            *config_args(Config(p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len,
+                                p.straggler_micro_batch, p.straggler_lr)), "--timeout", str(collective_timeout)]
 
 
 def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None = None, experiments=EXPERIMENTS,

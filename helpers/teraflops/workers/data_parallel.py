@@ -65,6 +65,29 @@ class Config:
     seed: int = 0
 
 
+CONFIG_FLAGS = ("vocab", "d_model", "layers", "heads", "seq_len", "micro_batch", "lr", "seed")
+
+
+def config_args(cfg: Config) -> list[str]:
+    """``cfg`` as the command-line options :func:`add_config_arguments` reads (host side)."""
+    return [item for f in CONFIG_FLAGS for item in ("--" + f.replace("_", "-"), str(getattr(cfg, f)))]
+
+
+def add_config_arguments(parser, lr_help: str = "Adam") -> None:
+    """Add the :class:`Config` options (defaults: its fields) and ``--timeout`` (s a collective
+    waits for the others) to a worker's ``parser``; :func:`config_from_args` reads them back."""
+    d = Config()
+    for f in CONFIG_FLAGS:
+        parser.add_argument("--" + f.replace("_", "-"), type=type(getattr(d, f)), default=getattr(d, f),
+                            help=lr_help if f == "lr" else None)
+    parser.add_argument("--timeout", type=float, default=30, help="seconds a collective waits for the others")
+
+
+def config_from_args(a) -> Config:
+    """The :class:`Config` of parsed :func:`add_config_arguments` options."""
+    return Config(**{f: getattr(a, f) for f in CONFIG_FLAGS})
+
+
 def build_model(cfg: Config, device="cpu") -> GPT:
     """The GPT of ``cfg``, initialised from ``cfg.seed`` (identical on every rank and in every run)."""
     torch.manual_seed(cfg.seed)
@@ -290,7 +313,6 @@ def main(argv: list[str] | None = None) -> None:
     (``TERAFLOPS_FAULT``) count every training step of the launch, in the order they run."""
     from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
 
-    d = Config()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experiments", default="staleness,overlap", help="comma-separated: staleness, overlap")
     p.add_argument("--taus", default="0,1,4,16", help="comma-separated staleness values (steps)")
@@ -299,12 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overlap-steps", type=int, default=10, help="training steps per overlap mode")
     p.add_argument("--modes", default=",".join(OVERLAP_MODES), help="comma-separated overlap modes")
     p.add_argument("--bucket-mb", type=float, default=2.0, help="DDP bucket_cap_mb (MiB)")
-    for field in ("vocab", "d_model", "layers", "heads", "seq_len", "micro_batch", "seed"):
-        p.add_argument("--" + field.replace("_", "-"), type=int, default=getattr(d, field))
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--timeout", type=float, default=30, help="seconds a collective waits for the others")
+    add_config_arguments(p)
     a = p.parse_args(argv)
-    cfg = Config(a.vocab, a.d_model, a.layers, a.heads, a.seq_len, a.micro_batch, a.lr, a.seed)
+    cfg = config_from_args(a)
     experiments = [e for e in a.experiments.split(",") if e]
     taus = [int(t) for t in a.taus.split(",") if t] if "staleness" in experiments else []
     modes = [m for m in a.modes.split(",") if m] if "overlap" in experiments else []

@@ -35,8 +35,9 @@ import torch.distributed as dist
 
 from teraflops.checkpoint import checkpoint_path, latest, load, save_atomic
 from teraflops.data import markov_tokens
-from teraflops.models import GPT, lm_loss
-from teraflops.workers.data_parallel import rank_batch, set_grads
+from teraflops.models import lm_loss
+from teraflops.workers.data_parallel import (add_config_arguments, build_model, config_from_args, rank_batch,
+                                              set_grads)
 
 STEPS_LOG = "steps.jsonl"
 
@@ -51,22 +52,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--checkpoint-dir", required=True, type=Path)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--checkpoint-every", type=int, default=5, help="completed steps between checkpoints")
-    for name, default in (("vocab", 256), ("d-model", 128), ("layers", 2), ("heads", 4), ("seq-len", 64),
-                          ("micro-batch", 4), ("seed", 0)):
-        p.add_argument("--" + name, type=int, default=default)
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam")
-    p.add_argument("--timeout", type=float, default=30, help="seconds a collective waits for the others")
+    add_config_arguments(p)
     a = p.parse_args(argv)
+    cfg = config_from_args(a)
     if min(a.steps, a.checkpoint_every) < 1:
         p.error("--steps and --checkpoint-every must be >= 1")
 
     w = init_worker(a.timeout)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    torch.manual_seed(a.seed)
-    model = GPT(a.vocab, a.d_model, a.layers, a.heads, a.seq_len).to(w.device)
+    model = build_model(cfg, w.device)
     params = list(model.parameters())
-    opt = torch.optim.Adam(params, lr=a.lr)
-    inputs, targets = markov_tokens(a.steps * w.world_size * a.micro_batch, a.seq_len, a.vocab, seed=a.seed + 1)
+    opt = torch.optim.Adam(params, lr=cfg.lr)
+    inputs, targets = markov_tokens(a.steps * w.world_size * cfg.micro_batch, cfg.seq_len, cfg.vocab, seed=cfg.seed + 1)
     start, losses = 0, []
     if (found := latest(a.checkpoint_dir)) is not None:
         state = load(found, map_location=w.device)
@@ -77,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     for step in range(start, a.steps):
         fault_point(step)
-        x, y = (t.to(w.device) for t in rank_batch((inputs, targets), step, w.rank, w.world_size, a.micro_batch))
+        x, y = (t.to(w.device) for t in rank_batch((inputs, targets), step, w.rank, w.world_size, cfg.micro_batch))
         opt.zero_grad(set_to_none=True)
         loss = lm_loss(model(x), y)
         loss.backward()

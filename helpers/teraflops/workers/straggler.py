@@ -44,7 +44,8 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from teraflops.models import lm_loss
 from teraflops.stragglers import (EXPERIMENTS, FACTOR, JITTER_MS, JITTER_PROB, KIND_DELAY_MS, LOCAL_K, WARMUP,
                                   Injection, rebalance)
-from teraflops.workers.data_parallel import Config, flat_grads, set_grads, sync_device, build_model, held_out, make_data
+from teraflops.workers.data_parallel import (Config, add_config_arguments, build_model, config_from_args, flat_grads,
+                                              held_out, make_data, set_grads, sync_device)
 
 MOMENTUM = 0.9
 RECORDS = ("start", "compute", "delay", "wait", "update", "step", "batch", "loss")
@@ -201,7 +202,6 @@ def main(argv: list[str] | None = None) -> None:
     would synchronise local SGD's ranks at every step)."""
     from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
 
-    d = Config()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experiments", default=",".join(EXPERIMENTS), help="comma-separated: " + ", ".join(EXPERIMENTS))
     p.add_argument("--delays-ms", default="0,50,100,200", help="comma-separated constant delays of the sweep (ms)")
@@ -211,15 +211,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jitter-ms", type=float, default=JITTER_MS, help="local SGD: random delay on every rank (ms)")
     p.add_argument("--jitter-prob", type=float, default=JITTER_PROB, help="local SGD: its probability per step")
     p.add_argument("--local-ks", default=str(LOCAL_K), help="comma-separated steps between averages of local SGD")
-    for f in ("vocab", "d_model", "layers", "heads", "seq_len", "micro_batch", "seed"):
-        p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
-    p.add_argument("--lr", type=float, default=0.3, help="SGD learning rate")
-    p.add_argument("--timeout", type=float, default=30, help="seconds a collective waits for the others")
+    add_config_arguments(p, lr_help="SGD learning rate")
     a = p.parse_args(argv)
     experiments = [e for e in a.experiments.split(",") if e]
     if set(experiments) - set(EXPERIMENTS) or a.steps < 1:
         p.error(f"unknown experiment in {a.experiments!r}, or steps < 1")
-    cfg = Config(a.vocab, a.d_model, a.layers, a.heads, a.seq_len, a.micro_batch, a.lr, a.seed)
+    cfg = config_from_args(a)
     plan = {e: s for e, s in settings(a).items() if e in experiments}
 
     w = init_worker(a.timeout)
