@@ -3,6 +3,12 @@
 ``TransformerBlock`` is a pre-LayerNorm GPT block (Radford et al. 2019, GPT-2): multi-head
 causal self-attention and a 4× MLP with GELU, each with a residual connection.
 Input and output: ``(batch, seq_len, d_model)`` float tensors.
+
+:class:`KVCache` adds the static key/value cache used for token-by-token decoding (Unit 4): one
+preallocated ``(batch, heads, max_seq_len, head_dim)`` tensor of keys and one of values per layer,
+written at the current positions, with attention masked to the positions ``≤`` the query's own
+(the pattern of pytorch-labs/gpt-fast, whose shapes never change from one token to the next, so a
+compiled decode step is not recompiled per token). Without a cache, every call behaves as before.
 """
 
 from __future__ import annotations
@@ -37,10 +43,16 @@ class TransformerBlock(nn.Module):
         self.fc1 = nn.Linear(d_model, 4 * d_model)
         self.fc2 = nn.Linear(4 * d_model, d_model)
 
-    def _attend(self, x: torch.Tensor) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, cache: "LayerKV | None" = None, input_pos: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        if self.attention == "sdpa":
+        if cache is not None:
+            # Write this call's keys/values at their positions, then attend over the whole
+            # (static-shape) cache; positions not yet written are masked out by ``mask``.
+            k, v = cache.update(input_pos, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             from .attention import naive_attention
@@ -48,11 +60,59 @@ class TransformerBlock(nn.Module):
             y = naive_attention(q, k, v, causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, n, d))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: "LayerKV | None" = None, input_pos: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.qkv.in_features:
             raise ShapeError(f"TransformerBlock expects (batch, seq_len, {self.qkv.in_features}), got {tuple(x.shape)}")
-        x = x + self._attend(self.ln1(x))
+        x = x + self._attend(self.ln1(x), cache, input_pos, mask)
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class LayerKV(nn.Module):
+    """Static key/value cache of one attention layer: buffers ``k`` and ``v``, each
+    ``(batch, heads, max_seq_len, head_dim)`` (zeros until written). Buffers, not arguments, so that
+    a compiled step (and a CUDA graph) sees them as static memory updated in place."""
+
+    def __init__(self, batch: int, heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype, device):
+        super().__init__()
+        shape = (batch, heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k, v`` ``(batch, heads, T, head_dim)`` at positions ``input_pos`` (int64 ``(T,)``)
+        along dimension 2 (in place); return the whole cache ``(k, v)``."""
+        if k.dtype != self.k.dtype:  # a Python-level test: no no-op ``aten::to`` in every step
+            k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
+class KVCache(nn.Module):
+    """Static KV cache for a :class:`GPT`: one :class:`LayerKV` per block, ``layers[i].k`` and
+    ``layers[i].v`` each ``(batch, n_heads, max_seq_len, head_dim)``.
+
+    Memory: ``2 · n_layers · batch · max_seq_len · d_model`` elements (keys and values).
+    Make one with :meth:`GPT.new_cache`; :meth:`reset` zeroes it for a new prompt.
+    """
+
+    def __init__(self, n_layers: int, batch: int, heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device="cpu"):
+        super().__init__()
+        self.batch, self.max_seq_len = batch, max_seq_len
+        self.layers = nn.ModuleList(LayerKV(batch, heads, max_seq_len, head_dim, dtype, device)
+                                    for _ in range(n_layers))
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.k.zero_()
+            layer.v.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all keys and values."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
 class GPT(nn.Module):
@@ -67,6 +127,11 @@ class GPT(nn.Module):
     ``forward(tokens)``: ``tokens`` int64 ``(batch, seq_len)`` with ``seq_len ≤ max_seq_len`` →
     logits float ``(batch, seq_len, vocab_size)``. Raises :class:`ShapeError` / ``TypeError`` for
     wrong shapes or dtypes. Parameter count: :meth:`num_params`.
+
+    ``forward(tokens, cache=cache, input_pos=pos)`` (decoding, Unit 4): ``tokens`` are at positions
+    ``pos`` (int64 ``(seq_len,)``, e.g. ``arange(P)`` for a prefill, ``tensor([t])`` for one new
+    token); their keys/values are written into ``cache`` (:meth:`new_cache`) and each attends to
+    every cached position ``≤`` its own. Same logits as the uncached forward over the whole prefix.
     """
 
     def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 2, n_heads: int = 4,
@@ -86,14 +151,37 @@ class GPT(nn.Module):
         """Distinct parameter elements (the tied head counted once): Ψ in the ZeRO paper."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def new_cache(self, batch: int, max_seq_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty :class:`KVCache` for ``batch`` sequences of up to ``max_seq_len`` (default: the
+        model's) positions, on the model's device, in its dtype unless ``dtype`` is given."""
+        max_seq_len = max_seq_len or self.max_seq_len
+        if max_seq_len > self.max_seq_len:
+            raise ShapeError(f"a cache of {max_seq_len} positions is longer than the model's max_seq_len="
+                             f"{self.max_seq_len}")
+        w = self.tok.weight
+        heads = self.blocks[0].n_heads if len(self.blocks) else 1
+        return KVCache(len(self.blocks), batch, heads, max_seq_len, self.tok.embedding_dim // heads,
+                       dtype or w.dtype, w.device)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                input_pos: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long:
             raise TypeError(f"GPT expects int64 token ids, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
         if tokens.dim() != 2 or tokens.shape[1] > self.max_seq_len:
             raise ShapeError(f"GPT expects (batch, seq_len ≤ {self.max_seq_len}) token ids, got {tuple(tokens.shape)}")
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
+        if cache is None:
+            x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
+        if input_pos is None:
+            raise ShapeError("GPT with a cache needs input_pos, the int64 positions (seq_len,) of the tokens")
+        # Query at position p sees cached positions ≤ p: a (seq_len, cache_len) boolean mask,
+        # broadcast over batch and heads by scaled_dot_product_attention.
+        mask = torch.arange(cache.max_seq_len, device=tokens.device) <= input_pos[:, None]
+        x = self.tok(tokens) + self.pos(input_pos)
+        for block, layer in zip(self.blocks, cache.layers):
+            x = block(x, layer, input_pos, mask)
         return self.head(self.ln_f(x))
 
 

@@ -71,6 +71,16 @@ class Preset:
     elastic_steps: int = 30  # training steps of the elastic-recovery demo
     elastic_checkpoint_every: int = 5  # steps between (atomic) checkpoints
     elastic_kill_step: int = 17  # the step at which one rank is killed
+    # Unit 4 §1-2: token-by-token decode with a static KV cache (decode.py) on a models.GPT of these
+    # sizes; CPU sizes keep the lecture, a cold torch.compile included, to a minute or two
+    decode_vocab: int = 1024
+    decode_d_model: int = 256
+    decode_layers: int = 4
+    decode_heads: int = 4
+    decode_max_seq_len: int = 256  # KV-cache positions
+    decode_prompt_len: int = 16
+    decode_new_tokens: int = 64  # greedy tokens per generate() call
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch sweep of one decode step
 
 
 PRESETS = {
@@ -78,7 +88,8 @@ PRESETS = {
                    1, 2, 32, torch.float32, (64, 128), 64, 2, 32, 2, 0.02, gpt_d_model=64, gpt_seq_len=32, zero_steps=3,
                    dp_d_model=64, dp_steps=6, dp_overlap_steps=4, dp_bucket_mb=0.05,
                    straggler_steps=4, straggler_delays_ms=(0, 50), elastic_steps=8, elastic_checkpoint_every=3,
-                   elastic_kill_step=5),
+                   elastic_kill_step=5, decode_vocab=256, decode_d_model=64, decode_layers=2, decode_heads=2,
+                   decode_max_seq_len=32, decode_prompt_len=4, decode_new_tokens=8, decode_batches=(1, 2, 4)),
     "cpu": Preset("cpu", "cpu", torch.float32, 1024, 128 * MiB, (16, 64, 256, 1024), 1 << 24,
                   (1, 1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 22), 1, 2, 32, torch.float32,
                   (128, 256, 512, 1024), 256, 4, 128, 4, 0.1),
@@ -88,7 +99,9 @@ PRESETS = {
                   gpt_vocab=32768, gpt_d_model=1024, gpt_layers=8, gpt_heads=16, gpt_seq_len=1024, dp_micro_batch=8,
                   zero_steps=6, dp_vocab=4096, dp_d_model=1024, dp_layers=8, dp_seq_len=256, dp_lr=3e-4,
                   dp_steps=100, dp_overlap_steps=30, dp_bucket_mb=25.0, straggler_micro_batch=8, straggler_lr=0.05,
-                  straggler_steps=30, elastic_steps=60, elastic_checkpoint_every=10, elastic_kill_step=33),
+                  straggler_steps=30, elastic_steps=60, elastic_checkpoint_every=10, elastic_kill_step=33,
+                  decode_vocab=32768, decode_d_model=2048, decode_layers=16, decode_heads=16, decode_max_seq_len=1024,
+                  decode_prompt_len=128, decode_new_tokens=256, decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256)),
 }
 
 
