@@ -4,6 +4,11 @@ Generating text runs the model once per new token, on one token per sequence. Ea
 every weight and the whole KV cache to do a few FLOPs per byte, and launches one operator (or
 kernel) per layer piece: decode is **memory- and overhead-bound**. This module measures both.
 
+* **The model** (:func:`decode_model`): a small :class:`teraflops.models.Llama` (RMSNorm, RoPE,
+  SwiGLU), whose hand-written glue (six operators per norm, seven per rotation, a gate) is what a
+  compiler fuses. Every function here takes *any* model with the cache interface of
+  :class:`~teraflops.models.GPT` and :class:`~teraflops.models.Llama`: ``new_cache(batch)``,
+  ``forward(tokens, cache=None, input_pos=None)`` and a ``max_seq_len`` attribute.
 * **Static KV cache** (:class:`teraflops.models.KVCache`, the pytorch-labs/gpt-fast pattern): per
   layer, keys and values preallocated as ``(batch, heads, max_seq_len, head_dim)``, written at the
   current position with ``index_copy_``; attention runs over the whole cache with a boolean mask
@@ -33,25 +38,46 @@ from typing import Callable
 
 import torch
 
+import torch.nn as nn
+
 from .errors import CourseError, ShapeError
-from .models import GPT, KVCache
+from .models import KVCache, Llama
 from .profiling import _METADATA_OPS
 
-StepFn = Callable[[GPT, KVCache, torch.Tensor, torch.Tensor], torch.Tensor]
+# Any nn.Module with ``max_seq_len``, ``new_cache(batch, max_seq_len=None, dtype=None) -> KVCache`` and
+# ``forward(tokens, cache=None, input_pos=None) -> logits``: models.GPT and models.Llama.
+Model = nn.Module
+StepFn = Callable[[Model, KVCache, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def decode_model(p=None, dtype: torch.dtype | None = None, seed: int = 0) -> Llama:
+    """The Unit 4 decode model: a :class:`~teraflops.models.Llama` of the preset's ``decode_*``
+    sizes (default :func:`teraflops.sizing.preset`), in eval mode, on the preset's device, in
+    ``dtype`` (default the preset's ``dtype``); weights from ``seed``."""
+    from .sizing import preset
+
+    p = p or preset()
+    model = Llama(p.decode_vocab, p.decode_d_model, p.decode_layers, p.decode_heads, p.decode_max_seq_len,
+                  seed=seed)
+    return model.to(device=p.device, dtype=dtype or p.dtype).eval()
+
+
+def _device(model: Model) -> torch.device:
+    return next(model.parameters()).device
 
 
 # ----------------------------------------------------------------------------------------------
 # Prefill, one decode step, greedy generation
 # ----------------------------------------------------------------------------------------------
 
-def prefill(model: GPT, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
+def prefill(model: Model, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
     """Run the whole prompt ``(batch, P)`` int64 at positions ``0..P-1``, filling ``cache``; return
     the logits of the last position, float ``(batch, vocab)``."""
     pos = torch.arange(prompt.shape[1], device=prompt.device)
     return model(prompt, cache=cache, input_pos=pos)[:, -1]
 
 
-def decode_step(model: GPT, cache: KVCache, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+def decode_step(model: Model, cache: KVCache, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
     """One decode step: ``token`` int64 ``(batch, 1)`` at position ``input_pos`` int64 ``(1,)``;
     writes its keys/values into ``cache`` and returns the next-token logits float ``(batch, vocab)``.
     The eager step; :func:`compile_decode` compiles this same function."""
@@ -63,7 +89,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def check_prompt(model: GPT, prompt, new_tokens: int, cache: KVCache | None = None) -> None:
+def check_prompt(model: Model, prompt, new_tokens: int, cache: KVCache | None = None) -> None:
     """Raise a one-line :class:`CourseError` / :class:`ShapeError` unless ``prompt`` is int64
     ``(batch, P)`` with ``P ≥ 1`` and ``P + new_tokens ≤`` the cache's (or model's) ``max_seq_len``."""
     if not isinstance(prompt, torch.Tensor):
@@ -108,7 +134,7 @@ class Generation:
 
 
 @torch.no_grad()
-def generate(model: GPT, prompt: torch.Tensor, new_tokens: int, step_fn: StepFn = decode_step,
+def generate(model: Model, prompt: torch.Tensor, new_tokens: int, step_fn: StepFn = decode_step,
              cache: KVCache | None = None) -> Generation:
     """Greedy decoding: prefill ``prompt`` (int64 ``(batch, P)``), then ``new_tokens - 1`` calls of
     ``step_fn(model, cache, token, input_pos)``, each taking the argmax of the last logits.
@@ -161,7 +187,7 @@ class CompiledDecode:
     note: str
 
 
-def compile_decode(model: GPT, cache: KVCache, mode: str | None = "auto") -> CompiledDecode:
+def compile_decode(model: Model, cache: KVCache, mode: str | None = "auto") -> CompiledDecode:
     """``torch.compile`` :func:`decode_step` and pay the compile up front (one call on ``cache``,
     which is then reset).
 
@@ -226,7 +252,7 @@ class Launches:
         return sorted(self.by_name.items(), key=lambda kv: -kv[1])[:n]
 
 
-def launches_per_token(step_fn: StepFn, model: GPT, cache: KVCache, warmup: int = 2) -> Launches:
+def launches_per_token(step_fn: StepFn, model: Model, cache: KVCache, warmup: int = 2) -> Launches:
     """Count, with ``torch.profiler``, what one decode step (``step_fn(model, cache, token, pos)``
     at position 0, after ``warmup`` calls) launches.
 
@@ -286,7 +312,7 @@ def launches_per_token(step_fn: StepFn, model: GPT, cache: KVCache, warmup: int 
 # Speed, bytes, bandwidth, batch sweep
 # ----------------------------------------------------------------------------------------------
 
-def step_seconds(step_fn: StepFn, model: GPT, cache: KVCache, min_run_time: float = 0.2) -> float:
+def step_seconds(step_fn: StepFn, model: Model, cache: KVCache, min_run_time: float = 0.2) -> float:
     """Median seconds of one decode step at position 0 (:func:`teraflops.timing.benchmark`,
     i.e. ``torch.utils.benchmark``; the cache is rewritten at the same position every call, and
     since the cache is static every step costs the same wherever it writes)."""
@@ -299,20 +325,25 @@ def step_seconds(step_fn: StepFn, model: GPT, cache: KVCache, min_run_time: floa
         return benchmark(lambda: step_fn(model, cache, token, pos), min_run_time=min_run_time, warmup=2).median
 
 
-def decode_bytes_per_step(model: GPT, cache: KVCache) -> int:
+def decode_bytes_per_step(model: Model, cache: KVCache) -> int:
     """Minimum bytes read by one decode step (all sequences of the batch):
 
-    ``s_w · (Ψ − max_seq_len · d_model) + s_kv · 2 · n_layers · batch · cache_len · d_model``
+    ``s_w · (Ψ − lookup tables) + s_kv · 2 · n_layers · batch · cache_len · d_model``
 
-    Ψ parameters (:meth:`GPT.num_params`, the tied head once: it reads the whole token table) less
-    the position table, of which one row is read; then every key and value of the static cache,
-    all ``cache_len`` positions, since the masked attention reads them all (a cache sized to the
-    current length would read ``pos + 1``). ``s`` = bytes per element. Activations (a few
-    ``batch × d_model`` vectors) are left out: a lower bound, as in :mod:`teraflops.roofline`.
+    Ψ parameters (each tensor once), less the tables only looked up by an ``nn.Embedding``, of
+    which a few rows are read (GPT: the position table, ``max_seq_len · d_model``; its token table
+    is tied to the head, which reads all of it. Llama: the token table, its head being untied);
+    then every key and value of the static cache, all ``cache_len`` positions, since the masked
+    attention reads them all (a cache sized to the current length would read ``pos + 1``).
+    ``s`` = bytes per element. Activations and the looked-up rows (a few ``batch × d_model``
+    vectors) are left out: a lower bound, as in :mod:`teraflops.roofline`.
     """
-    w = model.tok.weight
-    pos_table = model.pos.weight.numel()
-    return (model.num_params() - pos_table) * w.element_size() + cache.nbytes
+    lookup_only = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for m in model.modules():  # a table also used by another module (a tied head) is read whole
+        if not isinstance(m, nn.Embedding):
+            lookup_only -= {id(p) for p in m.parameters(recurse=False)}
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lookup_only)
+    return weights + cache.nbytes
 
 
 @dataclass(frozen=True)
@@ -339,7 +370,7 @@ class BatchRow:
         return self.achieved_bandwidth / self.bandwidth
 
 
-def batch_sweep(model: GPT, batches, cache_len: int | None = None, step_fn: StepFn = decode_step,
+def batch_sweep(model: Model, batches, cache_len: int | None = None, step_fn: StepFn = decode_step,
                 bandwidth: float | None = None, min_run_time: float = 0.2) -> list[BatchRow]:
     """Time one decode step for each batch size (a fresh cache of ``cache_len`` positions each).
 
@@ -349,7 +380,7 @@ def batch_sweep(model: GPT, batches, cache_len: int | None = None, step_fn: Step
     """
     from .ceilings import measure_copy_bandwidth
 
-    device = model.tok.weight.device
+    device = _device(model)
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(128 * 2**20 if device.type == "cpu" else 2**31, str(device.type))
     rows = []
@@ -383,7 +414,7 @@ class GraphBreaks:
     reasons: list[str]
 
 
-def step_with_eos_check(model: GPT, cache: KVCache, token: torch.Tensor, input_pos: torch.Tensor,
+def step_with_eos_check(model: Model, cache: KVCache, token: torch.Tensor, input_pos: torch.Tensor,
                         eos: int = 0) -> torch.Tensor:
     """A decode step returning log-probabilities ``(batch, vocab)``, with a classic mistake: an
     end-of-sequence test ``next_token.item() == eos`` inside the step. ``.item()`` copies a value
@@ -395,7 +426,7 @@ def step_with_eos_check(model: GPT, cache: KVCache, token: torch.Tensor, input_p
     return logp if not finished else logp.clone()
 
 
-def graph_break_demo(model: GPT, cache: KVCache, step_fn=step_with_eos_check) -> GraphBreaks:
+def graph_break_demo(model: Model, cache: KVCache, step_fn=step_with_eos_check) -> GraphBreaks:
     """Run ``torch._dynamo.explain`` on one decode step and report graphs, breaks and reasons
     (the cache is reset afterwards). Nothing is compiled by Inductor: explain only traces."""
     device = cache.layers[0].k.device

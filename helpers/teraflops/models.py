@@ -9,6 +9,13 @@ preallocated ``(batch, heads, max_seq_len, head_dim)`` tensor of keys and one of
 written at the current positions, with attention masked to the positions ``≤`` the query's own
 (the pattern of pytorch-labs/gpt-fast, whose shapes never change from one token to the next, so a
 compiled decode step is not recompiled per token). Without a cache, every call behaves as before.
+
+:class:`Llama` is a small LLaMA-style decoder (Touvron et al. 2023, arXiv:2302.13971): pre-norm
+:class:`RMSNorm`, rotary position embeddings (:func:`apply_rope`, Su et al. 2021, RoFormer), a SwiGLU
+MLP (Shazeer 2020, "GLU Variants Improve Transformer"), no biases, untied output head, with the same
+cache interface as :class:`GPT`. Its glue (the norm, the rotation, the gate) is written as several
+small elementwise operators, not fused library calls: exactly what ``torch.compile`` fuses
+(Unit 4's decode model).
 """
 
 from __future__ import annotations
@@ -183,6 +190,150 @@ class GPT(nn.Module):
         for block, layer in zip(self.blocks, cache.layers):
             x = block(x, layer, input_pos, mask)
         return self.head(self.ln_f(x))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), as in LLaMA: ``x · rsqrt(mean(x²) + eps) · weight``
+    over the last dimension; no mean subtraction, no bias. Written as separate operators on purpose
+    (pow, mean, add, rsqrt, mul, mul): six launches in eager mode, one fused kernel when compiled."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotation angles ``positions[:, None] · inv_freq[None]`` → ``(cos, sin)``, each
+    ``(seq_len, head_dim // 2)`` in ``dtype``. ``inv_freq[i] = base^(-2i / head_dim)`` (RoFormer §3.2.2).
+    Computed from the positions in every forward (as Hugging Face's Llama does), so that one
+    decode step needs no table lookup; shared by all layers."""
+    angles = positions[:, None].float() * inv_freq[None]
+    cos, sin = angles.cos(), angles.sin()
+    if dtype != cos.dtype:  # a Python-level test: no no-op ``aten::to`` in a float32 step
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021): rotate each consecutive pair
+    ``(x[2i], x[2i+1])`` of ``x`` ``(batch, heads, seq_len, head_dim)`` by the angle of its position
+    and frequency ``i`` (``cos, sin`` from :func:`rope_cos_sin`, broadcast over batch and heads).
+    The pairing of Meta's LLaMA code (there as complex multiplication)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).view(x.shape)
+
+
+class LlamaBlock(nn.Module):
+    """One LLaMA block: ``x + attn(rmsnorm(x))`` then ``h + w2(silu(w1 h') ⊙ w3 h')`` with
+    ``h' = rmsnorm(h)``. Queries and keys are rotated (RoPE) before attention; no biases anywhere.
+
+    Args:
+        d_model: width; divisible by ``n_heads``, and ``d_model // n_heads`` even (RoPE pairs).
+        n_heads: attention heads.
+        hidden: SwiGLU width (default ``4 · d_model``; LLaMA uses ``⅔ · 4 · d_model`` rounded).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, hidden: int | None = None):
+        super().__init__()
+        if d_model % n_heads or (d_model // n_heads) % 2:
+            raise ShapeError(f"d_model={d_model} must be divisible by n_heads={n_heads} into an even head_dim")
+        hidden = hidden or 4 * d_model
+        self.n_heads = n_heads
+        self.attn_norm, self.mlp_norm = RMSNorm(d_model), RMSNorm(d_model)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d_model, d_model, bias=False) for _ in range(4))
+        self.w1 = nn.Linear(d_model, hidden, bias=False)  # gate (through SiLU)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None,
+                input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (w(h).view(b, n, self.n_heads, d // self.n_heads).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(input_pos, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(b, n, d))
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    """A small LLaMA-style language model (Touvron et al. 2023): token embedding (no position
+    embedding: positions enter through RoPE), pre-norm :class:`LlamaBlock` s, final :class:`RMSNorm`,
+    and an output head *not* tied to the embedding (as in LLaMA).
+
+    Args:
+        vocab_size, d_model, n_layers, n_heads: as :class:`GPT` (``d_model // n_heads`` even).
+        max_seq_len: longest sequence (and default KV-cache length).
+        rope_base: RoPE frequency base (10000, as in RoFormer and LLaMA).
+        seed: weights are drawn from a generator seeded with it (N(0, 0.02) for every linear and
+            embedding weight, ones for the norms): the same model whatever the global RNG state.
+
+    ``forward(tokens)`` and ``forward(tokens, cache=..., input_pos=...)``: exactly as :class:`GPT`
+    (uncached = causal forward over the whole sequence; cached = write keys/values at ``input_pos``
+    and attend to cached positions ``≤`` each query's). Logits float ``(batch, seq_len, vocab_size)``.
+    """
+
+    def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 2, n_heads: int = 4,
+                 max_seq_len: int = 64, rope_base: float = 10000.0, seed: int = 0):
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList(LlamaBlock(d_model, n_heads) for _ in range(n_layers))
+        self.norm = RMSNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        head_dim = d_model // n_heads
+        inv_freq = rope_base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.02)
+
+    def num_params(self) -> int:
+        """Parameter elements (embedding and head counted separately: they are not tied)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def new_cache(self, batch: int, max_seq_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty :class:`KVCache`, as :meth:`GPT.new_cache`."""
+        max_seq_len = max_seq_len or self.max_seq_len
+        if max_seq_len > self.max_seq_len:
+            raise ShapeError(f"a cache of {max_seq_len} positions is longer than the model's max_seq_len="
+                             f"{self.max_seq_len}")
+        w = self.tok.weight
+        heads = self.blocks[0].n_heads if len(self.blocks) else 1
+        return KVCache(len(self.blocks), batch, heads, max_seq_len, self.tok.embedding_dim // heads,
+                       dtype or w.dtype, w.device)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long:
+            raise TypeError(f"Llama expects int64 token ids, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
+        if tokens.dim() != 2 or tokens.shape[1] > self.max_seq_len:
+            raise ShapeError(f"Llama expects (batch, seq_len ≤ {self.max_seq_len}) token ids, got {tuple(tokens.shape)}")
+        x = self.tok(tokens)
+        if cache is None:
+            cos, sin = rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), self.inv_freq, x.dtype)
+            for block in self.blocks:
+                x = block(x, cos, sin)
+            return self.head(self.norm(x))
+        if input_pos is None:
+            raise ShapeError("Llama with a cache needs input_pos, the int64 positions (seq_len,) of the tokens")
+        cos, sin = rope_cos_sin(input_pos, self.inv_freq, x.dtype)
+        mask = torch.arange(cache.max_seq_len, device=tokens.device) <= input_pos[:, None]
+        for block, layer in zip(self.blocks, cache.layers):
+            x = block(x, cos, sin, layer, input_pos, mask)
+        return self.head(self.norm(x))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

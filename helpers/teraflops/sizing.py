@@ -71,8 +71,9 @@ class Preset:
     elastic_steps: int = 30  # training steps of the elastic-recovery demo
     elastic_checkpoint_every: int = 5  # steps between (atomic) checkpoints
     elastic_kill_step: int = 17  # the step at which one rank is killed
-    # Unit 4 §1-2: token-by-token decode with a static KV cache (decode.py) on a models.GPT of these
-    # sizes; CPU sizes keep the lecture, a cold torch.compile included, to a minute or two
+    # Unit 4 §1-2: token-by-token decode with a static KV cache (decode.py) on a models.Llama of these
+    # sizes (decode.decode_model); CPU sizes keep the lecture, a cold torch.compile (~20-25 s on two
+    # cores) included, to a minute or two
     decode_vocab: int = 1024
     decode_d_model: int = 256
     decode_layers: int = 4
