@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from teraflops import batching as bt
-from teraflops.batching import BatchingError
+from teraflops.batching import BatchingError, dynamic_batch_policy, simulate_server
 
 
 def const(seconds):
@@ -136,3 +136,14 @@ def test_measure_batch_latency_with_a_callable():
 def test_measure_batch_latency_default_gpt():
     lat = bt.measure_batch_latency(batch_sizes=(1, 2), seq_len=4, min_run_time=0.01)
     assert lat.batch_sizes == (1, 2) and "GPT" in lat.label
+
+
+def test_policy_drives_the_server_and_bad_answers_are_named():
+    lat = lambda b: 0.004 + 0.001 * b  # noqa: E731
+    ref = simulate_server(lat, 300.0, 8, 0.01, duration=1.0, seed=2)
+    same = simulate_server(lat, 300.0, 8, 0.01, duration=1.0, seed=2, policy=dynamic_batch_policy)
+    assert ref.batch_sizes == same.batch_sizes
+    for bad, match in [(lambda w, n, mb, mw: 0, "wait forever"), (lambda w, n, mb, mw: len(w) + 1, "between 0"),
+                       (lambda w, n, mb, mw: 1.5, "must return an int")]:
+        with pytest.raises(BatchingError, match=match):
+            simulate_server(lat, 300.0, 8, 0.01, duration=1.0, seed=2, policy=bad)

@@ -1,4 +1,5 @@
-"""Unit 4 §4 quantization: per-channel int8 by hand, Int8Linear, whole-model modes and the lab check.
+"""Unit 4 §4 quantization: per-channel int8 by hand, Int8Linear, whole-model modes (the lab's checks are in
+test_grading_unit04).
 
 One small GPT is trained once per module (100 Adam steps, ~10-20 s on 2 busy CPU cores) so that the
 accuracy tests compare meaningful logits.
@@ -7,9 +8,10 @@ accuracy tests compare meaningful logits.
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from teraflops.errors import ExerciseFailed
-from teraflops.quantization import (Int8Linear, _badly_scaled, accuracy, check_quantize_per_channel, compare,
+from teraflops.grading.unit04 import _badly_scaled
+from teraflops.quantization import (Int8Linear, accuracy, compare,
                                     dequantize, quantization_table, quantize_model, quantize_per_channel,
                                     quantize_per_tensor, torchao_status, train_small_gpt, weight_bytes)
 
@@ -74,31 +76,20 @@ def test_tied_head_stays_tied_in_int8(trained):
     assert model.head.weight is model.tok.weight  # the original is untouched
 
 
-def test_check_accepts_reference_and_names_the_per_tensor_mistake():
-    check_quantize_per_channel(quantize_per_channel)
-    with pytest.raises(ExerciseFailed, match="one scale per output channel"):
-        check_quantize_per_channel(quantize_per_tensor)
+def test_int8_mode_takes_the_labs_functions(trained):
+    model, (x, y) = trained
+    calls = []
 
-    def per_tensor_broadcast(w):  # the same mistake, hidden behind a [out] scale
-        q, s = quantize_per_tensor(w)
-        return q, s.expand(w.shape[0]).clone()
+    def linear_fn(x, q, s, b):
+        calls.append(q.shape)
+        return F.linear(x, dequantize(q, s), b)
 
-    with pytest.raises(ExerciseFailed, match="one scale per output channel"):
-        check_quantize_per_channel(per_tensor_broadcast)
-
-    def truncates(w):
-        s = w.abs().amax(dim=1) / 127
-        return (w / s[:, None]).trunc().to(torch.int8), s
-
-    with pytest.raises(ExerciseFailed, match="scale/2"):
-        check_quantize_per_channel(truncates)
-
-    def wrong_axis(w):  # max over the output dimension
-        s = w.abs().amax(dim=0) / 127
-        return torch.round(w / s).clamp(-127, 127).to(torch.int8), s
-
-    with pytest.raises(ExerciseFailed, match="shape"):
-        check_quantize_per_channel(wrong_axis)
+    mine = quantize_model(model, "int8", quantize_fn=quantize_per_channel, linear_fn=linear_fn)
+    ref = quantize_model(model, "int8")
+    assert torch.allclose(mine(x[:2]), ref(x[:2]), atol=1e-4) and calls
+    assert weight_bytes(mine) == weight_bytes(ref)
+    with pytest.raises(ValueError, match="int8"):
+        quantize_model(model, "fp16", linear_fn=linear_fn)
 
 
 def test_compare_table_side_by_side(trained):

@@ -46,7 +46,7 @@ from .errors import CourseError
 from .tables import table
 
 __all__ = ["BatchingError", "BatchLatency", "measure_batch_latency", "ServerResult", "simulate_server", "sweep",
-           "batching_table", "plot_tradeoff", "cost_per_million_tokens"]
+           "batching_table", "plot_tradeoff", "cost_per_million_tokens", "dynamic_batch_policy"]
 
 
 class BatchingError(CourseError, ValueError):
@@ -242,9 +242,42 @@ def _check(rate, max_batch, max_wait, duration, arrivals, latency):
                             f"({latency.max_batch}). Hint: measure_batch_latency(batch_sizes=...) up to {max_batch}")
 
 
+def dynamic_batch_policy(waiting: Sequence[float], now: float, max_batch: int, max_wait: float) -> int:
+    """The dynamic batcher's decision when the server is free: how many waiting requests to start now.
+
+    Args:
+        waiting: arrival times (seconds) of the requests in the queue, oldest first (non-empty).
+        now: the current time (seconds, same clock).
+        max_batch: the largest batch the server runs.
+        max_wait: seconds the oldest request may wait for company.
+
+    Returns:
+        ``min(len(waiting), max_batch)`` if at least ``max_batch`` wait or the oldest has waited
+        ``max_wait`` (``now - waiting[0] >= max_wait``); else 0 (wait for the next arrival or the
+        deadline ``waiting[0] + max_wait``, whichever comes first). The rule of Triton Inference
+        Server's dynamic batcher (``max_queue_delay_microseconds``; see the module docstring).
+    """
+    if len(waiting) >= max_batch or now - waiting[0] >= max_wait:
+        return min(len(waiting), max_batch)
+    return 0
+
+
+def _ask(policy, waiting: np.ndarray, now: float, max_batch: int, max_wait: float) -> int:
+    """The policy's answer, validated: an int in [0, min(len(waiting), max_batch)]."""
+    n = policy(waiting.tolist(), float(now), int(max_batch), float(max_wait))
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise BatchingError(f"the policy returned {n!r} ({type(n).__name__}); it must return an int, the number "
+                            "of waiting requests to start now (0 = keep waiting)")
+    if not 0 <= n <= min(len(waiting), max_batch):
+        raise BatchingError(f"the policy returned {n} with {len(waiting)} waiting and max_batch={max_batch}; it "
+                            f"must be between 0 and min(len(waiting), max_batch) = {min(len(waiting), max_batch)}")
+    return int(n)
+
+
 def simulate_server(latency: Callable[[int], float], rate: float, max_batch: int, max_wait: float,
                     duration: float = 10.0, seed: int = 0, *, tokens_per_request: int = 1,
-                    arrivals: str = "poisson", arrival_times: Sequence[float] | None = None) -> ServerResult:
+                    arrivals: str = "poisson", arrival_times: Sequence[float] | None = None,
+                    policy: Callable[[Sequence[float], float, int, float], int] = dynamic_batch_policy) -> ServerResult:
     """Simulate one dynamic-batching server; see the module docstring for the model.
 
     Args:
@@ -259,12 +292,18 @@ def simulate_server(latency: Callable[[int], float], rate: float, max_batch: int
         arrivals: ``"poisson"`` (exponential gaps) or ``"uniform"`` (every 1/rate s, from t=0).
         arrival_times: explicit arrival times in seconds (overrides rate, arrivals and duration's
             role in making arrivals; ``rate`` is still validated). Useful for hand-made cases.
+        policy: ``policy(waiting, now, max_batch, max_wait) -> n``, asked whenever the server is free
+            and a request waits (on every arrival and at the oldest request's deadline
+            ``waiting[0] + max_wait``): start the ``n`` oldest now, or 0 to keep waiting. Default
+            :func:`dynamic_batch_policy`; the lab's exercise writes one.
 
     Returns:
         a :class:`ServerResult`.
 
     Raises:
-        BatchingError: a setting out of range, or ``max_batch`` beyond the measured batch sizes.
+        BatchingError: a setting out of range, ``max_batch`` beyond the measured batch sizes, or a
+            ``policy`` answer that is not an integer in ``[0, min(len(waiting), max_batch)]``, or 0
+            once the oldest request's deadline has passed (it would wait forever).
     """
     _check(rate, max_batch, max_wait, duration, arrivals, latency)
     if arrival_times is not None:
@@ -299,10 +338,18 @@ def simulate_server(latency: Callable[[int], float], rate: float, max_batch: int
                 continue
             deadline = times[queue[0]] + max_wait
             # (a tolerance: now + (deadline - now) can round to just below deadline)
-            if len(queue) < max_batch and env.now < deadline - 1e-12 * max(1.0, deadline):
+            now = env.now if env.now < deadline - 1e-12 * max(1.0, deadline) else max(env.now, deadline)
+            while now >= deadline and now - times[queue[0]] < max_wait:  # so both ways of asking agree
+                now = float(np.nextafter(now, np.inf))
+            n = _ask(policy, times[queue], now, max_batch, max_wait)
+            if n == 0:
+                if now >= deadline:
+                    raise BatchingError(f"the policy started nothing although the oldest request has waited "
+                                        f"max_wait={max_wait} s: it would wait forever. Hint: once "
+                                        "now - waiting[0] >= max_wait, start the batch")
                 yield state["arrived"] | env.timeout(deadline - env.now)
                 continue
-            batch, queue[:] = queue[:max_batch], queue[max_batch:]
+            batch, queue[:] = queue[:n], queue[n:]
             b = len(batch)
             service = float(latency(b))
             if not service > 0:

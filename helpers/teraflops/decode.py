@@ -252,52 +252,61 @@ class Launches:
         return sorted(self.by_name.items(), key=lambda kv: -kv[1])[:n]
 
 
-def launches_per_token(step_fn: StepFn, model: Model, cache: KVCache, warmup: int = 2) -> Launches:
-    """Count, with ``torch.profiler``, what one decode step (``step_fn(model, cache, token, pos)``
-    at position 0, after ``warmup`` calls) launches.
-
-    CPU (what is counted): the *outermost* ``aten::`` operator events (an op called by another op,
-    e.g. ``addmm`` inside ``linear``, is part of its caller's launch), leaving out metadata-only ops
-    that run no kernel (views, transposes: :data:`teraflops.profiling._METADATA_OPS`), plus
-    Inductor's generated C++ kernels (``cpp_fused_*`` events, recorded because
-    :func:`compile_decode` sets ``cpp.enable_kernel_profile``). In eager mode every operator is one
-    kernel; in compiled code the ``aten::`` events are the extern calls (GEMMs, attention) and each
-    fused kernel counts once, however many operators it fuses.
-
-    CUDA: kernels that ran on the device (profiler events on the device, one per kernel; inside a
-    CUDA graph the kernels are still listed), and in ``what`` the CPU-side launch calls
-    (``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaGraphLaunch``): one graph launch replaces many.
-    """
+def profile_step(step_fn: StepFn, model: Model, cache: KVCache, warmup: int = 2) -> list:
+    """Profile one decode step (``step_fn(model, cache, token, pos)`` at position 0, after ``warmup``
+    calls) with ``torch.profiler`` and return its events (``prof.events()``: each has ``.name``,
+    ``.cpu_parent`` (the enclosing CPU event or ``None``) and ``.device_type``). CUDA kernels are
+    recorded too when the cache lives on a GPU."""
     from torch.profiler import ProfilerActivity, profile
 
     device = cache.layers[0].k.device if len(cache.layers) else torch.device("cpu")
     token = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
     pos = torch.tensor([0], device=device)
-    on_gpu = device.type == "cuda"
     with torch.no_grad():
         for _ in range(warmup):
             step_fn(model, cache, token, pos)
         _sync(device)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             step_fn(model, cache, token, pos)
             _sync(device)
+    return list(prof.events())
+
+
+VIEW_OPS = _METADATA_OPS  # aten ops that only make a new view of the same memory: no kernel runs
+
+
+def count_launches(events, device: str = "cpu") -> Launches:
+    """Count the launches in profiler ``events`` (from :func:`profile_step`).
+
+    CPU (``device="cpu"``): the *outermost* ``aten::`` operator events (an op called by another op,
+    e.g. ``addmm`` inside ``linear``, is part of its caller's launch), leaving out metadata-only ops
+    that run no kernel (:data:`VIEW_OPS`: views, transposes), plus Inductor's generated C++ kernels
+    (``cpp_fused_*`` events, recorded because :func:`compile_decode` sets
+    ``cpp.enable_kernel_profile``). In eager mode every operator is one kernel; in compiled code the
+    ``aten::`` events are the extern calls (GEMMs, attention) and each fused kernel counts once,
+    however many operators it fuses.
+
+    CUDA (``device="cuda"``): kernels that ran on the device (one profiler event per kernel; inside
+    a CUDA graph the kernels are still listed), and in ``what`` the CPU-side launch calls
+    (``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaGraphLaunch``): one graph launch replaces many.
+    """
     counts: dict[str, int] = {}
-    if on_gpu:
+    if device == "cuda":
         launch_calls = 0
-        for e in prof.events():
+        for e in events:
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 counts[e.name] = counts.get(e.name, 0) + 1
             elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch"):
                 launch_calls += 1
         what = f"GPU kernels run per step ({launch_calls} CPU-side launch calls)"
         return Launches(sum(counts.values()), counts, what)
-    for e in prof.events():
+    for e in events:
         name = e.name
         if _is_generated_kernel(name):
             counts[name] = counts.get(name, 0) + 1
             continue
-        if not name.startswith("aten::") or name[6:] in _METADATA_OPS:
+        if not name.startswith("aten::") or name[6:] in VIEW_OPS:
             continue
         p = e.cpu_parent
         while p is not None and not p.name.startswith("aten::"):
@@ -306,6 +315,13 @@ def launches_per_token(step_fn: StepFn, model: Model, cache: KVCache, warmup: in
             counts[name] = counts.get(name, 0) + 1
     what = "outermost aten ops (views excluded) + Inductor C++ kernels per step"
     return Launches(sum(counts.values()), counts, what)
+
+
+def launches_per_token(step_fn: StepFn, model: Model, cache: KVCache, warmup: int = 2) -> Launches:
+    """What one decode step launches: :func:`count_launches` of :func:`profile_step` (read
+    :func:`count_launches` for exactly what is counted on a CPU and on a GPU)."""
+    device = cache.layers[0].k.device if len(cache.layers) else torch.device("cpu")
+    return count_launches(profile_step(step_fn, model, cache, warmup), device.type)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -398,6 +414,33 @@ def batch_table(rows: list[BatchRow]) -> str:
     return table([(r.batch, r.step_seconds * 1e3, r.tokens_per_s, r.bytes_per_step / 1e6,
                    r.achieved_bandwidth / 1e9, 100 * r.utilisation) for r in rows],
                  ["batch", "ms/step", "tokens/s", "MB read/step", "GB/s", "% of copy bw"])
+
+
+def plot_batch_sweep(rows: list[BatchRow]):
+    """Two panels against the batch size (log 2 axis), from :func:`batch_sweep`'s rows: ms per
+    decode step (measured; dashed, the batch-1 time as a reference: a flat line means the extra
+    sequences came for free), and tokens/s (measured; dashed, ``batch ÷ batch-1 time``, the
+    throughput if the step time stayed flat). Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    b = [r.batch for r in rows]
+    ms = [r.step_seconds * 1e3 for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax1.plot(b, ms, "o-", label="measured")
+    ax1.axhline(ms[0], color="grey", linestyle="--", linewidth=0.8, label="batch-1 time")
+    ax1.set(xscale="log", xlabel="batch (sequences decoded together)", ylabel="ms per decode step",
+            ylim=(0, None), title="Time per decode step vs batch")
+    ax2.plot(b, [r.tokens_per_s for r in rows], "o-", label="measured")
+    ax2.plot(b, [x / rows[0].step_seconds for x in b], "--", color="grey", linewidth=0.8,
+             label="if the step stayed at its batch-1 time")
+    ax2.set(xscale="log", yscale="log", xlabel="batch (sequences decoded together)", ylabel="tokens/s (all sequences)",
+            title="Throughput vs batch")
+    for ax in (ax1, ax2):
+        ax.set_xticks(b, [str(x) for x in b])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
 
 
 # ----------------------------------------------------------------------------------------------

@@ -122,7 +122,39 @@ class KVCache(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
-class GPT(nn.Module):
+class CachedLM(nn.Module):
+    """What :class:`GPT` and :class:`Llama` share: a token embedding ``tok``, ``blocks`` (each with
+    ``n_heads``), ``max_seq_len``, and a static KV cache (:class:`KVCache`)."""
+
+    def new_cache(self, batch: int, max_seq_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty :class:`KVCache` for ``batch`` sequences of up to ``max_seq_len`` (default: the
+        model's) positions, on the model's device, in its dtype unless ``dtype`` is given."""
+        max_seq_len = max_seq_len or self.max_seq_len
+        if max_seq_len > self.max_seq_len:
+            raise ShapeError(f"a cache of {max_seq_len} positions is longer than the model's max_seq_len="
+                             f"{self.max_seq_len}")
+        w = self.tok.weight
+        heads = self.blocks[0].n_heads if len(self.blocks) else 1
+        return KVCache(len(self.blocks), batch, heads, max_seq_len, self.tok.embedding_dim // heads,
+                       dtype or w.dtype, w.device)
+
+    def _check_tokens(self, tokens: torch.Tensor, cache: KVCache | None, input_pos: torch.Tensor | None) -> None:
+        name = type(self).__name__
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long:
+            raise TypeError(f"{name} expects int64 token ids, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
+        if tokens.dim() != 2 or tokens.shape[1] > self.max_seq_len:
+            raise ShapeError(f"{name} expects (batch, seq_len ≤ {self.max_seq_len}) token ids, got {tuple(tokens.shape)}")
+        if cache is not None and input_pos is None:
+            raise ShapeError(f"{name} with a cache needs input_pos, the int64 positions (seq_len,) of the tokens")
+
+    @staticmethod
+    def _cache_mask(cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
+        """Query at position p sees cached positions ≤ p: a (seq_len, cache_len) boolean mask,
+        broadcast over batch and heads by scaled_dot_product_attention."""
+        return torch.arange(cache.max_seq_len, device=input_pos.device) <= input_pos[:, None]
+
+
+class GPT(CachedLM):
     """A small GPT-style language model (GPT-2 layout: token + learned position embeddings, pre-LN
     blocks, final LayerNorm, output head tied to the token embedding).
 
@@ -158,34 +190,15 @@ class GPT(nn.Module):
         """Distinct parameter elements (the tied head counted once): Ψ in the ZeRO paper."""
         return sum(p.numel() for p in self.parameters())
 
-    def new_cache(self, batch: int, max_seq_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
-        """An empty :class:`KVCache` for ``batch`` sequences of up to ``max_seq_len`` (default: the
-        model's) positions, on the model's device, in its dtype unless ``dtype`` is given."""
-        max_seq_len = max_seq_len or self.max_seq_len
-        if max_seq_len > self.max_seq_len:
-            raise ShapeError(f"a cache of {max_seq_len} positions is longer than the model's max_seq_len="
-                             f"{self.max_seq_len}")
-        w = self.tok.weight
-        heads = self.blocks[0].n_heads if len(self.blocks) else 1
-        return KVCache(len(self.blocks), batch, heads, max_seq_len, self.tok.embedding_dim // heads,
-                       dtype or w.dtype, w.device)
-
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long:
-            raise TypeError(f"GPT expects int64 token ids, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
-        if tokens.dim() != 2 or tokens.shape[1] > self.max_seq_len:
-            raise ShapeError(f"GPT expects (batch, seq_len ≤ {self.max_seq_len}) token ids, got {tuple(tokens.shape)}")
+        self._check_tokens(tokens, cache, input_pos)
         if cache is None:
             x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
             for block in self.blocks:
                 x = block(x)
             return self.head(self.ln_f(x))
-        if input_pos is None:
-            raise ShapeError("GPT with a cache needs input_pos, the int64 positions (seq_len,) of the tokens")
-        # Query at position p sees cached positions ≤ p: a (seq_len, cache_len) boolean mask,
-        # broadcast over batch and heads by scaled_dot_product_attention.
-        mask = torch.arange(cache.max_seq_len, device=tokens.device) <= input_pos[:, None]
+        mask = self._cache_mask(cache, input_pos)
         x = self.tok(tokens) + self.pos(input_pos)
         for block, layer in zip(self.blocks, cache.layers):
             x = block(x, layer, input_pos, mask)
@@ -266,7 +279,7 @@ class LlamaBlock(nn.Module):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
-class Llama(nn.Module):
+class Llama(CachedLM):
     """A small LLaMA-style language model (Touvron et al. 2023): token embedding (no position
     embedding: positions enter through RoPE), pre-norm :class:`LlamaBlock` s, final :class:`RMSNorm`,
     and an output head *not* tied to the embedding (as in LLaMA).
@@ -304,33 +317,17 @@ class Llama(nn.Module):
         """Parameter elements (embedding and head counted separately: they are not tied)."""
         return sum(p.numel() for p in self.parameters())
 
-    def new_cache(self, batch: int, max_seq_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
-        """An empty :class:`KVCache`, as :meth:`GPT.new_cache`."""
-        max_seq_len = max_seq_len or self.max_seq_len
-        if max_seq_len > self.max_seq_len:
-            raise ShapeError(f"a cache of {max_seq_len} positions is longer than the model's max_seq_len="
-                             f"{self.max_seq_len}")
-        w = self.tok.weight
-        heads = self.blocks[0].n_heads if len(self.blocks) else 1
-        return KVCache(len(self.blocks), batch, heads, max_seq_len, self.tok.embedding_dim // heads,
-                       dtype or w.dtype, w.device)
-
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long:
-            raise TypeError(f"Llama expects int64 token ids, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
-        if tokens.dim() != 2 or tokens.shape[1] > self.max_seq_len:
-            raise ShapeError(f"Llama expects (batch, seq_len ≤ {self.max_seq_len}) token ids, got {tuple(tokens.shape)}")
+        self._check_tokens(tokens, cache, input_pos)
         x = self.tok(tokens)
         if cache is None:
             cos, sin = rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), self.inv_freq, x.dtype)
             for block in self.blocks:
                 x = block(x, cos, sin)
             return self.head(self.norm(x))
-        if input_pos is None:
-            raise ShapeError("Llama with a cache needs input_pos, the int64 positions (seq_len,) of the tokens")
         cos, sin = rope_cos_sin(input_pos, self.inv_freq, x.dtype)
-        mask = torch.arange(cache.max_seq_len, device=tokens.device) <= input_pos[:, None]
+        mask = self._cache_mask(cache, input_pos)
         for block, layer in zip(self.blocks, cache.layers):
             x = block(x, cos, sin, layer, input_pos, mask)
         return self.head(self.norm(x))

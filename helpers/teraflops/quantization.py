@@ -40,12 +40,13 @@ import copy
 import logging
 import math
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import DTypeError, ExerciseFailed, ShapeError
+from .errors import DTypeError, ShapeError
 from .tables import table
 
 QMAX = 127  # symmetric int8 range [-127, 127]
@@ -116,10 +117,11 @@ class Int8Linear(nn.Module):
     Buffers: ``qweight`` int8 ``[out, in]``, ``scale`` float32 ``[out]``, ``bias`` float32 ``[out]``
     or ``None``. ``forward(x)``: ``x`` float ``(..., in)`` → ``(..., out)`` in ``x.dtype``, computed as
     ``(x @ qweight.T) * scale + bias`` (equal to ``x @ dequantize(qweight, scale).T + bias``; see the
-    module docstring).
+    module docstring), or by ``linear_fn(x, qweight, scale, bias)`` when one is given (the lab's).
     """
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 linear_fn: Callable | None = None):
         super().__init__()
         if qweight.dtype != torch.int8 or qweight.dim() != 2:
             raise DTypeError(f"Int8Linear needs an int8 [out, in] weight, got {qweight.dtype} {tuple(qweight.shape)}")
@@ -130,16 +132,20 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.float())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.linear_fn = linear_fn
 
     @classmethod
-    def from_float(cls, linear: nn.Linear) -> "Int8Linear":
-        """Quantize ``linear.weight`` per output channel; the bias is kept in float32."""
-        q, s = quantize_per_channel(linear.weight)
-        return cls(q, s, linear.bias)
+    def from_float(cls, linear: nn.Linear, quantize_fn: Callable = None, linear_fn: Callable | None = None) -> "Int8Linear":
+        """Quantize ``linear.weight`` per output channel (``quantize_fn``, default
+        :func:`quantize_per_channel`); the bias is kept in float32."""
+        q, s = (quantize_fn or quantize_per_channel)(linear.weight.detach())
+        return cls(q, s, linear.bias, linear_fn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ShapeError(f"Int8Linear expects (..., {self.in_features}), got {tuple(x.shape)}")
+        if self.linear_fn is not None:
+            return self.linear_fn(x, self.qweight, self.scale, self.bias)
         y = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
@@ -159,8 +165,8 @@ class Int8Embedding(nn.Module):
         self.register_buffer("scale", scale.float())
 
     @classmethod
-    def from_float(cls, emb: nn.Embedding) -> "Int8Embedding":
-        return cls(*quantize_per_channel(emb.weight))
+    def from_float(cls, emb: nn.Embedding, quantize_fn: Callable = None) -> "Int8Embedding":
+        return cls(*(quantize_fn or quantize_per_channel)(emb.weight.detach()))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight[ids].float() * self.scale[ids].unsqueeze(-1)
@@ -195,35 +201,31 @@ def torchao_status() -> str:
     return ""
 
 
-def _swap_int8(module: nn.Module, shared: dict) -> None:
+def _swap_int8(module: nn.Module, shared: dict, linear_fn: Callable | None) -> None:
+    """Replace every nn.Linear/nn.Embedding under ``module``; ``shared``: id(weight) → (q, scale),
+    filled with the embeddings first, so that a tied head reuses its embedding's int8 rows."""
     for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
+        if isinstance(child, (nn.Linear, nn.Embedding)):
             key = id(child.weight)
-            if key in shared:  # tied to an embedding already quantized: reuse its int8 rows
-                q, s = shared[key]
-                setattr(module, name, Int8Linear(q, s, child.bias))
-            else:
-                new = Int8Linear.from_float(child)
-                shared[key] = (new.qweight, new.scale)
-                setattr(module, name, new)
-        elif isinstance(child, nn.Embedding):
-            key = id(child.weight)
-            if key in shared:
-                setattr(module, name, Int8Embedding(*shared[key]))
-            else:
-                new = Int8Embedding.from_float(child)
-                shared[key] = (new.qweight, new.scale)
-                setattr(module, name, new)
+            if key not in shared:
+                shared[key] = shared["quantize_fn"](child.weight.detach())
+            q, s = shared[key]
+            setattr(module, name, Int8Linear(q, s, child.bias, linear_fn) if isinstance(child, nn.Linear)
+                    else Int8Embedding(q, s))
         else:
-            _swap_int8(child, shared)
+            _swap_int8(child, shared, linear_fn)
 
 
 def _embeddings_first(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return sorted(model.named_modules(), key=lambda nm: not isinstance(nm[1], nn.Embedding))
 
 
-def quantize_model(model: nn.Module, mode: str) -> nn.Module:
+def quantize_model(model: nn.Module, mode: str, *, quantize_fn: Callable | None = None,
+                   linear_fn: Callable | None = None) -> nn.Module:
     """A quantized copy of ``model`` (the original is untouched), in eval mode.
+
+    ``quantize_fn(w) -> (q, scale)`` and ``linear_fn(x, q, scale, bias) -> y`` replace the hand-made
+    route's :func:`quantize_per_channel` and matmul (``"int8"`` mode only; the lab passes its own).
 
     Modes:
         ``"fp32"``: a float32 copy (the reference). ``"bf16"`` / ``"fp16"``: every parameter cast
@@ -235,19 +237,21 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode != "int8" and (quantize_fn is not None or linear_fn is not None):
+        raise ValueError(f"quantize_fn and linear_fn are for mode 'int8', not {mode!r}")
     m = copy.deepcopy(model).eval()
     if mode in ("fp32", "bf16", "fp16"):
         return m.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[mode])
     m = m.float()
     if mode == "int8":
+        quantize_fn = quantize_fn or quantize_per_channel
         if isinstance(m, nn.Linear):
-            return Int8Linear.from_float(m)
-        # embeddings first so that a head tied to an embedding reuses the embedding's int8 rows
-        shared: dict = {}
-        for _, mod in _embeddings_first(m):
+            return Int8Linear.from_float(m, quantize_fn, linear_fn)
+        shared: dict = {"quantize_fn": quantize_fn}
+        for _, mod in _embeddings_first(m):  # embeddings first: a tied head reuses their int8 rows
             if isinstance(mod, nn.Embedding) and id(mod.weight) not in shared:
-                shared[id(mod.weight)] = quantize_per_channel(mod.weight)
-        _swap_int8(m, shared)
+                shared[id(mod.weight)] = quantize_fn(mod.weight.detach())
+        _swap_int8(m, shared, linear_fn)
         return m
     reason = torchao_status()
     if reason:
@@ -395,50 +399,3 @@ def quantization_table(rows: list[dict]) -> str:
     keys = ["mode", "weight_bytes", "ratio", "max_logit_error", "top1_agreement", "perplexity",
             "tokens_per_s", "route"]
     return table([[r.get(k) for k in keys] for r in rows], headers)
-
-
-# --- the lab's check -------------------------------------------------------------------------------
-
-def _badly_scaled(seed: int = 0) -> torch.Tensor:
-    """A [64, 128] weight whose rows span 4 orders of magnitude (1e-3 … 10)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(64, 128, generator=g) * torch.logspace(-3, 1, 64)[:, None]
-
-
-def check_quantize_per_channel(fn) -> None:
-    """Check a learner's ``fn(w) -> (q, scale)`` against :func:`quantize_per_channel`.
-
-    Raises :class:`~teraflops.errors.ExerciseFailed` (one line with a hint) if the output has the
-    wrong dtype or shape, leaves [-127, 127], or rounds with one scale for the whole matrix.
-    """
-    w = _badly_scaled()
-    got = fn(w.clone())
-    if not (isinstance(got, tuple) and len(got) == 2):
-        raise ExerciseFailed("quantize should return (q, scale). Hint: return q, scale")
-    q, s = got
-    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.shape != w.shape:
-        raise ExerciseFailed(f"q should be int8 {tuple(w.shape)}, got "
-                             f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}. "
-                             "Hint: .round().clamp(-127, 127).to(torch.int8)")
-    s = torch.as_tensor(s, dtype=torch.float32)
-    if s.dim() == 2 and s.shape[1] == 1:  # [out, 1] is fine too
-        s = s[:, 0]
-    if s.numel() == 1:
-        raise ExerciseFailed("scale has one value for the whole matrix: rows with small weights round to 0. "
-                             "Hint: one scale per output channel, w.abs().amax(dim=1) / 127")
-    if s.shape != (w.shape[0],):
-        raise ExerciseFailed(f"scale should have shape ({w.shape[0]},) (one per output row), got {tuple(s.shape)}. "
-                             "Hint: reduce over dim=1, the input dimension")
-    if int(q.abs().max()) > QMAX:
-        raise ExerciseFailed("q leaves [-127, 127]. Hint: clamp after rounding")
-    wq = dequantize(q, s)
-    rel = ((wq - w).norm(dim=1) / w.norm(dim=1)).max().item()
-    if rel > 0.02:  # per channel: ≈0.005 on every row; one shared scale: ≈1 on the smallest rows
-        raise ExerciseFailed(f"the row with the smallest weights comes back with relative error {rel:.2g} "
-                             "(per-channel int8 gives < 0.01): small rows are rounded with a large scale. "
-                             "Hint: one scale per output channel, w.abs().amax(dim=1) / 127")
-    if not torch.allclose(s, w.abs().amax(dim=1) / QMAX, rtol=1e-2):
-        raise ExerciseFailed("scale[o] should be max|w[o, :]| / 127. Hint: w.abs().amax(dim=1) / 127")
-    if ((wq - w).abs() > s[:, None] / 2 * (1 + 1e-4) + 1e-12).any():
-        raise ExerciseFailed("dequantize(q, scale) is off by more than scale/2 somewhere. "
-                             "Hint: q = round(w / scale[:, None]), rounding to nearest, not truncating")

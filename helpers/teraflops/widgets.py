@@ -80,3 +80,39 @@ def model_state_widget():
     )
     display(ui)
     return ui
+
+
+def batching_widget(latency, tokens_per_request: int = 1, price_per_hour: float = 2.0):
+    """Sliders for offered load (× what batch-1 serving sustains), ``max_batch``, ``max_wait`` and
+    the GPU's price per hour → the simulated dynamic-batching server
+    (:func:`teraflops.batching.simulate_server`, driven by the measured ``latency``, a
+    :class:`~teraflops.batching.BatchLatency`): served requests/s, p50/p99 latency (ms), mean batch,
+    busy fraction, and the cost per million tokens (:func:`teraflops.batching.cost_per_million_tokens`).
+
+    Returns the ``ipywidgets.interactive``; its ``result`` is the :class:`~teraflops.batching.ServerResult`."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    from .batching import cost_per_million_tokens, simulate_server
+
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= latency.max_batch]
+
+    def show(load, max_batch, max_wait_ms, price):
+        rate = load / latency(1)
+        r = simulate_server(latency, rate, max_batch, max_wait_ms / 1e3, duration=min(5.0, 5000 / rate),
+                            tokens_per_request=tokens_per_request)
+        print(f"offered {rate:,.0f} req/s → served {r.throughput_rps:,.0f} req/s ({r.tokens_per_s:,.0f} tokens/s); "
+              f"p50 {r.p50_s * 1e3:.2f} ms, p99 {r.p99_s * 1e3:.2f} ms; mean batch {r.mean_batch:.1f}, "
+              f"busy {r.utilisation:.0%}; ${cost_per_million_tokens(r.tokens_per_s, price):.4f} per million tokens "
+              f"at ${price:g}/h")
+        return r
+
+    ui = W.interactive(
+        show,
+        load=W.FloatSlider(value=1.5, min=0.1, max=4.0, step=0.1, description="load ×"),
+        max_batch=W.SelectionSlider(options=batches, value=batches[min(3, len(batches) - 1)], description="max batch"),
+        max_wait_ms=W.FloatSlider(value=2.0, min=0.0, max=20.0, step=0.5, description="max wait ms"),
+        price=W.FloatSlider(value=price_per_hour, min=0.5, max=10.0, step=0.25, description="$ per hour"),
+    )
+    display(ui)
+    return ui

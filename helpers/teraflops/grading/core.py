@@ -156,6 +156,16 @@ def check_cases(fn, what: str, unit: str, cases, reference, mistakes, default_hi
     fail(f"for {describe(case)}: {compare(got, want)}. Hint: {hint}")
 
 
+def kernel_setting() -> tuple[str, torch.dtype, float]:
+    """(device, dtype, tolerance) for checking a learner's Triton kernel: fp32 within 1e-5 on the CPU
+    under Triton's interpreter (which has no bf16/fp16 math); fp16 within 2e-3 when compiled on a GPU."""
+    from ..machine import detect, triton_mode
+
+    if triton_mode() == "interpreter":
+        return "cpu", torch.float32, 1e-5
+    return detect().device, torch.float16, 2e-3
+
+
 def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got − want| in fp32 (NaN if got has NaN or inf)."""
     diff = (got.float() - want.float()).abs()
@@ -251,7 +261,7 @@ def grade(path: str | Path, timeout: int = 600) -> GradeReport:
     import nbformat
 
     from ..runner import execute_cells, make_client
-    from . import unit01, unit02, unit03  # noqa: F401 - registers the units' exercises
+    from . import unit01, unit02, unit03, unit04  # noqa: F401 - registers the units' exercises
 
     path = Path(path)
     if not path.is_file():

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import roofline
-from ..machine import detect, triton_mode
 from ..profiling import classify, count_ops
-from .core import check_cases, close, exercise, expect_tensor, fail, max_error
+from .core import kernel_setting, check_cases, close, exercise, expect_tensor, fail, max_error
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -220,9 +219,7 @@ def flash_attention(fn) -> None:
 
     fp32 within 1e-5 under the interpreter (CPU); fp16 within 2e-3 when compiled on a GPU.
     """
-    interp = triton_mode() == "interpreter"
-    device = "cpu" if interp else detect().device
-    dtype, tol = (torch.float32, 1e-5) if interp else (torch.float16, 2e-3)
+    device, dtype, tol = kernel_setting()
     # N=300 spans several key tiles for any block size a kernel would use (the rescale matters).
     for shape in [(1, 2, 128, 32), (2, 1, 100, 16), (1, 1, 300, 16)]:
         q, k, v = (t.to(device) for t in _qkv(shape, dtype))

@@ -1,0 +1,193 @@
+"""Unit 4's checks: the references pass, plausible wrong answers fail with the hint that names them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import teraflops  # noqa: F401 - sets up Triton (interpreter on CPU) before triton is imported
+import triton
+import triton.language as tl
+
+from teraflops import batching, decode, quantization
+from teraflops.errors import ExerciseFailed, NotAttempted
+from teraflops.grading import unit04 as check
+from teraflops.labs import PLACEHOLDER_MESSAGE
+
+
+def test_references_pass(capsys):
+    check.count_launches(lambda ev: decode.count_launches(ev).total)
+    check.bandwidth_utilisation(check._utilisation)
+    check.silu_mul(_launcher(_silu_mul_kernel))
+    check.quantize_per_channel(quantization.quantize_per_channel, quantization.dequantize)
+    check.int8_linear(lambda x, q, s, b: F.linear(x, quantization.dequantize(q, s), b))
+    check.batch_policy(batching.dynamic_batch_policy)
+    assert capsys.readouterr().out.count("passed") == 6
+
+
+def test_placeholder_is_not_attempted():
+    def todo(*args):
+        raise NotImplementedError(PLACEHOLDER_MESSAGE)
+
+    for fn in (check.count_launches, check.bandwidth_utilisation, check.int8_linear, check.batch_policy):
+        with pytest.raises(NotAttempted):
+            fn(todo)
+    with pytest.raises(NotAttempted):
+        check.quantize_per_channel(todo, todo)
+
+
+# --- exercise 1 -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("wrong, hint", [
+    (check._count_all_aten, "runs inside its caller's launch"),
+    (check._count_with_views, "VIEW_OPS"),
+    (check._no_fused, "fused kernels"),
+    (check._parent_is_none, "not for no parent at all"),
+    (lambda ev: float(decode.count_launches(ev).total) + 1, "count outermost"),
+])
+def test_count_launches_mistakes(wrong, hint):
+    with pytest.raises(ExerciseFailed, match=hint):
+        check.count_launches(wrong)
+
+
+# --- exercise 2 -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda w, L, d, e, b, t, s, bw: (w * b + 2 * L * b * t * d * e) / s / bw, "not once per sequence"),
+    (lambda w, L, d, e, b, t, s, bw: (w + L * b * t * d * e) / s / bw, "keys AND values"),
+    (lambda w, L, d, e, b, t, s, bw: w / s / bw, "whole KV cache"),
+    (lambda *c: 100 * check._utilisation(*c), "not a percentage"),
+    (lambda *c: check._utilisation(*c) * c[4], "do not multiply by the batch"),
+    (lambda *c: 1 / check._utilisation(*c), "achieved bandwidth"),
+    (lambda *c: "0.4", "should return a number"),
+])
+def test_bandwidth_utilisation_mistakes(wrong, hint):
+    with pytest.raises(ExerciseFailed, match=hint):
+        check.bandwidth_utilisation(wrong)
+
+
+# --- exercise 3: real Triton kernels, right and wrong --------------------------------------------
+
+@triton.jit
+def _silu_mul_kernel(A, B, OUT, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, (a * tl.sigmoid(a) * b).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sigmoid_kernel(A, B, OUT, n, BLOCK: tl.constexpr):  # forgot the a in a·sigmoid(a)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, (tl.sigmoid(a) * b).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _no_b_kernel(A, B, OUT, n, BLOCK: tl.constexpr):  # silu(a) only
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, (a * tl.sigmoid(a)).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _no_store_mask_kernel(A, B, OUT, n, BLOCK: tl.constexpr):  # the tail of the last block is dropped
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(A + offs, mask=offs < n, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, (a * tl.sigmoid(a) * b).to(OUT.dtype.element_ty), mask=offs < (n // BLOCK) * BLOCK)
+
+
+def _launcher(kernel, block=64):
+    def silu_mul(a, b):
+        a, b = a.contiguous(), b.contiguous()
+        out = torch.zeros_like(a)
+        kernel[(triton.cdiv(a.numel(), block),)](a, b, out, a.numel(), BLOCK=block)
+        return out
+    return silu_mul
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_launcher(_sigmoid_kernel), "silu\\(a\\) = a·sigmoid\\(a\\)"),
+    (_launcher(_no_b_kernel), "multiply by b"),
+    (_launcher(_no_store_mask_kernel), "only at the end"),
+    (lambda a, b: F.silu(a) * b, "ran in PyTorch"),
+    (lambda a, b: _launcher(_silu_mul_kernel)(a, b)[:1], "shape"),
+])
+def test_silu_mul_mistakes(wrong, hint):
+    with pytest.raises(ExerciseFailed, match=hint):
+        check.silu_mul(wrong)
+
+
+# --- exercise 4 -------------------------------------------------------------------------------
+
+def _per_tensor_broadcast(w):  # the per-tensor mistake hidden behind an [out] scale
+    q, s = quantization.quantize_per_tensor(w)
+    return q, s.expand(w.shape[0]).clone()
+
+
+def _truncates(w):
+    s = w.abs().amax(dim=1) / 127
+    return (w / s[:, None]).trunc().to(torch.int8), s
+
+
+def _wrong_axis(w):
+    s = w.abs().amax(dim=0) / 127
+    return torch.round(w / s).clamp(-127, 127).to(torch.int8), s
+
+
+def _float_q(w):
+    q, s = quantization.quantize_per_channel(w)
+    return q.float(), s
+
+
+@pytest.mark.parametrize("quantize, dequantize, hint", [
+    (quantization.quantize_per_tensor, quantization.dequantize, "one scale per output channel"),
+    (_per_tensor_broadcast, quantization.dequantize, "one scale per output channel"),
+    (_truncates, quantization.dequantize, "scale/2"),
+    (_wrong_axis, quantization.dequantize, "shape"),
+    (_float_q, quantization.dequantize, "int8"),
+    (lambda w: quantization.quantize_per_channel(w)[0], quantization.dequantize, "return q, scale"),
+    (quantization.quantize_per_channel, lambda q, s: q.float() / s[:, None], "dequantize divides"),
+    (quantization.quantize_per_channel, lambda q, s: q.float(), "unscaled"),
+    (quantization.quantize_per_channel, lambda q, s: (q.float() * s[:, None]).half(), "float16"),
+])
+def test_quantize_mistakes(quantize, dequantize, hint):
+    with pytest.raises(ExerciseFailed, match=hint):
+        check.quantize_per_channel(quantize, dequantize)
+
+
+# --- exercise 5 -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda x, q, s, b: x @ q.float().T + (0 if b is None else b), "not scaled"),
+    (lambda x, q, s, b: (x @ q.float().T) * s, "bias is missing"),
+    (lambda x, q, s, b: x @ q.T, "convert the int8 weight"),
+    (lambda x, q, s, b: (x @ q.float().T) * s[:, None], "scale has one entry per output channel|shape"),
+    (lambda x, q, s, b: ((x @ q.float().T) / s) + (0 if b is None else b), "max error"),
+])
+def test_int8_linear_mistakes(wrong, hint):
+    with pytest.raises(ExerciseFailed, match=hint):
+        check.int8_linear(wrong)
+
+
+# --- exercise 6 -------------------------------------------------------------------------------
+
+def _go(w, mb):
+    return min(len(w), mb)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda w, now, mb, mw: _go(w, mb) if len(w) >= mb else 0, "must not wait forever"),
+    (lambda w, now, mb, mw: _go(w, mb) if len(w) >= mb or now - w[0] > mw else 0, "not >"),
+    (lambda w, now, mb, mw: _go(w, mb) if len(w) >= mb or now - w[-1] >= mw else 0, "OLDEST"),
+    (lambda w, now, mb, mw: len(w) if len(w) >= mb or now - w[0] >= mw else 0, "never start more than max_batch"),
+    (lambda w, now, mb, mw: _go(w, mb), "max_wait = 0"),
+    (lambda w, now, mb, mw: 1.0, "should return an int"),
+])
+def test_batch_policy_mistakes(wrong, hint):
+    with pytest.raises(ExerciseFailed, match=hint):
+        check.batch_policy(wrong)

@@ -1,0 +1,27 @@
+"""`teraflops run 4` on this machine: decode launches, compiled vs eager, int8 bytes."""
+
+from pathlib import Path
+
+import pytest
+
+from teraflops import detect
+from teraflops.runner import format_summary, run_units
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_run_unit_4_reports_launches_tokens_per_s_and_int8_bytes(tmp_path, monkeypatch):
+    # a cold compile cache: the budget includes compiling
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    (result,) = run_units([4], out_dir=tmp_path, root=ROOT)
+    assert result.ok, result.error
+    h = {k: v["value"] for k, v in result.headline.items()}
+    assert h["launches_eager"] >= 3 * h["launches_compiled"] > 0
+    assert h["tokens_per_s_eager"] > 0 and h["tokens_per_s_compiled"] > 0
+    assert h["int8_weight_bytes"] <= 0.27 * h["fp32_weight_bytes"]
+    if detect().device == "cpu":
+        assert result.seconds < 300, f"Unit 4 took {result.seconds:.0f} s on CPU; the budget is 300 s"
+    summary = format_summary(detect(), [result])
+    assert "launches" in summary and "tokens/s" in summary and "int8" in summary
