@@ -6,6 +6,7 @@ import torch
 from teraflops import decode as D
 from teraflops.errors import CourseError, ShapeError
 from teraflops.models import GPT, Llama
+from teraflops.sizing import PRESETS
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +135,16 @@ def test_compiled_decode_3x_fewer_launches_same_tokens(model):
     n_compiled = D.launches_per_token(compiled.step, model, cache)
     assert any("cpp_fused" in k for k in n_compiled.by_name)
     assert 3 * n_compiled.total <= n_eager.total, (n_eager.total, n_compiled.total)
+
+
+def test_batch_sweep_stops_at_out_of_memory_with_a_warning():
+    model = D.decode_model(PRESETS["tiny"])
+
+    def step(m, cache, token, pos):  # stands in for a GPU running out of memory at batch 4
+        if cache.batch >= 4:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return D.decode_step(m, cache, token, pos)
+
+    with pytest.warns(UserWarning, match="batch 4: out of memory"):
+        rows = D.batch_sweep(model, (1, 2, 4, 8), step_fn=step, bandwidth=1e10, min_run_time=0.01)
+    assert [r.batch for r in rows] == [1, 2]

@@ -19,7 +19,7 @@ def test_references_pass(capsys):
     check.bandwidth_utilisation(check._utilisation)
     check.silu_mul(_launcher(_silu_mul_kernel))
     check.quantize_per_channel(quantization.quantize_per_channel, quantization.dequantize)
-    check.int8_linear(lambda x, q, s, b: F.linear(x, quantization.dequantize(q, s), b))
+    check.int8_linear(lambda x, q, s, b: quantization.Int8Linear(q, s, b)(x))
     check.batch_policy(batching.dynamic_batch_policy)
     assert capsys.readouterr().out.count("passed") == 6
 
@@ -101,11 +101,28 @@ def _no_store_mask_kernel(A, B, OUT, n, BLOCK: tl.constexpr):  # the tail of the
     tl.store(OUT + offs, (a * tl.sigmoid(a) * b).to(OUT.dtype.element_ty), mask=offs < (n // BLOCK) * BLOCK)
 
 
-def _launcher(kernel, block=64):
+@triton.jit
+def _store_past_end_kernel(A, B, OUT, n, BLOCK: tl.constexpr):  # mask = offsets <= n: one element too many
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(A + offs, mask=offs <= n, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=offs <= n, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, (a * tl.sigmoid(a) * b).to(OUT.dtype.element_ty), mask=offs <= n)
+
+
+@triton.jit
+def _unmasked_kernel(A, B, OUT, n, BLOCK: tl.constexpr):  # no masks at all: would corrupt the heap unguarded
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(A + offs).to(tl.float32)
+    b = tl.load(B + offs).to(tl.float32)
+    tl.store(OUT + offs, (a * tl.sigmoid(a) * b).to(OUT.dtype.element_ty))
+
+
+def _launcher(kernel, block=64, grid=None):
     def silu_mul(a, b):
         a, b = a.contiguous(), b.contiguous()
-        out = torch.zeros_like(a)
-        kernel[(triton.cdiv(a.numel(), block),)](a, b, out, a.numel(), BLOCK=block)
+        out = torch.empty_like(a)
+        n = a.numel()
+        kernel[((grid or triton.cdiv)(n, block),)](a, b, out, n, BLOCK=block)
         return out
     return silu_mul
 
@@ -113,7 +130,10 @@ def _launcher(kernel, block=64):
 @pytest.mark.parametrize("wrong, hint", [
     (_launcher(_sigmoid_kernel), "silu\\(a\\) = a·sigmoid\\(a\\)"),
     (_launcher(_no_b_kernel), "multiply by b"),
-    (_launcher(_no_store_mask_kernel), "only at the end"),
+    (_launcher(_no_store_mask_kernel), "the rest are not"),
+    (_launcher(_silu_mul_kernel, grid=lambda n, block: n // block), "the rest are not"),
+    (_launcher(_store_past_end_kernel), "wrote past the end"),
+    (_launcher(_unmasked_kernel), "wrote past the end"),
     (lambda a, b: F.silu(a) * b, "ran in PyTorch"),
     (lambda a, b: _launcher(_silu_mul_kernel)(a, b)[:1], "shape"),
 ])
@@ -139,6 +159,10 @@ def _wrong_axis(w):
     return torch.round(w / s).clamp(-127, 127).to(torch.int8), s
 
 
+def _scaled(w, s, low=-127):  # round(w / s) with the given scale, no guard for zero rows
+    return torch.round(w / s[:, None]).clamp(low, 127).to(torch.int8), s
+
+
 def _float_q(w):
     q, s = quantization.quantize_per_channel(w)
     return q.float(), s
@@ -149,6 +173,12 @@ def _float_q(w):
     (_per_tensor_broadcast, quantization.dequantize, "one scale per output channel"),
     (_truncates, quantization.dequantize, "scale/2"),
     (_wrong_axis, quantization.dequantize, "shape"),
+    (lambda w: (lambda q, s: (q, s[:, None]))(*quantization.quantize_per_channel(w)), quantization.dequantize,
+     "without keepdim"),
+    (lambda w: _scaled(w, w.amax(dim=1) / 127), quantization.dequantize, "may be negative"),
+    (lambda w: _scaled(w, w.abs().mean(dim=1) / 127), quantization.dequantize, "not its mean"),
+    (lambda w: _scaled(w, w.abs().amax(dim=1) / 127.5, -128), quantization.dequantize, "-128 is left out"),
+    (lambda w: _scaled(w, w.abs().amax(dim=1) / 127), quantization.dequantize, "all-zero row"),
     (_float_q, quantization.dequantize, "int8"),
     (lambda w: quantization.quantize_per_channel(w)[0], quantization.dequantize, "return q, scale"),
     (quantization.quantize_per_channel, lambda q, s: q.float() / s[:, None], "dequantize divides"),
@@ -167,7 +197,12 @@ def test_quantize_mistakes(quantize, dequantize, hint):
     (lambda x, q, s, b: (x @ q.float().T) * s, "bias is missing"),
     (lambda x, q, s, b: x @ q.T, "convert the int8 weight"),
     (lambda x, q, s, b: (x @ q.float().T) * s[:, None], "scale has one entry per output channel|shape"),
-    (lambda x, q, s, b: ((x @ q.float().T) / s) + (0 if b is None else b), "max error"),
+    (lambda x, q, s, b: ((x @ q.float().T) / s) + (0 if b is None else b), "multiply the product by the scale once"),
+    (lambda x, q, s, b: ((x @ q.float().T) + (0 if b is None else b)) * s, "bias was scaled too"),
+    (lambda x, q, s, b: (x @ q.float().T) * s + b, "bias may be None"),
+    (lambda x, q, s, b: (x @ q.float().T) * s + (b if b else 0), "bias is not None"),
+    (lambda x, q, s, b: (x @ q.float()) * s, "multiply by q.T"),
+    (lambda x, q, s, b: (x.float() @ q.float().T) * s + (0 if b is None else b), "expected torch.float64"),
 ])
 def test_int8_linear_mistakes(wrong, hint):
     with pytest.raises(ExerciseFailed, match=hint):

@@ -35,6 +35,7 @@ statistics are the course's code.
 from __future__ import annotations
 
 import bisect
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -223,15 +224,25 @@ def _arrival_times(rate: float, duration: float, seed: int, arrivals: str) -> np
     return t[t < duration]
 
 
+def _real(x) -> float | None:
+    """``x`` as a float if it is a real number (Python, NumPy or a one-element tensor), else None."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        x = x.item()
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        return None
+    return float(x)
+
+
 def _check(rate, max_batch, max_wait, duration, arrivals, latency):
-    if not (isinstance(max_batch, (int, np.integer)) and max_batch >= 1):
+    if isinstance(max_batch, (bool, np.bool_)) or not (isinstance(max_batch, (int, np.integer)) and max_batch >= 1):
         raise BatchingError(f"max_batch must be an integer >= 1; got {max_batch!r}")
-    if not (isinstance(rate, (int, float)) and 0 < rate < float("inf")):
-        raise BatchingError(f"rate must be > 0 requests per second; got {rate!r}")
-    if not (isinstance(max_wait, (int, float)) and 0 <= max_wait < float("inf")):
-        raise BatchingError(f"max_wait must be >= 0 seconds; got {max_wait!r}. Hint: 0 = never wait for company")
-    if not (isinstance(duration, (int, float)) and 0 < duration < float("inf")):
-        raise BatchingError(f"duration must be > 0 seconds; got {duration!r}")
+    r, w, d = _real(rate), _real(max_wait), _real(duration)
+    if r is None or not 0 < r < float("inf"):
+        raise BatchingError(f"rate must be a number > 0 (requests per second); got {rate!r}")
+    if w is None or not 0 <= w < float("inf"):
+        raise BatchingError(f"max_wait must be a number >= 0 (seconds); got {max_wait!r}. Hint: 0 = never wait for company")
+    if d is None or not 0 < d < float("inf"):
+        raise BatchingError(f"duration must be a number > 0 (seconds); got {duration!r}")
     if arrivals not in ("poisson", "uniform"):
         raise BatchingError(f"arrivals must be 'poisson' or 'uniform'; got {arrivals!r}")
     if not callable(latency):
@@ -306,10 +317,14 @@ def simulate_server(latency: Callable[[int], float], rate: float, max_batch: int
             once the oldest request's deadline has passed (it would wait forever).
     """
     _check(rate, max_batch, max_wait, duration, arrivals, latency)
+    if not callable(policy):
+        raise BatchingError(f"policy must be a function (waiting, now, max_batch, max_wait) -> int; "
+                            f"got {type(policy).__name__}")
+    rate, max_wait, duration, max_batch = _real(rate), _real(max_wait), _real(duration), int(max_batch)
     if arrival_times is not None:
         times = np.sort(np.asarray(arrival_times, dtype=float))
-        if times.size and times[0] < 0:
-            raise BatchingError("arrival_times must be >= 0 seconds")
+        if times.size and not (times[0] >= 0 and np.isfinite(times[-1])):
+            raise BatchingError("arrival_times must be finite numbers >= 0 (seconds)")
     else:
         times = _arrival_times(float(rate), float(duration), seed, arrivals)
     if times.size == 0:
@@ -351,8 +366,8 @@ def simulate_server(latency: Callable[[int], float], rate: float, max_batch: int
                 continue
             batch, queue[:] = queue[:n], queue[n:]
             b = len(batch)
-            service = float(latency(b))
-            if not service > 0:
+            service = _real(latency(b))
+            if service is None or not service > 0:
                 raise BatchingError(f"latency({b}) returned {service!r}; it must be > 0 seconds")
             start[batch] = env.now
             yield env.timeout(service)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -291,6 +292,17 @@ def count_launches(events, device: str = "cpu") -> Launches:
     a CUDA graph the kernels are still listed), and in ``what`` the CPU-side launch calls
     (``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaGraphLaunch``): one graph launch replaces many.
     """
+    if hasattr(events, "events") and callable(events.events):  # a torch.profiler.profile: take its events
+        events = events.events()
+    if device not in ("cpu", "cuda"):
+        raise CourseError(f"count_launches: device must be 'cpu' or 'cuda', got {device!r}")
+    if events is None or isinstance(events, str) or not hasattr(events, "__iter__"):
+        raise CourseError(f"count_launches needs the profiler's events (a list from profile_step, or prof.events()); "
+                          f"got {type(events).__name__}")
+    events = list(events)
+    if events and not all(hasattr(e, "name") and hasattr(e, "cpu_parent") for e in events):
+        raise CourseError("count_launches needs profiler FunctionEvents (with .name and .cpu_parent), e.g. from "
+                          "profile_step or prof.events(), not prof.key_averages()")
     counts: dict[str, int] = {}
     if device == "cuda":
         launch_calls = 0
@@ -392,19 +404,40 @@ def batch_sweep(model: Model, batches, cache_len: int | None = None, step_fn: St
 
     ``bandwidth`` (bytes/s): default measured here with a large copy
     (:func:`teraflops.ceilings.measure_copy_bandwidth`, STREAM "Copy" bytes, 128 MiB on a CPU).
-    A compiled ``step_fn`` compiles once per batch size (``dynamic=False``).
+    A compiled ``step_fn`` compiles once per batch size (``dynamic=False``). A batch whose cache or
+    step runs out of memory ends the sweep with a warning (the rows so far are returned).
     """
     from .ceilings import measure_copy_bandwidth
 
     device = _device(model)
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(128 * 2**20 if device.type == "cpu" else 2**31, str(device.type))
+    from .attention import _is_oom
+
     rows = []
     for b in batches:
-        cache = model.new_cache(int(b), cache_len)
-        t = step_seconds(step_fn, model, cache, min_run_time)
+        try:
+            cache = model.new_cache(int(b), cache_len)
+            t = step_seconds(step_fn, model, cache, min_run_time)
+        except (RuntimeError, MemoryError) as e:
+            if not _is_oom(e):
+                raise
+            cache = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            warnings.warn(f"batch {b}: out of memory (its KV cache alone is {_cache_bytes(model, int(b), cache_len) / 1e9:.3g} "
+                          "GB); the sweep stops at the largest batch that fit: the memory ceiling of decode", stacklevel=2)
+            break
         rows.append(BatchRow(int(b), t, decode_bytes_per_step(model, cache), bandwidth))
     return rows
+
+
+def _cache_bytes(model: Model, batch: int, cache_len: int | None) -> int:
+    """Bytes of a static KV cache: 2 (K, V) × n_layers × batch × cache_len × d_model × element size."""
+    w = next(model.parameters())
+    layers = len(model.blocks)
+    d_model = model.tok.embedding_dim
+    return 2 * layers * batch * (cache_len or model.max_seq_len) * d_model * w.element_size()
 
 
 def batch_table(rows: list[BatchRow]) -> str:

@@ -26,7 +26,12 @@ from .core import kernel_setting, check_cases, exercise, expect_number, expect_t
 # --- exercise 1: launches per token from a profile ------------------------------------------------
 
 def _event(name: str, parent=None):
-    return SimpleNamespace(name=name, cpu_parent=parent, device_type=torch.autograd.DeviceType.CPU)
+    """A stand-in for a profiler FunctionEvent: the fields a counter may read."""
+    e = SimpleNamespace(name=name, key=name, cpu_parent=parent, cpu_children=[],
+                        device_type=torch.autograd.DeviceType.CPU)
+    if parent is not None:
+        parent.cpu_children.append(e)
+    return e
 
 
 def _compiled_like_events() -> list:
@@ -51,6 +56,9 @@ def _eager_like_events() -> list:
               _event("aten::mul"), _event("aten::add", block)]
     soft = _event("aten::softmax", block)
     events += [soft, _event("aten::_softmax", soft), _event("aten::transpose"), _event("aten::index_copy_", block)]
+    sdpa = _event("aten::scaled_dot_product_attention")  # an op whose kernel sits inside a range inside it
+    inner = _event("## flash ##", sdpa)
+    events += [sdpa, inner, _event("aten::_scaled_dot_product_flash_attention_for_cpu", inner)]
     return events
 
 
@@ -90,12 +98,21 @@ def _parent_is_none(ev):
         + sum("cpp_fused" in e.name for e in ev)
 
 
+def _immediate_parent(ev):
+    return sum(e.name.startswith("aten::") and e.name[6:] not in VIEW_OPS
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")) for e in ev) \
+        + sum("cpp_fused" in e.name for e in ev)
+
+
 _LAUNCH_MISTAKES = [
     (_count_all_aten, "an operator called by another (addmm inside linear) runs inside its caller's launch: "
                       "count only aten ops with no aten:: event above them, walking up .cpu_parent"),
-    (_count_with_views, "views and transposes (VIEW_OPS) only make new metadata; no kernel runs: skip them"),
+    (_count_with_views, "views and transposes (VIEW_OPS) only make new metadata; no kernel runs: skip them. "
+                        "VIEW_OPS holds names without the 'aten::' prefix: test e.name[len('aten::'):]"),
     (_no_fused, "in compiled code Inductor's fused kernels (names containing 'cpp_fused') are launches too, "
                 "each one however many operators it fuses"),
+    (_immediate_parent, "an aten op can sit inside a record_function range that is itself inside an aten op: "
+                        "keep walking up .cpu_parent to the top, not just one level"),
     (_parent_is_none, "an operator inside a record_function range (a non-aten parent such as "
                       "'Torch-Compiled Region') is still outermost: walk up .cpu_parent and look for an aten:: "
                       "ancestor, not for no parent at all"),
@@ -141,7 +158,8 @@ _UTIL_CASES = [
 
 
 def _describe_util(c) -> str:
-    return f"{c[0] / 1e6:g} MB of weights, {c[1]} layers, d_model {c[2]}, batch {c[4]}, cache {c[5]} positions"
+    return (f"weight_bytes={c[0]:g}, n_layers={c[1]}, d_model={c[2]}, kv_bytes_per_element={c[3]}, batch={c[4]}, "
+            f"cache_len={c[5]}, step_s={c[6]:g}, bandwidth={c[7]:g}")
 
 
 @exercise(2, "memory-bandwidth utilisation of decode")
@@ -169,7 +187,7 @@ def bandwidth_utilisation(fn) -> None:
     check_cases(fn, "bandwidth_utilisation", "a fraction of the bandwidth", _UTIL_CASES, ref, mistakes,
                 "bytes per step = weight bytes + 2·n_layers·batch·cache_len·d_model·bytes/element; "
                 "utilisation = bytes per step ÷ step seconds ÷ bandwidth",
-                _describe_util, lambda g, w: f"got {g:.4g}, expected {w:.4g}")
+                _describe_util, lambda g, w: f"got {g:.6g}, expected {w:.6g}")
 
 
 # --- exercise 3: a fused SiLU·mul kernel in Triton ------------------------------------------------
@@ -177,38 +195,87 @@ def bandwidth_utilisation(fn) -> None:
 _KERNEL_HINTS = {
     "must be Tensor, not tensor": "inside a @triton.jit kernel use triton.language (tl.load, tl.sigmoid), not torch",
     "pointer": "load with tl.load(A + offsets, mask=mask) and store with tl.store(OUT + offsets, out, mask=mask)",
+    "ptr": "tl.store(pointer, value, mask=...): the pointer (OUT + offsets) comes first, then the value",
 }
 _TORCH_MATH = {"silu", "sigmoid", "mul", "mul_", "exp", "div", "neg", "reciprocal", "add"}
+_PAD = 8192  # elements of guard space after every tensor the check hands over or the learner allocates
+_SENTINEL = 12345.0  # what the guard space holds (representable in fp16); anything else there was stored
+
+
+class _Guarded(torch.overrides.TorchFunctionMode):
+    """Give every ``torch.empty_like``/``zeros_like``/``empty``/``zeros`` result ``_PAD`` elements of
+    guard space after it (holding ``_SENTINEL``), so that a kernel storing past the end writes into the guard (which the
+    check then inspects) instead of corrupting the heap, which kills the process under Triton's
+    interpreter and faults on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.guards: list[torch.Tensor] = []
+
+    def guarded(self, shape, dtype, device, fill=None) -> torch.Tensor:
+        n = math.prod(shape)
+        flat = torch.full((n + _PAD,), _SENTINEL, dtype=dtype, device=device)  # (inside its handler a mode is off)
+        if fill is not None:
+            flat[:n] = fill.reshape(-1) if isinstance(fill, torch.Tensor) else fill
+        self.guards.append(flat[n:])
+        return flat[:n].view(shape)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.empty_like, torch.zeros_like) and args and isinstance(args[0], torch.Tensor):
+            t = args[0]
+            return self.guarded(tuple(t.shape), kwargs.get("dtype") or t.dtype, kwargs.get("device") or t.device,
+                                0 if func is torch.zeros_like else None)
+        if func in (torch.empty, torch.zeros) and args:
+            shape = tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else tuple(args)
+            return self.guarded(shape, kwargs.get("dtype") or torch.get_default_dtype(), kwargs.get("device") or "cpu",
+                                0 if func is torch.zeros else None)
+        return func(*args, **kwargs)
+
+    def overrun(self) -> bool:
+        return any(bool((g.float() != _SENTINEL).any()) for g in self.guards)
 
 
 @exercise(3, "a fused SiLU·mul kernel in Triton")
 def silu_mul(fn) -> None:
     """``fn(a, b) -> silu(a) * b`` computed by the learner's Triton kernel, same shape and dtype.
 
-    fp32 within 1e-5 under the interpreter (CPU); fp16 within 2e-3 when compiled on a GPU.
+    fp32 within 1e-5 under the interpreter (CPU); fp16 on a GPU within 2e-3 × (1 + |silu(a)·b|)
+    (fp16 keeps about 3 significant digits). Inputs and outputs carry guard space after them, so a
+    store past the end is reported, not a crash.
     """
     device, dtype, tol = kernel_setting()
     g = torch.Generator().manual_seed(0)
     for shape in [(4, 256), (3, 1000), (7,)]:  # 3000 and 7 elements: not a multiple of any block size
-        a = (torch.randn(shape, generator=g) * 3).to(device, dtype)
-        b = torch.randn(shape, generator=g).to(device, dtype)
-        fn(a, b)  # the first call compiles; compilation may run torch ops of its own
-        ops = count_ops(lambda: fn(a, b))
+        guard = _Guarded()
+        a = guard.guarded(shape, dtype, device, (torch.randn(shape, generator=g) * 3).to(device, dtype))
+        b = guard.guarded(shape, dtype, device, torch.randn(shape, generator=g).to(device, dtype))
+        with guard:
+            fn(a, b)  # the first call compiles; compilation may run torch ops of its own
+            ops = count_ops(lambda: fn(a, b))
         torch_math = sorted(op for op in ops if op in _TORCH_MATH)
         if torch_math:
             fail(f"the math ran in PyTorch ({', '.join(torch_math)}), not in your kernel: silu_mul should only "
                  "allocate the output and launch silu_mul_kernel")
-        out = expect_tensor("silu_mul(a, b)", fn(a, b), shape, dtype)
-        want = F.silu(a.float()) * b.float()
-        err = max_error(out, want)
-        if err <= tol:
-            continue
+        with guard:
+            out = fn(a, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
         n = a.numel()
-        flat, ref = out.float().reshape(-1), want.reshape(-1)
-        if math.isnan(err) and torch.isfinite(flat[: n - n % 64]).all() or \
-                (not math.isnan(err) and max_error(flat[: n - n % 64], ref[: n - n % 64]) <= tol):
-            fail(f"wrong values only at the end of a tensor of {n} elements. Hint: the last program's block runs "
-                 "past the end: load with mask=offsets < n_elements and store with the same mask")
+        if guard.overrun():
+            fail(f"your kernel wrote past the end of a tensor of {n} elements. Hint: the last program's block "
+                 "runs past the end: store with mask=offsets < n_elements (strictly less than)")
+        out = expect_tensor("silu_mul(a, b)", out, shape, dtype)
+        want = F.silu(a.float()) * b.float()
+        bad = ~((out.float() - want).abs() <= tol * (1 + want.abs()))  # NaN counts as bad
+        if not bad.any():
+            continue
+        err = max_error(out, want)
+        first = int(bad.reshape(-1).nonzero()[0])
+        if first > 0 and max_error(out.float().reshape(-1)[:first], want.reshape(-1)[:first]) <= tol * (1 + want.abs().max().item()):
+            fail(f"the first {first} of {n} elements are right, the rest are not. Hint: launch enough programs to "
+                 "cover every element, triton.cdiv(n, BLOCK), each at offsets = program_id * BLOCK + "
+                 "tl.arange(0, BLOCK), with loads and store masked by offsets < n_elements")
         if max_error(out, torch.sigmoid(a.float()) * b.float()) <= 100 * tol:
             fail(f"max error {err:.2e} for shape {shape}: that is sigmoid(a)·b. Hint: silu(a) = a·sigmoid(a)")
         if max_error(out, F.silu(a.float())) <= 100 * tol:
@@ -238,33 +305,41 @@ def _check_quantize(fn) -> None:
         fail(f"q should be int8 {tuple(w.shape)}, got {getattr(q, 'dtype', type(q).__name__)} "
              f"{tuple(getattr(q, 'shape', ()))}. Hint: .round().clamp(-127, 127).to(torch.int8)")
     s = torch.as_tensor(s, dtype=torch.float32)
-    if s.dim() == 2 and s.shape[1] == 1:  # [out, 1] is fine too
-        s = s[:, 0]
     if s.numel() == 1:
         fail("scale has one value for the whole matrix: rows with small weights round to 0. "
              "Hint: one scale per output channel, w.abs().amax(dim=1) / 127")
     if s.shape != (w.shape[0],):
+        keepdim = " (without keepdim: .amax(dim=1), or .squeeze(1))" if s.shape == (w.shape[0], 1) else ""
         fail(f"scale should have shape ({w.shape[0]},) (one per output row), got {tuple(s.shape)}. "
-             "Hint: reduce over dim=1, the input dimension")
-    if int(q.abs().max()) > QMAX:
-        fail("q leaves [-127, 127]. Hint: clamp after rounding")
-    wq = reference_dequantize(q, s)
-    rel = ((wq - w).norm(dim=1) / w.norm(dim=1)).max().item()
-    if rel > 0.02:  # per channel: ≈0.005 on every row; one shared scale: ≈1 on the smallest rows
-        fail(f"the row with the smallest weights comes back with relative error {rel:.2g} (per-channel int8 gives "
-             "< 0.01): small rows are rounded with a large scale. Hint: one scale per output channel, "
-             "w.abs().amax(dim=1) / 127")
-    if not torch.allclose(s, w.abs().amax(dim=1) / QMAX, rtol=1e-2):
+             f"Hint: reduce over dim=1, the input dimension{keepdim}")
+    if int(q.max()) > QMAX or int(q.min()) < -QMAX:
+        fail(f"q holds {int(q.min())}..{int(q.max())}, outside [-127, 127] (symmetric: -128 is left out). "
+             "Hint: scale = max|w| / 127, and clamp(-127, 127) after rounding")
+    if s.max() <= s.min() * (1 + 1e-6):
+        fail("every row got the same scale: rows with small weights round to 0. "
+             "Hint: one scale per output channel, w.abs().amax(dim=1) / 127")
+    want_s = w.abs().amax(dim=1) / QMAX
+    if not torch.allclose(s, want_s, rtol=1e-3):
+        for other, hint in [(w.amax(dim=1) / QMAX, "take the largest |w|, w.abs().amax(dim=1): a row's largest "
+                                                    "magnitude may be negative"),
+                            (w.abs().mean(dim=1) / QMAX, "the scale comes from the row's largest |w| (amax), not its mean"),
+                            (w.abs().amax(dim=1) / 255, "symmetric int8 spans [-127, 127]: divide by 127, not 255"),
+                            (w.abs().amax(dim=1) / 128, "divide by 127, so that the largest |w| maps to 127 exactly"),
+                            (QMAX / w.abs().amax(dim=1), "scale is max|w| / 127 (a step size), not its inverse")]:
+            if torch.allclose(s, other, rtol=1e-3):
+                fail(f"scale[o] should be max|w[o, :]| / 127. Hint: {hint}")
         fail("scale[o] should be max|w[o, :]| / 127. Hint: w.abs().amax(dim=1) / 127")
+    wq = reference_dequantize(q, s)
     if ((wq - w).abs() > s[:, None] / 2 * (1 + 1e-4) + 1e-12).any():
         fail("dequantize(q, scale) is off by more than scale/2 somewhere. "
              "Hint: q = round(w / scale[:, None]), rounding to nearest, not truncating")
     zero = torch.zeros(4, 8)
     zero[1] = torch.linspace(-1, 1, 8)
     qz, sz = fn(zero)
-    if not torch.isfinite(torch.as_tensor(sz, dtype=torch.float32)).all() or (qz[0] != 0).any():
-        fail("an all-zero row gives NaN or non-zero int8 values (0/0). Hint: clamp the scale to a tiny "
-             "minimum, e.g. .clamp(min=1e-12), before dividing")
+    sz = torch.as_tensor(sz, dtype=torch.float32).reshape(-1)
+    if not (torch.isfinite(sz).all() and sz[0] > 0) or (qz[0] != 0).any():
+        fail("an all-zero row gives a scale of 0 (dividing 0 by 0) or NaN. Hint: clamp the scale to a tiny "
+             "positive minimum, e.g. .clamp(min=1e-12), before dividing")
 
 
 def _check_dequantize(fn) -> None:
@@ -290,6 +365,12 @@ def quantize_per_channel(quantize, dequantize) -> None:
     _check_dequantize(dequantize)
 
 
+quantize_per_channel.__wrapped__.hints = {
+    "size of tensor a": "scale has one entry per row: scale[:, None] broadcasts it along the row",
+    "too many values to unpack": "quantize returns two things: return q, scale",
+}
+
+
 # --- exercise 5: an int8 weight-only linear layer -------------------------------------------------
 
 @exercise(5, "an int8 weight-only linear layer")
@@ -300,26 +381,35 @@ def int8_linear(fn) -> None:
     w = torch.randn(48, 64, generator=g) * torch.logspace(-2, 0, 48)[:, None]
     q, s = reference_quantize(w)
     bias = torch.randn(48, generator=g)
-    for x_shape, b in [((5, 64), bias), ((2, 3, 64), None), ((1, 64), bias)]:
-        x = torch.randn(x_shape, generator=g)
-        want = F.linear(x, reference_dequantize(q, s), b)
-        got = expect_tensor("int8_linear(x, q, scale, bias)", fn(x, q, s, b), x_shape[:-1] + (48,), torch.float32)
+    for x_shape, b, dtype in [((5, 64), bias, torch.float32), ((2, 3, 64), None, torch.float32),
+                              ((1, 64), bias, torch.float64)]:
+        x = torch.randn(x_shape, generator=g, dtype=dtype)
+        xd, qd, sd, bd = x.double(), q.double(), s.double(), None if b is None else b.double()
+        want = F.linear(xd, qd * sd[:, None], bd)
+        got = expect_tensor("int8_linear(x, q, scale, bias)", fn(x, q, s, b), x_shape[:-1] + (48,), dtype)
         err = max_error(got, want)
         if err <= 1e-4:
             continue
-        if b is not None and max_error(got, F.linear(x, reference_dequantize(q, s))) <= 1e-4:
+        if b is not None and max_error(got, F.linear(xd, qd * sd[:, None])) <= 1e-4:
             fail("the bias is missing. Hint: add bias (when it is not None) after scaling")
-        if max_error(got, F.linear(x, q.float(), b)) <= 1e-3 * max(1.0, want.abs().max().item()) or err > 10:
+        if b is not None and max_error(got, (xd @ qd.T + bd) * sd) <= 1e-4:
+            fail("the bias was scaled too. Hint: scale the product first, then add the bias: (x @ q.T) * scale + bias")
+        unscaled = F.linear(xd, qd, bd)
+        if max_error(got, unscaled) <= 1e-3 * max(1.0, unscaled.abs().max().item()):
             fail(f"max error {err:.2e}: the output is not scaled. Hint: y = (x @ q.T) * scale + bias; each output "
                  "channel o is scaled by scale[o]")
-        fail(f"max error {err:.2e} against x @ dequantize(q, scale).T + bias. Hint: scale the output along its last "
-             "dimension (scale has one value per output channel): (x @ q.float().T) * scale")
+        fail(f"max error {err:.2e} against x @ dequantize(q, scale).T + bias. Hint: multiply the product by the scale "
+             "once, along its last dimension (one value per output channel): (x @ q.T) * scale + bias")
 
 
 int8_linear.__wrapped__.hints = {
     "Char": "convert the int8 weight to x's dtype before the matmul: q.to(x.dtype)",
     "same dtype": "convert the int8 weight to x's dtype before the matmul: q.to(x.dtype)",
     "size of tensor a": "scale has one entry per output channel: multiply the output (..., out) by scale",
+    "NoneType": "bias may be None: add it only when bias is not None",
+    "ambiguous": "test `bias is not None`, not the tensor's truth value",
+    "cannot be multiplied": "x is (..., in) and q is [out, in]: multiply by q.T",
+    "must be a matrix": "x may have more than two dimensions (..., in): use x @ q.T (or F.linear), not torch.mm",
 }
 
 
