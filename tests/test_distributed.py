@@ -58,6 +58,8 @@ def test_hung_rank_makes_the_collective_time_out():
 @pytest.mark.slow
 def test_interrupt_stops_every_process():
     port = free_port()  # the notebook's interrupt button raises KeyboardInterrupt in the kernel
+    # as a Jupyter kernel does; a test process started in the background inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(8, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
@@ -65,6 +67,7 @@ def test_interrupt_stops_every_process():
             launch(SELFTEST, 2, ["--timeout", "60"], env={FAULT_ENV: "hang:rank=1:step=0"}, port=port, timeout=60)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert_clean(port)
 
 
