@@ -277,6 +277,17 @@ def profile_step(step_fn: StepFn, model: Model, cache: KVCache, warmup: int = 2)
 VIEW_OPS = _METADATA_OPS  # aten ops that only make a new view of the same memory: no kernel runs
 
 
+def inside_aten_op(event) -> bool:
+    """Whether a profiler event runs inside an ``aten::`` operator: walks up ``.cpu_parent``
+    past ``record_function`` ranges (an op inside a range inside an op is still inside it)."""
+    p = event.cpu_parent
+    while p is not None:
+        if p.name.startswith("aten::"):
+            return True
+        p = p.cpu_parent
+    return False
+
+
 def count_launches(events, device: str = "cpu") -> Launches:
     """Count the launches in profiler ``events`` (from :func:`profile_step`).
 
@@ -320,10 +331,7 @@ def count_launches(events, device: str = "cpu") -> Launches:
             continue
         if not name.startswith("aten::") or name[6:] in VIEW_OPS:
             continue
-        p = e.cpu_parent
-        while p is not None and not p.name.startswith("aten::"):
-            p = p.cpu_parent
-        if p is None:  # outermost aten op
+        if not inside_aten_op(e):  # outermost aten op
             counts[name] = counts.get(name, 0) + 1
     what = "outermost aten ops (views excluded) + Inductor C++ kernels per step"
     return Launches(sum(counts.values()), counts, what)

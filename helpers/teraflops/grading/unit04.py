@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ..batching import BatchingError, dynamic_batch_policy, simulate_server
-from ..decode import VIEW_OPS, count_launches as reference_launches, decode_model, profile_step, decode_step
+from ..decode import (VIEW_OPS, count_launches as reference_launches, decode_model, decode_step, inside_aten_op,
+                      profile_step)
 from ..profiling import count_ops
 from ..quantization import QMAX, dequantize as reference_dequantize, quantize_per_channel as reference_quantize
 from ..sizing import PRESETS
@@ -73,24 +74,12 @@ def _count_all_aten(ev):
 
 
 def _count_with_views(ev):
-    n = 0
-    for e in ev:
-        if e.name.startswith("aten::") and (e.cpu_parent is None or not _aten_above(e)):
-            n += 1
-    return n + sum("cpp_fused" in e.name for e in ev)
-
-
-def _aten_above(e) -> bool:
-    p = e.cpu_parent
-    while p is not None:
-        if p.name.startswith("aten::"):
-            return True
-        p = p.cpu_parent
-    return False
+    return sum(e.name.startswith("aten::") and not inside_aten_op(e) for e in ev) \
+        + sum("cpp_fused" in e.name for e in ev)
 
 
 def _no_fused(ev):
-    return sum(e.name.startswith("aten::") and e.name[6:] not in VIEW_OPS and not _aten_above(e) for e in ev)
+    return sum(e.name.startswith("aten::") and e.name[6:] not in VIEW_OPS and not inside_aten_op(e) for e in ev)
 
 
 def _parent_is_none(ev):
