@@ -82,6 +82,18 @@ class Preset:
     decode_prompt_len: int = 16
     decode_new_tokens: int = 64  # greedy tokens per generate() call
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch sweep of one decode step
+    # Unit 5 §1: the collective bandwidth sweep (collectives.py): float32 messages of powers of two
+    # from collective_min_bytes to collective_max_bytes (capped by the memory free at run time), each
+    # timed over volume_bytes / size iterations, clamped to [collective_min_iters, collective_iters],
+    # after collective_warmup untimed ones. CPU sizes keep the 3-collective sweep (4 gloo ranks on
+    # two cores) near 30 s, the ~10 s launch included
+    collective_ranks_cpu: int = 4  # ranks on a CPU machine; with GPUs, one rank per GPU
+    collective_min_bytes: int = 1024
+    collective_max_bytes: int = 64 * MiB
+    collective_iters: int = 20  # nccl-tests' default -n 20
+    collective_min_iters: int = 3
+    collective_warmup: int = 2
+    collective_volume_bytes: int = 256 * MiB
 
 
 PRESETS = {
@@ -90,7 +102,9 @@ PRESETS = {
                    dp_d_model=64, dp_steps=6, dp_overlap_steps=4, dp_bucket_mb=0.05,
                    straggler_steps=4, straggler_delays_ms=(0, 50), elastic_steps=8, elastic_checkpoint_every=3,
                    elastic_kill_step=5, decode_vocab=256, decode_d_model=64, decode_layers=2, decode_heads=2,
-                   decode_max_seq_len=32, decode_prompt_len=4, decode_new_tokens=8, decode_batches=(1, 2, 4)),
+                   decode_max_seq_len=32, decode_prompt_len=4, decode_new_tokens=8, decode_batches=(1, 2, 4),
+                   collective_ranks_cpu=2, collective_max_bytes=256 * 1024, collective_iters=5,
+                   collective_min_iters=2, collective_warmup=1),
     "cpu": Preset("cpu", "cpu", torch.float32, 1024, 128 * MiB, (16, 64, 256, 1024), 1 << 24,
                   (1, 1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 22), 1, 2, 32, torch.float32,
                   (128, 256, 512, 1024), 256, 4, 128, 4, 0.1),
@@ -102,7 +116,8 @@ PRESETS = {
                   dp_steps=100, dp_overlap_steps=30, dp_bucket_mb=25.0, straggler_micro_batch=8, straggler_lr=0.05,
                   straggler_steps=30, elastic_steps=60, elastic_checkpoint_every=10, elastic_kill_step=33,
                   decode_vocab=32768, decode_d_model=2048, decode_layers=16, decode_heads=16, decode_max_seq_len=1024,
-                  decode_prompt_len=128, decode_new_tokens=256, decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256)),
+                  decode_prompt_len=128, decode_new_tokens=256, decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                  collective_max_bytes=8192 * MiB, collective_warmup=5, collective_volume_bytes=1 << 40),
 }
 
 

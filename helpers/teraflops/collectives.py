@@ -1,0 +1,499 @@
+"""Unit 5 §1: the bandwidth of collectives, measured as nccl-tests measures it, modelled, and compared.
+
+**Definitions** (NVIDIA nccl-tests, ``doc/PERFORMANCE.md``,
+https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md), so that a learner who later
+runs ``all_reduce_perf`` reads the same columns:
+
+* ``S`` is the size in bytes of the *whole* buffer: for all-reduce the buffer every rank reduces;
+  for all-gather and reduce-scatter the full gathered (or scattered) buffer, ``n`` × the per-rank
+  chunk (NCCL's ``sendcount`` / ``recvcount`` are per rank).
+* **algbw** = ``S / t``: divide a size by it to get a time.
+* **busbw** = ``algbw × factor``, the factor (:data:`BUS_FACTOR`) chosen so that busbw can be compared
+  with the bandwidth of one rank's link whatever the number of ranks ``n``: all-reduce
+  ``2(n−1)/n`` (each element needs ``n − 1`` additions and ``n`` assignments, ``2(n−1)`` transfers
+  spread over ``n`` links); reduce-scatter and all-gather ``(n−1)/n`` (one half of that);
+  broadcast and reduce ``1`` (all data passes the root's link); all-to-all ``(n−1)/n``.
+
+**Timing** (nccl-tests ``src/common.cu``, ``BenchTime``): warm-up calls, a barrier, ``iters`` calls
+back to back timed as one span, the span / ``iters`` averaged over ranks; then one call on known data
+whose wrong elements are counted (``#wrong``). Two deviations, both for a 2-core CPU machine: the
+number of timed calls falls with the size (``volume / size``, within [min, max] iterations; nccl-tests
+uses a fixed ``-n 20``), and one form per collective is timed (all-reduce in place, torch's only form;
+all-gather and reduce-scatter out of place), where nccl-tests times both.
+
+**Model**: the alpha-beta (Hockney) model of a message, ``T(S) = α + S / B``: a fixed latency
+``α`` (s) plus the size over a bandwidth ``B`` (bytes/s; ``β = 1/B`` s per byte) (R. Hockney,
+"The communication challenge for MPP: Intel Paragon and Meiko CS-2", Parallel Computing 20(3),
+1994; nccl-tests' doc: "roughly equal to overhead + size / bw"). :func:`fit_alpha_beta` fits it to
+measured times; the achieved bandwidth ``S / T(S) = B · S / (S + αB)`` reaches a fraction ``f`` of
+``B`` at ``S = f / (1 − f) · α · B`` (:func:`saturation_size`). A ring all-reduce of ``S`` bytes on
+``n`` ranks takes ``2(n−1)`` steps, each sending ``S/n`` bytes over every link:
+``T = 2(n−1)·α + 2(n−1)/n · S/B`` (P. Patarasuk and X. Yuan, "Bandwidth optimal all-reduce
+algorithms for clusters of workstations", J. Parallel Distrib. Comput. 69(2), 2009), the time
+whose ``B`` is what busbw measures (:func:`ring_allreduce_seconds`).
+
+Units: sizes in bytes, times in seconds (µs in tables), bandwidths in bytes/s (GB/s in tables,
+GB = 1e9 bytes; Gb/s = 1e9 bits/s). What to expect on a 2-core CPU machine with 4 gloo ranks
+(they share the cores and talk over loopback TCP): α of a few hundred µs and all-reduce busbw of
+~0.5 GB/s at 64 MB, about three orders of magnitude below one NVLink 4 port set.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import CourseError
+from .tables import fmt, table
+
+WORKER = "teraflops.workers.collective_sweep"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what sweep() measures
+GB = 1e9  # bytes; bandwidths in tables are GB/s
+
+
+class CollectiveInputError(CourseError, ValueError):
+    """A bad argument to this module: an unknown collective, a size or rank count out of range."""
+
+
+# nccl-tests doc/PERFORMANCE.md, "Summary": busbw = algbw × factor(n)
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+
+
+def _check_collective(collective: str) -> None:
+    if collective not in BUS_FACTOR:
+        raise CollectiveInputError(f"unknown collective {collective!r}. Hint: choose one of {', '.join(BUS_FACTOR)} "
+                                   "(snake_case, as torch.distributed names them)")
+
+
+def _check_ranks(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
+        raise CollectiveInputError(f"n must be an integer number of ranks >= 2, got {n!r}. "
+                                   "Hint: with one rank there is nothing to communicate")
+
+
+def _check_positive(name: str, values) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0 or not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+        raise CollectiveInputError(f"{name} must be finite numbers > 0, got {values!r}. "
+                                   "Hint: sizes are in bytes, times in seconds, bandwidths in bytes/s")
+    return arr
+
+
+def bus_factor(collective: str, n: int) -> float:
+    """busbw / algbw for ``collective`` on ``n`` ranks (nccl-tests doc/PERFORMANCE.md, "Summary").
+
+    Raises:
+        CollectiveInputError: unknown collective, or ``n`` not an integer >= 2.
+    """
+    _check_collective(collective)
+    _check_ranks(n)
+    return BUS_FACTOR[collective](int(n))
+
+
+def algbw(size_bytes, seconds):
+    """Algorithm bandwidth ``S / t`` in bytes/s (``S``: bytes of the whole buffer, see the module doc).
+
+    Works on scalars and arrays. Raises:
+        CollectiveInputError: a size or time that is not > 0.
+    """
+    s, t = _check_positive("size_bytes", size_bytes), _check_positive("seconds", seconds)
+    out = s / t
+    return float(out) if out.ndim == 0 else out
+
+
+def busbw(size_bytes, seconds, collective: str, n: int):
+    """Bus bandwidth ``algbw × bus_factor(collective, n)`` in bytes/s (nccl-tests doc/PERFORMANCE.md).
+
+    Raises:
+        CollectiveInputError: unknown collective, ``n < 2``, a size or time not > 0.
+    """
+    return algbw(size_bytes, seconds) * bus_factor(collective, n)
+
+
+# ---- published link ceilings -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PublishedLink:
+    """A link's datasheet bandwidth. ``bandwidth``: bytes/s **per direction** (what busbw is compared
+    with: a ring sends and receives at once); ``note``: how the number follows from the source."""
+
+    name: str
+    bandwidth: float
+    note: str
+    source: str
+
+
+PUBLISHED_LINKS: tuple[PublishedLink, ...] = (
+    PublishedLink("NVLink 4 (H100 SXM)", 450e9,
+                  "900 GB/s total per GPU = 18 links × 50 GB/s, counting both directions: 450 GB/s per direction "
+                  "(data rate; NVSwitch connects all 8 GPUs of an HGX H100 at this rate)",
+                  "NVIDIA H100 Tensor Core GPU datasheet (2023), https://resources.nvidia.com/en-us-tensor-core/"
+                  "nvidia-tensor-core-gpu-datasheet; NVLink page, https://www.nvidia.com/en-us/data-center/nvlink/"),
+    PublishedLink("PCIe Gen4 x16", 16 * 16e9 * 128 / 130 / 8,
+                  "16 lanes × 16 GT/s with 128b/130b encoding = 31.5 GB/s per direction (datasheets print "
+                  "64 GB/s: both directions, before encoding); packet headers leave ~26 GB/s in practice",
+                  "PCI-SIG, PCI Express Base Specification Revision 4.0 (2017), https://pcisig.com/specifications"),
+    PublishedLink("PCIe Gen5 x16", 16 * 32e9 * 128 / 130 / 8,
+                  "16 lanes × 32 GT/s with 128b/130b encoding = 63.0 GB/s per direction (the H100 datasheet's "
+                  "128 GB/s: both directions, before encoding)",
+                  "PCI-SIG, PCI Express Base Specification Revision 5.0 (2019), https://pcisig.com/specifications"),
+    PublishedLink("InfiniBand NDR (400 Gb/s)", 400e9 / 8,
+                  "one 4x NDR port: 400 Gb/s of data per direction (4 lanes × 100 Gb/s; the line rate with FEC "
+                  "is higher) = 50 GB/s; a DGX H100 has one such port per GPU",
+                  "NVIDIA ConnectX-7 400G adapter datasheet (2022), https://www.nvidia.com/en-us/networking/"
+                  "ethernet-adapters/connectx-7/; InfiniBand Trade Association roadmap, "
+                  "https://www.infinibandta.org/infiniband-roadmap/"),
+)
+
+
+def links_table(links=PUBLISHED_LINKS) -> str:
+    """The published links: GB/s per direction, what the number means, where it comes from."""
+    return table([(l.name, l.bandwidth / GB, l.note, l.source.split(", http")[0]) for l in links],
+                 ["link", "GB/s per direction", "meaning", "source"])
+
+
+# ---- the alpha-beta model ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """A fit of ``T(S) = alpha + S / bandwidth`` to measured times.
+
+    Attributes:
+        alpha: latency (s). bandwidth: the asymptotic bandwidth ``B = 1/β`` (bytes/s); fitted to the
+            times of a collective with ``S`` as nccl-tests counts it, it is the **algbw** asymptote.
+        r2: coefficient of determination of the predicted times (seconds, unweighted): ``1 − Σ(T −
+            T̂)² / Σ(T − mean T)²`` over the fitted points. max_rel_error: the largest ``|T̂ − T| / T``.
+        collective, ranks: what was measured, when known (``busbw`` and ``gradient_sync_table`` use them).
+        sizes: the fitted sizes (bytes).
+    """
+
+    alpha: float
+    bandwidth: float
+    r2: float
+    max_rel_error: float
+    collective: str | None = None
+    ranks: int | None = None
+    sizes: tuple = ()
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte, ``1 / bandwidth``."""
+        return 1.0 / self.bandwidth
+
+    @property
+    def bus_bandwidth(self) -> float | None:
+        """The busbw asymptote, ``bandwidth × bus_factor`` (bytes/s), when collective and ranks are known."""
+        return None if self.collective is None or self.ranks is None else \
+            self.bandwidth * bus_factor(self.collective, self.ranks)
+
+    def predict(self, size_bytes):
+        """Predicted time (s) of a ``size_bytes`` message: ``alpha + size / bandwidth``."""
+        s = _check_positive("size_bytes", size_bytes)
+        out = self.alpha + s / self.bandwidth
+        return float(out) if out.ndim == 0 else out
+
+    def __str__(self) -> str:
+        what = f"{self.collective}, {self.ranks} ranks: " if self.collective else ""
+        bus = f" (busbw {self.bus_bandwidth / GB:.3g} GB/s)" if self.bus_bandwidth else ""
+        return (f"{what}T = α + S/B with α = {self.alpha * 1e6:.3g} µs, B = {self.bandwidth / GB:.3g} GB/s{bus}; "
+                f"R² = {self.r2:.4f}, worst relative error {self.max_rel_error:.0%}; "
+                f"80% of B from {fmt_bytes(saturation_size(self))}")
+
+
+def fit_alpha_beta(sizes, seconds, *, weighting: str = "relative", collective: str | None = None,
+                   ranks: int | None = None) -> AlphaBeta:
+    """Fit ``T = α + S/B`` to measured ``(size, time)`` points by weighted least squares.
+
+    ``weighting="relative"`` (default) minimises ``Σ ((α + βS − T) / T)²``, the squared *relative*
+    errors: on a sweep over four decades of sizes every point counts alike, so α is set by the small
+    messages (where it is the whole time) and B by the large ones. Ordinary least squares
+    (``weighting="none"``) minimises absolute errors in seconds, which the largest messages dominate:
+    it fits B well but leaves α to the noise of the 64 MB point (it can come out negative).
+    ``r2`` is in both cases the plain R² of the times, so the two are comparable. α is kept >= 0
+    (if the free fit makes it negative, α = 0 and B alone is fitted).
+
+    Args:
+        sizes: message sizes (bytes, > 0), at least 2 distinct. seconds: their times (s, > 0).
+        collective, ranks: recorded in the result (for busbw and predictions), not used in the fit.
+
+    Raises:
+        CollectiveInputError: mismatched lengths, fewer than 2 distinct sizes, values not > 0, or an
+            unknown weighting.
+    """
+    s, t = _check_positive("sizes", sizes), _check_positive("seconds", seconds)
+    if s.shape != t.shape or s.ndim != 1 or len(np.unique(s)) < 2:
+        raise CollectiveInputError(f"need sizes and seconds of the same length with >= 2 distinct sizes, got "
+                                   f"{s.shape} and {t.shape}. Hint: pass one time per size, e.g. from a sweep's rows")
+    if weighting not in ("relative", "none"):
+        raise CollectiveInputError(f"weighting must be 'relative' or 'none', got {weighting!r}")
+    w = 1.0 / t if weighting == "relative" else np.ones_like(t)  # row weights: residual × w
+    a = np.stack([np.ones_like(s), s], axis=1) * w[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(a, t * w, rcond=None)
+    if alpha < 0 or beta <= 0:
+        alpha, beta = 0.0, float(np.sum(w * w * s * t) / np.sum(w * w * s * s))
+    pred = alpha + beta * s
+    ss_tot = float(np.sum((t - t.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((t - pred) ** 2)) / ss_tot if ss_tot > 0 else 1.0
+    return AlphaBeta(float(alpha), 1.0 / float(beta), r2, float(np.max(np.abs(pred - t) / t)), collective,
+                     ranks, tuple(float(x) for x in s))
+
+
+def fit_rows(rows: list[dict], collective: str = "all_reduce", **kwargs) -> AlphaBeta:
+    """:func:`fit_alpha_beta` on the sweep rows of one collective (sizes in bytes, times in s).
+
+    Raises:
+        CollectiveInputError: no rows of that collective (or fewer than 2 sizes).
+    """
+    _check_collective(collective)
+    mine = [r for r in rows if r["collective"] == collective]
+    if len(mine) < 2:
+        raise CollectiveInputError(f"the rows hold {len(mine)} sizes of {collective!r}. "
+                                   f"Hint: sweep it over at least two sizes (collectives=({collective!r},))")
+    return fit_alpha_beta([r["size"] for r in mine], [r["seconds"] for r in mine], collective=collective,
+                          ranks=mine[0].get("ranks"), **kwargs)
+
+
+def saturation_size(fit: AlphaBeta, fraction: float = 0.8) -> float:
+    """The size (bytes) at which the fitted achieved bandwidth ``S / T(S)`` reaches ``fraction`` of B:
+    ``S = fraction / (1 − fraction) · α · B`` (from ``S / (α + S/B) = fraction · B``).
+
+    Raises:
+        CollectiveInputError: ``fraction`` not strictly between 0 and 1.
+    """
+    if not 0 < fraction < 1:
+        raise CollectiveInputError(f"fraction must be between 0 and 1 (exclusive), got {fraction!r}. "
+                                   "Hint: 0.8 asks where 80% of the bandwidth is reached; B itself is never reached")
+    return fraction / (1 - fraction) * fit.alpha * fit.bandwidth
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes with a binary prefix for powers of two, e.g. ``"64 MB"`` for 2**26 (course tables: KB = 1024 B
+    for message sizes, as nccl-tests' ``-b 1K -e 64M`` reads them)."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.3g} B"
+
+
+# ---- predictions ----------------------------------------------------------------------------------
+
+
+def ring_allreduce_seconds(size_bytes, n: int, bandwidth: float, alpha: float = 0.0):
+    """Time (s) of a ring all-reduce: ``2(n−1)/n · S/B + 2(n−1)·α`` (Patarasuk & Yuan 2009; NCCL's busbw
+    of all-reduce, nccl-tests doc/PERFORMANCE.md, is the ``B`` of this formula).
+
+    Args:
+        size_bytes: bytes all-reduced on every rank (> 0). n: ranks (>= 2). bandwidth: bytes/s per
+            direction of each rank's link (> 0). alpha: latency of one of the ``2(n−1)`` steps (s, >= 0).
+
+    Raises:
+        CollectiveInputError: a value out of range.
+    """
+    _check_ranks(n)
+    s = _check_positive("size_bytes", size_bytes)
+    _check_positive("bandwidth", bandwidth)
+    if not (isinstance(alpha, (int, float, np.floating)) and 0 <= alpha < math.inf):
+        raise CollectiveInputError(f"alpha must be a latency >= 0 in seconds, got {alpha!r}")
+    out = 2 * (n - 1) / n * s / bandwidth + 2 * (n - 1) * alpha
+    return float(out) if out.ndim == 0 else out
+
+
+def gradient_sync_rows(params=(1e9, 7e9, 13e9, 70e9), n: int = 8, bytes_per_grad: float = 2,
+                       links=PUBLISHED_LINKS, fit: AlphaBeta | None = None) -> list[dict]:
+    """Predicted ring all-reduce time (s) of one step's gradients, per model size and link.
+
+    Each row: ``params``, ``bytes`` (``params × bytes_per_grad``: 2 for bf16 gradients) and, per link,
+    :func:`ring_allreduce_seconds` at the link's per-direction bandwidth with α = 0 (a ceiling: the
+    best any implementation can do). With ``fit`` (an all-reduce fit from :func:`fit_rows`, measured
+    on ``fit.ranks`` ranks) a ``"measured"`` column: the ring formula with ``B`` = the fit's busbw
+    asymptote and ``α`` = fitted latency / ``2(fit.ranks − 1)`` per step, scaled to ``n`` ranks.
+
+    Raises:
+        CollectiveInputError: ``n < 2``, parameters or bytes not > 0, a fit of another collective or
+            without its rank count.
+    """
+    _check_ranks(n)
+    counts = _check_positive("params", params)
+    _check_positive("bytes_per_grad", bytes_per_grad)
+    if fit is not None and (fit.collective != "all_reduce" or fit.ranks is None):
+        raise CollectiveInputError("fit must be an all-reduce fit that knows its rank count. "
+                                   "Hint: fit_rows(rows, 'all_reduce') on a sweep's rows")
+    rows = []
+    for p in counts:
+        size = float(p) * bytes_per_grad
+        row = {"params": float(p), "bytes": size}
+        for link in links:
+            row[link.name] = ring_allreduce_seconds(size, n, link.bandwidth)
+        if fit is not None:
+            row["measured"] = ring_allreduce_seconds(size, n, fit.bus_bandwidth, fit.alpha / (2 * (fit.ranks - 1)))
+        rows.append(row)
+    return rows
+
+
+def gradient_sync_table(params=(1e9, 7e9, 13e9, 70e9), n: int = 8, bytes_per_grad: float = 2,
+                        links=PUBLISHED_LINKS, fit: AlphaBeta | None = None) -> str:
+    """:func:`gradient_sync_rows` as a table: one row per model, seconds per link."""
+    rows = gradient_sync_rows(params, n, bytes_per_grad, links, fit)
+    names = [l.name for l in links] + (["measured"] if fit is not None else [])
+    head = (f"# ring all-reduce of the gradients ({bytes_per_grad:g} bytes each) on n = {n} ranks: seconds per step "
+            f"(links: α = 0, per-direction datasheet bandwidth"
+            + (f"; measured: this machine's fit, busbw {fit.bus_bandwidth / GB:.3g} GB/s)" if fit else ")"))
+    body = table([[f"{r['params'] / 1e9:g}B", r["bytes"] / GB] + [r[k] for k in names] for r in rows],
+                 ["model", "gradients (GB)"] + [f"{k} (s)" for k in names])
+    return head + "\n" + body
+
+
+# ---- the measurement -------------------------------------------------------------------------------
+
+
+def default_sizes(p=None, ranks: int | None = None) -> list[int]:
+    """Powers of two from the preset's ``collective_min_bytes`` to ``collective_max_bytes`` (bytes); on
+    a CPU, capped so that every rank's buffers (~3× the size) fit in a quarter of the available memory."""
+    from .sizing import preset
+
+    p = p or preset()
+    top = p.collective_max_bytes
+    if p.device == "cpu":
+        import psutil
+
+        top = min(top, psutil.virtual_memory().available // (4 * 3 * (ranks or p.collective_ranks_cpu)))
+    sizes, s = [], p.collective_min_bytes
+    while s <= top:
+        sizes.append(s)
+        s *= 2
+    return sizes
+
+
+def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: int | None = None, *,
+          warmup: int | None = None, min_iters: int | None = None, volume_bytes: int | None = None,
+          timeout: float = 300, verbose: bool = False) -> list[dict]:
+    """Measure ``collectives`` over message ``sizes`` on real ranks, in one launch; rows for :func:`bandwidth_table`.
+
+    Ranks: one per GPU with NCCL when there are at least 2 GPUs (``ranks``, if given, at most that
+    many), else ``ranks`` (default the preset's ``collective_ranks_cpu``) CPU ranks with gloo and one
+    torch thread each, the GPU (if one) hidden. Each rank runs ``workers/collective_sweep.py``.
+
+    Args:
+        collectives: some of :data:`COLLECTIVES`. sizes: bytes of the whole buffer (nccl-tests'
+            ``S``; default :func:`default_sizes`). iters: the most timed calls per size (default the
+            preset's ``collective_iters``); ``min_iters``, ``volume_bytes`` (timed calls per size =
+            volume / size, clamped), ``warmup``: the preset's ``collective_*`` by default.
+        timeout: seconds for the whole launch.
+
+    Returns:
+        One dict per collective and size: ``collective``, ``size`` (bytes moved, after rounding each
+        rank's chunk to 8 elements), ``count`` (float32 elements), ``type``, ``seconds`` (mean over
+        iterations, averaged over ranks), ``seconds_max`` (the slowest rank's), ``algbw`` and
+        ``busbw`` (bytes/s), ``wrong`` (elements, summed over ranks), ``iters``, ``warmup``,
+        ``ranks``, ``backend``; and ``wall_s`` (the whole launch) in every row.
+
+    Raises:
+        CollectiveInputError: an unknown collective, a size that is not an integer >= 32·ranks bytes,
+            ranks < 2 or iteration counts < 1.
+        LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
+    """
+    from .distributed import launch
+    from .machine import detect
+    from .sizing import PRESETS, preset
+
+    collectives = (collectives,) if isinstance(collectives, str) else tuple(collectives)
+    for c in collectives or ("",):
+        if c not in COLLECTIVES:
+            raise CollectiveInputError(f"sweep measures some of {COLLECTIVES}, got {c!r}. "
+                                       "Hint: pass a tuple such as ('all_reduce',)")
+    p, gpus = preset(), detect().gpu_count
+    on_gpus = gpus >= 2 and (ranks is None or ranks <= gpus)
+    cpu = p if p.device == "cpu" else PRESETS["cpu"]
+    n, env = (ranks or gpus, {}) if on_gpus else (ranks or cpu.collective_ranks_cpu,
+                                                     {"CUDA_VISIBLE_DEVICES": ""} if gpus else {})
+    _check_ranks(n)
+    q = p if on_gpus else cpu
+    sizes = default_sizes(q, n) if sizes is None else list(sizes)
+    if not sizes or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 32 * n
+                            for s in sizes):
+        raise CollectiveInputError(f"sizes must be integers of at least 32·ranks = {32 * n} bytes, got {sizes!r}. "
+                                   "Hint: each rank's chunk holds a multiple of 8 float32 elements")
+    knobs = {"iters": iters or q.collective_iters, "min_iters": min_iters or q.collective_min_iters,
+             "warmup": q.collective_warmup if warmup is None else warmup,
+             "volume_bytes": volume_bytes or q.collective_volume_bytes}
+    if min(knobs.values()) < 1:
+        raise CollectiveInputError(f"iteration counts and volume must be >= 1, got {knobs}")
+    args = ["--collectives", ",".join(collectives), "--sizes", ",".join(str(int(s)) for s in sizes),
+            "--iters", knobs["iters"], "--min-iters", min(knobs["min_iters"], knobs["iters"]),
+            "--warmup", knobs["warmup"], "--volume-bytes", knobs["volume_bytes"]]
+    start = time.perf_counter()
+    results = launch(WORKER, n, args, timeout=timeout, env=env, verbose=verbose,
+                     desc=f"{', '.join(collectives)} on {n} ranks")
+    wall = time.perf_counter() - start
+    r0 = results[0]
+    rows = []
+    for row in r0["rows"]:
+        row = {**row, "ranks": r0["world_size"], "backend": r0["backend"], "wall_s": wall}
+        row["algbw"] = algbw(row["size"], row["seconds"])
+        row["busbw"] = busbw(row["size"], row["seconds"], row["collective"], row["ranks"])
+        rows.append(row)
+    return rows
+
+
+# ---- showing it --------------------------------------------------------------------------------------
+
+
+def bandwidth_table(rows: list[dict]) -> str:
+    """nccl-tests' table, one block per collective: size (B), count (elements), type, time (µs),
+    algbw and busbw (GB/s, GB = 1e9 bytes), #wrong; a footer with the average busbw over the sizes."""
+    blocks = []
+    for c in dict.fromkeys(r["collective"] for r in rows):
+        mine = [r for r in rows if r["collective"] == c]
+        head = (f"# {c}: {mine[0].get('ranks', '?')} ranks, {mine[0].get('backend', '?')}; time = mean of back-to-back "
+                "calls, averaged over ranks (nccl-tests); size = the whole buffer")
+        body = table([(r["size"], r["count"], r["type"], r["seconds"] * 1e6, r["algbw"] / GB, r["busbw"] / GB,
+                       r["wrong"]) for r in mine],
+                     ["size (B)", "count (elements)", "type", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong"])
+        wrong = sum(r["wrong"] for r in mine)
+        foot = (f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'WRONG'}\n"
+                f"# Avg bus bandwidth    : {fmt(float(np.mean([r['busbw'] for r in mine])) / GB)} GB/s")
+        blocks.append("\n".join([head, body, foot]))
+    return "\n\n".join(blocks)
+
+
+def plot_sweep(rows: list[dict], fit: AlphaBeta | None = None, links=PUBLISHED_LINKS, ax=None):
+    """busbw (GB/s) against message size (bytes), both axes logarithmic: the measured points per
+    collective; with ``fit``, its busbw curve ``factor · S / (α + S/B)`` and the 80% saturation size;
+    the published link ceilings (per direction) as horizontal lines, labelled. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8, 4.5))
+    for c in dict.fromkeys(r["collective"] for r in rows):
+        mine = [r for r in rows if r["collective"] == c]
+        ax.plot([r["size"] for r in mine], [r["busbw"] / GB for r in mine], "o-", ms=4,
+                label=f"{c} ({mine[0]['ranks']} ranks, {mine[0]['backend']})")
+    if fit is not None and fit.bus_bandwidth:
+        s = np.logspace(np.log10(min(fit.sizes)), np.log10(max(fit.sizes)), 200)
+        factor = fit.bus_bandwidth / fit.bandwidth
+        ax.plot(s, factor * s / fit.predict(s) / GB, "k--", lw=1,
+                label=f"fit: α = {fit.alpha * 1e6:.3g} µs, busbw → {fit.bus_bandwidth / GB:.3g} GB/s")
+        sat = saturation_size(fit)
+        ax.axvline(sat, color="gray", ls=":", lw=1)
+        ax.annotate(f"80% of B at {fmt_bytes(sat)}", (sat, factor * 0.8 * fit.bandwidth / GB),
+                    textcoords="offset points", xytext=(5, -14), fontsize=8, color="gray")
+    for link in links:
+        ax.axhline(link.bandwidth / GB, color="tab:red", lw=0.8, alpha=0.6)
+        ax.annotate(f"{link.name}: {link.bandwidth / GB:.3g} GB/s", (0.01, link.bandwidth / GB),
+                    xycoords=("axes fraction", "data"), fontsize=8, color="tab:red", va="bottom")
+    ax.set(xscale="log", yscale="log", xlabel="message size S (bytes)", ylabel="busbw (GB/s, per direction)",
+           title="Collective bandwidth on this machine against published links")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,161 @@
+"""Rank side of Unit 5 §1: time all-reduce, all-gather and reduce-scatter over message sizes.
+
+``python -m teraflops.workers.collective_sweep --collectives all_reduce,all_gather --sizes 1024,2048 ...``,
+started by :func:`teraflops.collectives.sweep` through :func:`~teraflops.distributed.launch`
+(gloo on CPU, NCCL with one rank per GPU). Buffers are float32; a size is the bytes of the
+*whole* buffer, as in nccl-tests (https://github.com/NVIDIA/nccl-tests, ``doc/PERFORMANCE.md``):
+all-reduce reduces ``size`` bytes on every rank; all-gather gathers ``n`` chunks of ``size / n``
+bytes into a ``size``-byte buffer; reduce-scatter reduces a ``size``-byte buffer into ``n`` chunks
+of ``size / n``. A chunk is rounded down to a multiple of 8 elements (the check pattern's period)
+and the size reported is the one moved: ``8·⌊count / 8n⌋ · n · 4`` bytes.
+
+Per collective and size, following nccl-tests' ``BenchTime`` (``src/common.cu``): ``warmup``
+untimed calls; a barrier; ``iters`` calls back to back timed as one span with
+``time.perf_counter`` (on CUDA ended by ``torch.cuda.synchronize()``, as nccl-tests waits for its
+streams); the span divided by ``iters`` is the rank's time, and the reported time is its **average
+over ranks** (nccl-tests: ``Allreduce(args, &deltaSec, average)``); the maximum over ranks is kept
+too. Then, untimed, one call on fresh data whose result is known exactly: every element that
+differs counts as wrong (nccl-tests' ``#wrong``), summed over ranks. Rank ``r`` contributes
+``r + 1 + (i mod 8)`` at element ``i`` (small integers: float32 sums of them are exact).
+
+Sizes above what fits in device memory (GPU: 4× the size must be free) are skipped and listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+from teraflops.distributed import finish, init_worker, report_progress, write_result
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+PERIOD = 8  # the check pattern repeats every 8 elements
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def counts(collective: str, size: int, world: int) -> tuple[int, int]:
+    """(elements of the whole buffer, elements per rank's chunk) for a ``size``-byte message; 0 if too small."""
+    total = size // 4
+    if collective == "all_reduce":
+        return total, total
+    chunk = total // world // PERIOD * PERIOD
+    return chunk * world, chunk
+
+
+def pattern(numel: int, device) -> torch.Tensor:
+    """``i mod 8`` for ``i < numel`` (float32, ``[numel]``), built without an int64 index."""
+    reps = -(-numel // PERIOD)
+    return torch.arange(PERIOD, dtype=torch.float32, device=device).repeat(reps)[:numel]
+
+
+class Buffers:
+    """The input and output of one collective at one size; ``run()`` calls it once."""
+
+    def __init__(self, collective: str, total: int, chunk: int, rank: int, world: int, device):
+        self.collective, self.rank, self.world = collective, rank, world
+        if collective == "all_reduce":
+            self.inp = self.out = torch.zeros(total, device=device)  # in place, as torch's all_reduce is
+        elif collective == "all_gather":
+            self.inp, self.out = torch.zeros(chunk, device=device), torch.zeros(total, device=device)
+        else:
+            self.inp, self.out = torch.zeros(total, device=device), torch.zeros(chunk, device=device)
+
+    def run(self) -> None:
+        if self.collective == "all_reduce":
+            dist.all_reduce(self.out)
+        elif self.collective == "all_gather":
+            _gather(self.out, self.inp)
+        else:
+            _scatter(self.out, self.inp)
+
+    def wrong(self) -> int:
+        """Run once on the check data; the number of this rank's output elements that are wrong."""
+        n, r = self.world, self.rank
+        self.inp.copy_(pattern(self.inp.numel(), self.inp.device)).add_(r + 1)
+        if self.collective == "all_gather":
+            self.out.fill_(-1.0)
+        self.run()
+        if self.collective == "all_gather":  # chunk q holds rank q's input
+            got = self.out.view(n, -1) - pattern(self.out.numel() // n, self.out.device)
+            want = torch.arange(1, n + 1, dtype=torch.float32, device=got.device)[:, None]
+            return int((got != want).sum())
+        # all-reduce and reduce-scatter: sum over ranks q of (q + 1 + pattern) (chunks are multiples of 8)
+        want = pattern(self.out.numel(), self.out.device).mul_(n).add_(n * (n + 1) / 2)
+        return int((self.out != want).sum())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fits(size: int, device: torch.device) -> bool:
+    """Whether a ``size``-byte sweep point fits: on a GPU, 4× ``size`` free (input, output, check temporaries)."""
+    return device.type != "cuda" or 4 * size <= torch.cuda.mem_get_info(device)[0]
+
+
+def iterations(size: int, a) -> tuple[int, int]:
+    """(warm-up, timed) calls at ``size`` bytes: ``volume / size`` timed, clamped to [min_iters, iters]."""
+    timed = max(a.min_iters, min(a.iters, a.volume_bytes // max(size, 1)))
+    return max(1, min(a.warmup, timed)), timed
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--collectives", default=",".join(COLLECTIVES))
+    p.add_argument("--sizes", required=True, help="message sizes in bytes, comma-separated")
+    p.add_argument("--iters", type=int, default=20, help="most timed calls per size")
+    p.add_argument("--min-iters", type=int, default=3, help="fewest timed calls per size")
+    p.add_argument("--volume-bytes", type=int, default=256 << 20, help="timed calls per size: volume / size")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before the timed ones (at most the timed)")
+    p.add_argument("--timeout", type=float, default=60, help="seconds a collective waits for the others")
+    a = p.parse_args(argv)
+    w = init_worker(a.timeout)
+    collectives = a.collectives.split(",")
+    sizes = [int(s) for s in a.sizes.split(",")]
+    points = [(c, s) for c in collectives for s in sizes]
+    rows, skipped, times = [], [], []
+    for done, (collective, size) in enumerate(points):
+        total, chunk = counts(collective, size, w.world_size)
+        ok = torch.tensor([fits(size, w.device) and chunk > 0], dtype=torch.int32, device=w.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank skips the same points
+        if not ok.item():
+            skipped.append([collective, size])
+            continue
+        buf = Buffers(collective, total, chunk, w.rank, w.world_size, w.device)
+        warmup, iters = iterations(size, a)
+        for _ in range(warmup):
+            buf.run()
+        sync(w.device)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            buf.run()
+        sync(w.device)
+        times.append((time.perf_counter() - start) / iters)
+        rows.append({"collective": collective, "size": total * 4, "count": total, "type": "float",
+                     "iters": iters, "warmup": warmup, "wrong": buf.wrong()})
+        del buf
+        report_progress(done + 1, len(points))
+    # the ranks' times, their average (nccl-tests) and maximum, and the wrong elements summed over ranks
+    t = torch.tensor(times, dtype=torch.float64, device=w.device)
+    t_max, wrong = t.clone(), torch.tensor([r["wrong"] for r in rows], dtype=torch.int64, device=w.device)
+    dist.all_reduce(t)
+    dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
+    dist.all_reduce(wrong)
+    for row, mean, top, bad in zip(rows, (t / w.world_size).tolist(), t_max.tolist(), wrong.tolist()):
+        row.update(seconds=mean, seconds_max=top, wrong=int(bad))
+    out = {"rank": w.rank, "world_size": w.world_size, "backend": w.backend}
+    if w.rank == 0:
+        out.update(rows=rows, skipped=skipped,
+                   device=torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu")
+    write_result(out)
+    finish()
+
+
+if __name__ == "__main__":
+    main()

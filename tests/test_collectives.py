@@ -1,0 +1,183 @@
+"""Unit 5 §1: collective bandwidth as nccl-tests defines it, the alpha-beta fit, ring predictions.
+
+Pure functions are tested in-process against nccl-tests' doc/PERFORMANCE.md; one real sweep on
+4 gloo ranks (marked slow) checks coverage, correctness, the fit and the run time.
+"""
+
+import time
+
+import matplotlib
+import numpy as np
+import pytest
+
+from teraflops import collectives as co
+from teraflops.errors import CourseError
+from teraflops.workers.collective_sweep import Buffers, counts, pattern
+
+MB = 2**20
+
+
+# ---- nccl-tests' definitions ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, all_reduce, half", [(2, 1.0, 0.5), (4, 1.5, 0.75), (8, 1.75, 0.875)])
+def test_bus_factors_are_nccl_tests_definitions(n, all_reduce, half):
+    assert co.bus_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n) == pytest.approx(all_reduce)
+    assert co.bus_factor("all_gather", n) == pytest.approx((n - 1) / n) == pytest.approx(half)
+    assert co.bus_factor("reduce_scatter", n) == pytest.approx(half)
+    assert co.bus_factor("broadcast", n) == co.bus_factor("reduce", n) == 1.0
+
+
+def test_algbw_is_size_over_time_and_busbw_applies_the_factor():
+    assert co.algbw(64 * MB, 0.1) == pytest.approx(64 * MB / 0.1)
+    assert co.busbw(1e9, 0.5, "all_reduce", 4) == pytest.approx(2e9 * 1.5)
+    assert co.busbw(1e9, 0.5, "all_gather", 8) == pytest.approx(2e9 * 7 / 8)
+    np.testing.assert_allclose(co.algbw([1e3, 1e6], [1e-3, 1e-3]), [1e6, 1e9])
+
+
+def test_sizes_follow_nccl_tests_whole_buffer_convention():
+    # all-gather / reduce-scatter: S is n × the per-rank chunk; a chunk is a multiple of 8 elements
+    assert counts("all_reduce", 4096, 4) == (1024, 1024)
+    assert counts("all_gather", 4096, 4) == (1024, 256)
+    assert counts("reduce_scatter", 1000 * 4, 3) == (3 * 328, 328)
+    assert pattern(10, "cpu").tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+
+
+@pytest.mark.parametrize("collective", co.COLLECTIVES)
+def test_wrong_elements_are_counted_when_the_collective_does_nothing(collective, monkeypatch):
+    total, chunk = counts(collective, 4096, 2)
+    buf = Buffers(collective, total, chunk, rank=0, world=2, device="cpu")
+    monkeypatch.setattr(buf, "run", lambda: None)  # a collective that moves nothing
+    assert buf.wrong() == buf.out.numel()
+
+
+# ---- the alpha-beta model ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weighting", ["relative", "none"])
+def test_fit_recovers_alpha_and_bandwidth_from_noisy_times(weighting):
+    rng = np.random.default_rng(0)
+    sizes = 2.0 ** np.arange(10, 27)
+    alpha, bw = 200e-6, 0.5e9
+    t = (alpha + sizes / bw) * rng.normal(1, 0.03, sizes.size)  # 3% noise
+    fit = co.fit_alpha_beta(sizes, t, weighting=weighting)
+    assert fit.r2 >= 0.95
+    assert fit.bandwidth == pytest.approx(bw, rel=0.05)
+    if weighting == "relative":  # ordinary least squares leaves alpha to the noise of the largest sizes
+        assert fit.alpha == pytest.approx(alpha, rel=0.1)
+    assert fit.predict(1e6) == pytest.approx(fit.alpha + 1e6 / fit.bandwidth)
+    assert fit.beta == pytest.approx(1 / fit.bandwidth)
+
+
+def test_fit_keeps_alpha_non_negative_and_records_the_collective():
+    sizes = np.array([1e3, 1e6, 1e7])
+    fit = co.fit_alpha_beta(sizes, [1e-6, 0.9e-3, 9.9e-3], weighting="none",  # free intercept: -100 µs
+                            collective="all_reduce", ranks=4)
+    assert fit.alpha >= 0
+    assert fit.bus_bandwidth == pytest.approx(fit.bandwidth * 1.5)
+    assert "µs" in str(fit) and "GB/s" in str(fit) and "R²" in str(fit)
+
+
+def test_saturation_size_is_where_achieved_bandwidth_reaches_the_fraction():
+    fit = co.AlphaBeta(alpha=1e-4, bandwidth=1e9, r2=1.0, max_rel_error=0.0)
+    s = co.saturation_size(fit, 0.8)
+    assert s == pytest.approx(4 * 1e-4 * 1e9)
+    assert s / fit.predict(s) == pytest.approx(0.8 * fit.bandwidth)
+    assert co.saturation_size(fit, 0.5) == pytest.approx(1e5)
+
+
+def test_ring_allreduce_formula():
+    # 2(n-1)/n · S/B + 2(n-1)·alpha
+    assert co.ring_allreduce_seconds(1e9, 8, 1e9) == pytest.approx(1.75)
+    assert co.ring_allreduce_seconds(1e9, 2, 1e9, alpha=1e-3) == pytest.approx(1.0 + 2e-3)
+    # the busbw of a measured all-reduce is the B that gives back its time
+    t = co.ring_allreduce_seconds(64 * MB, 4, 2e9)
+    assert co.busbw(64 * MB, t, "all_reduce", 4) == pytest.approx(2e9)
+
+
+def test_gradient_sync_table_covers_models_and_links():
+    rows = co.gradient_sync_rows(n=8)
+    assert [r["params"] for r in rows] == [1e9, 7e9, 13e9, 70e9]
+    nvlink, pcie4 = co.PUBLISHED_LINKS[0].name, co.PUBLISHED_LINKS[1].name
+    assert rows[-1][nvlink] == pytest.approx(1.75 * 140e9 / 450e9)
+    assert rows[-1][pcie4] > rows[-1][nvlink]
+    fit = co.AlphaBeta(1e-4, 1e9, 1.0, 0.0, "all_reduce", 4)
+    measured = co.gradient_sync_rows((1e9,), n=4, fit=fit)[0]["measured"]
+    assert measured == pytest.approx(2e9 / 1e9 + 1e-4)  # at the fit's own n: alpha + S / B
+    text = co.gradient_sync_table(fit=fit)
+    assert "70B" in text and "measured (s)" in text and "InfiniBand" in text
+
+
+def test_published_links_are_per_direction_with_sources():
+    by_name = {l.name: l for l in co.PUBLISHED_LINKS}
+    assert by_name["NVLink 4 (H100 SXM)"].bandwidth == 450e9
+    assert by_name["PCIe Gen4 x16"].bandwidth == pytest.approx(31.5e9, rel=0.01)
+    assert by_name["PCIe Gen5 x16"].bandwidth == pytest.approx(63.0e9, rel=0.01)
+    assert by_name["InfiniBand NDR (400 Gb/s)"].bandwidth == 50e9
+    assert all("http" in l.source and "direction" in l.note for l in co.PUBLISHED_LINKS)
+    assert "GB/s per direction" in co.links_table()
+
+
+def fake_rows(ranks=4):
+    rows = []
+    for c in co.COLLECTIVES:
+        for s in 2 ** np.arange(10, 20):
+            t = 1e-4 + s / 1e9
+            rows.append({"collective": c, "size": int(s), "count": int(s) // 4, "type": "float", "seconds": t,
+                         "algbw": co.algbw(s, t), "busbw": co.busbw(s, t, c, ranks), "wrong": 0,
+                         "ranks": ranks, "backend": "gloo"})
+    return rows
+
+
+def test_bandwidth_table_reads_like_nccl_tests():
+    text = co.bandwidth_table(fake_rows())
+    for col in ("size (B)", "count (elements)", "type", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong"):
+        assert col in text
+    assert text.count("# Avg bus bandwidth") == 3 and "Out of bounds values : 0 OK" in text
+
+
+def test_plot_sweep_draws_points_fit_and_ceilings():
+    matplotlib.use("Agg")
+    rows = fake_rows()
+    fig = co.plot_sweep(rows, co.fit_rows(rows))
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and len(ax.lines) >= 3 + 1 + 1 + len(co.PUBLISHED_LINKS)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [
+    lambda: co.bus_factor("allreduce", 4), lambda: co.bus_factor("all_reduce", 1),
+    lambda: co.bus_factor("all_reduce", 2.5), lambda: co.algbw(0, 1.0), lambda: co.algbw(1e6, -1.0),
+    lambda: co.fit_alpha_beta([1e3, 1e3], [1e-3, 2e-3]), lambda: co.fit_alpha_beta([1e3, -1], [1e-3, 2e-3]),
+    lambda: co.ring_allreduce_seconds(1e9, 1, 1e9), lambda: co.ring_allreduce_seconds(1e9, 8, 0),
+    lambda: co.saturation_size(co.AlphaBeta(1e-4, 1e9, 1, 0), 1.0),
+    lambda: co.gradient_sync_rows(n=1), lambda: co.sweep(("all_to_everyone",)),
+    lambda: co.sweep(sizes=[0, 1024]), lambda: co.sweep(ranks=1),
+    lambda: co.fit_rows(fake_rows(), "broadcast")])
+def test_bad_input_is_one_line_course_error_with_hint(call):
+    with pytest.raises(CourseError) as info:
+        call()
+    assert isinstance(info.value, ValueError)
+    assert "\n" not in str(info.value) and ("Hint" in str(info.value) or "must be" in str(info.value))
+
+
+# ---- the real sweep --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cpu_sweep_covers_1kb_to_64mb_correctly_and_fits(monkeypatch):
+    monkeypatch.setenv("TERAFLOPS_PRESET", "cpu")
+    start = time.perf_counter()
+    rows = co.sweep(ranks=4)
+    elapsed = time.perf_counter() - start
+    print(co.bandwidth_table(rows))
+    assert elapsed < 90
+    for c in co.COLLECTIVES:
+        sizes = [r["size"] for r in rows if r["collective"] == c]
+        assert min(sizes) <= 1024 and max(sizes) >= 64 * MB, (c, sizes)
+    assert all(r["wrong"] == 0 and r["ranks"] == 4 and r["backend"] == "gloo" for r in rows)
+    fit = co.fit_rows(rows, "all_reduce")
+    print(fit, f"sweep {elapsed:.1f} s")
+    assert fit.r2 >= 0.95 and fit.alpha > 0 and fit.bandwidth > 0
