@@ -416,8 +416,8 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
     p, gpus = preset(), detect().gpu_count
     on_gpus = gpus >= 2 and (ranks is None or ranks <= gpus)
     cpu = p if p.device == "cpu" else PRESETS["cpu"]
-    n, env = (ranks or gpus, {}) if on_gpus else (ranks or cpu.collective_ranks_cpu,
-                                                     {"CUDA_VISIBLE_DEVICES": ""} if gpus else {})
+    hide = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}  # gloo ranks: one GPU cannot host several NCCL ranks
+    n, env = (ranks or gpus, {}) if on_gpus else (ranks or cpu.collective_ranks_cpu, {"OMP_NUM_THREADS": "1", **hide})
     _check_ranks(n)
     q = p if on_gpus else cpu
     sizes = default_sizes(q, n) if sizes is None else list(sizes)

@@ -15,7 +15,8 @@ untimed calls; a barrier; ``iters`` calls back to back timed as one span with
 streams); the span divided by ``iters`` is the rank's time, and the reported time is its **average
 over ranks** (nccl-tests: ``Allreduce(args, &deltaSec, average)``); the maximum over ranks is kept
 too. Then, untimed, one call on fresh data whose result is known exactly: every element that
-differs counts as wrong (nccl-tests' ``#wrong``), summed over ranks. Rank ``r`` contributes
+differs counts as wrong (nccl-tests' ``#wrong``), summed over ranks (as ``CheckData`` then
+``Allreduce(..., sum)`` do in nccl-tests). Rank ``r`` contributes
 ``r + 1 + (i mod 8)`` at element ``i`` (small integers: float32 sums of them are exact).
 
 Sizes above what fits in device memory (GPU: 4× the size must be free) are skipped and listed.
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=60, help="seconds a collective waits for the others")
     a = p.parse_args(argv)
     w = init_worker(a.timeout)
+    if w.device.type == "cpu":
+        torch.set_num_threads(1)  # ranks share the cores; a collective's reduction needs no thread pool
     collectives = a.collectives.split(",")
     sizes = [int(s) for s in a.sizes.split(",")]
     points = [(c, s) for c in collectives for s in sizes]
