@@ -24,7 +24,8 @@ all-gather and reduce-scatter out of place), where nccl-tests times both.
 **Model**: the alpha-beta (Hockney) model of a message, ``T(S) = α + S / B``: a fixed latency
 ``α`` (s) plus the size over a bandwidth ``B`` (bytes/s; ``β = 1/B`` s per byte) (R. Hockney,
 "The communication challenge for MPP: Intel Paragon and Meiko CS-2", Parallel Computing 20(3),
-1994; nccl-tests' doc: "roughly equal to overhead + size / bw"). :func:`fit_alpha_beta` fits it to
+1994; nccl-tests' doc models a collective's time the same way, a fixed overhead plus size over
+bandwidth). :func:`fit_alpha_beta` fits it to
 measured times; the achieved bandwidth ``S / T(S) = B · S / (S + αB)`` reaches a fraction ``f`` of
 ``B`` at ``S = f / (1 − f) · α · B`` (:func:`saturation_size`). A ring all-reduce of ``S`` bytes on
 ``n`` ranks takes ``2(n−1)`` steps, each sending ``S/n`` bytes over every link:
