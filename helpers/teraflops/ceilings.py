@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .errors import CourseError
 from .machine import detect
 from .timing import benchmark
 
@@ -160,3 +161,128 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
     flops = max(measure_peak_flops(n, dtype, device) for n in (matmul_n // 2, matmul_n))
     bw = measure_copy_bandwidth(copy_bytes, device)
     return Ceilings(flops, bw, dtype, device, matmul_n, copy_bytes)
+
+
+# ---- the bandwidth ladder (Unit 5) ---------------------------------------------------------------
+
+GB = 1e9  # bytes; bandwidths in tables are GB/s
+# Sizes of the ladder's probes, chosen per machine (sizing.py is not changed for them): far beyond the
+# last-level cache (32 MiB on the course's CPU machine; 50-60 MB of L2 on an H100 / H200), so that the
+# copies measure memory and links, not caches.
+LADDER_BYTES = 256 * 2**20 if detect().device == "cuda" else 64 * 2**20
+NEEDS_GPU = "skipped: needs a CUDA GPU"  # the ladder's note on rows a CPU machine cannot measure
+
+
+class CopyProbeError(CourseError, RuntimeError):
+    """A copy probe that cannot run here (host↔device without a GPU) or got a bad argument."""
+
+
+def measure_host_device_copy(nbytes: int, pinned: bool, direction: str = "h2d",
+                             min_run_time: float = 0.3) -> float:
+    """Bytes/s of one ``nbytes`` copy between host (CPU) memory and the GPU, over PCIe (or NVLink-C2C).
+
+    Counts ``nbytes`` once: the bytes that cross the host link (unlike :func:`measure_copy_bandwidth`,
+    which counts read + write within one memory). ``pinned=True`` copies from/to page-locked host memory
+    (``pin_memory=True``), which the GPU's copy engine reads directly by DMA, with ``non_blocking=True``;
+    ``pinned=False`` uses ordinary pageable memory, which the CUDA driver first stages through a pinned
+    buffer of its own (an extra host copy) — the gap between the two rows of :func:`bandwidth_ladder`
+    (NVIDIA, "CUDA C++ Best Practices Guide", §"Pinned Memory",
+    https://docs.nvidia.com/cuda/cuda-c-best-practices-guide/#pinned-memory). Timed by
+    :func:`teraflops.timing.benchmark` (torch.utils.benchmark synchronises CUDA around each block).
+
+    Args:
+        nbytes: bytes per copy (an int >= 1; uint8 tensors). pinned: page-locked host buffer or not.
+        direction: ``"h2d"`` (host to device) or ``"d2h"`` (device to host).
+
+    Raises:
+        CopyProbeError: a bad ``nbytes`` or ``direction``; or no CUDA GPU (there is no host↔device
+            link to measure on a CPU-only machine).
+    """
+    if direction not in ("h2d", "d2h"):
+        raise CopyProbeError(f"direction must be 'h2d' or 'd2h', got {direction!r}. "
+                             "Hint: h2d = host (CPU) memory to the GPU, d2h = back")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+        raise CopyProbeError(f"nbytes must be an int >= 1, got {nbytes!r}. Hint: e.g. LADDER_BYTES = {LADDER_BYTES}")
+    if not torch.cuda.is_available():
+        raise CopyProbeError("measure_host_device_copy needs a CUDA GPU: a host↔device copy crosses the link "
+                             "between CPU memory and GPU memory (PCIe), and this machine has no GPU "
+                             "(torch.cuda.is_available() is False). Hint: measure_copy_bandwidth(nbytes, 'cpu') "
+                             "measures this machine's memory copy")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(2)
+    src, dst = (host, dev) if direction == "h2d" else (dev, host)
+    t = benchmark(lambda: dst.copy_(src, non_blocking=pinned), min_run_time=min_run_time)
+    return nbytes / t.median
+
+
+def _pcie_link(gpu: PublishedGPU | None):
+    """The :data:`teraflops.collectives.PUBLISHED_LINKS` entry of a GPU's host link (its datasheet
+    prints 64 GB/s for PCIe Gen4 x16, 128 GB/s for Gen5 x16, both directions), or ``None``."""
+    from .collectives import PUBLISHED_LINKS
+
+    want = {64.0: "PCIe Gen4 x16", 128.0: "PCIe Gen5 x16"}.get(gpu.pcie_gb_s) if gpu else None
+    return next((l for l in PUBLISHED_LINKS if l.name == want), None)
+
+
+def bandwidth_ladder(nbytes: int | None = None, min_run_time: float = 0.3) -> list[dict]:
+    """The bandwidth ladder of this machine, measured: memory copies, then host↔device, pageable vs pinned.
+
+    Rows (dicts), fastest rung first on a GPU:
+
+    * ``device copy``: on a GPU a device-to-device copy in HBM, compared with the datasheet bandwidth
+      (:data:`PUBLISHED`); on a CPU a memory copy in DRAM (no datasheet figure: the course's CPU
+      machine is a virtual machine on an unspecified board). Counted as STREAM "Copy": read + write.
+    * ``host memory copy`` (GPU machines only): the same copy in CPU memory, for comparison.
+    * ``H2D`` / ``D2H``, ``pageable`` / ``pinned``: :func:`measure_host_device_copy`, counting the
+      bytes that cross the link once, against the per-direction bandwidth of the GPU's PCIe
+      generation from :data:`teraflops.collectives.PUBLISHED_LINKS` (after 128b/130b encoding). On a
+      CPU machine these rows hold ``None`` and the note ``"skipped: needs a CUDA GPU"``.
+
+    Each row: ``what`` (str), ``bandwidth`` (measured bytes/s or ``None``), ``counts`` (how bytes are
+    counted), ``published`` (bytes/s or ``None``), ``source`` (of the published figure, or ``None``),
+    ``note`` (str). ``nbytes`` defaults to :data:`LADDER_BYTES`. Takes ~1 s on CPU, a few on a GPU.
+    """
+    nbytes = nbytes or LADDER_BYTES
+    rw, once = "read + write (2 × bytes)", "bytes crossing the link"
+    machine = detect()
+    rows = []
+    if machine.device == "cuda":
+        gpu = published_for(machine.gpu_name)
+        rows.append({"what": "device copy (GPU HBM, device to device)",
+                     "bandwidth": measure_copy_bandwidth(nbytes, "cuda", min_run_time), "counts": rw,
+                     "published": gpu.hbm_gb_s * GB if gpu else None, "source": gpu.source if gpu else None,
+                     "note": f"datasheet of the {gpu.name}" if gpu else f"{machine.gpu_name}: not in PUBLISHED"})
+        rows.append({"what": "host memory copy (CPU DRAM)", "bandwidth": measure_copy_bandwidth(nbytes, "cpu", min_run_time),
+                     "counts": rw, "published": None, "source": None, "note": "all torch threads"})
+        link = _pcie_link(gpu)
+    else:
+        rows.append({"what": "device copy (CPU DRAM, memory to memory)",
+                     "bandwidth": measure_copy_bandwidth(nbytes, "cpu", min_run_time), "counts": rw,
+                     "published": None, "source": None,
+                     "note": f"all {torch.get_num_threads()} torch threads; no datasheet for this virtual machine"})
+        link = None
+    for direction in ("h2d", "d2h"):
+        for pinned in (False, True):
+            what = f"{direction.upper()} {'pinned' if pinned else 'pageable'} (host↔device)"
+            row = {"what": what, "bandwidth": None, "counts": once, "published": link.bandwidth if link else None,
+                   "source": link.source if link else None,
+                   "note": f"{link.name}, per direction" if link else NEEDS_GPU}
+            if machine.device == "cuda":
+                row["bandwidth"] = measure_host_device_copy(nbytes, pinned, direction, min_run_time)
+            rows.append(row)
+    return rows
+
+
+def ladder_table(rows: list[dict]) -> str:
+    """:func:`bandwidth_ladder` rows as a table: measured and published GB/s (GB = 1e9 bytes), the
+    fraction of the published figure reached, how bytes are counted and a note; sources numbered below."""
+    from .tables import table
+
+    sources = list(dict.fromkeys(r["source"] for r in rows if r["source"]))
+    body = table([(r["what"], "skipped" if r["bandwidth"] is None else r["bandwidth"] / GB,
+                   "-" if r["published"] is None else r["published"] / GB,
+                   "-" if r["bandwidth"] is None or r["published"] is None else f"{r['bandwidth'] / r['published']:.0%}",
+                   r["counts"], r["note"] + (f" [{sources.index(r['source']) + 1}]" if r["source"] else ""))
+                  for r in rows],
+                 ["copy", "measured (GB/s)", "published (GB/s)", "of published", "bytes counted", "note"])
+    return body + "".join(f"\n[{i}] {s}" for i, s in enumerate(sources, 1))

@@ -1,0 +1,130 @@
+"""Unit 5: saturation under contention — k copy streams sharing one link.
+
+Row shapes, the table and the plot are tested on made-up rows; one real CPU sweep (marked slow,
+~10 s) checks the acceptance shape: the aggregate flattens while each stream's share falls.
+"""
+
+import time
+
+import matplotlib
+import pytest
+import torch
+
+from teraflops import contention as ct
+from teraflops.errors import CourseError
+
+GB = 1e9
+MB = 2**20
+
+
+def fake_rows(aggregates=(10e9, 16e9, 17e9, 16.5e9), ks=(1, 2, 4, 8), device="cpu"):
+    rows = []
+    for k, agg in zip(ks, aggregates):
+        rows.append({"k": k, "aggregate": agg, "per_mean": agg / k, "per_min": 0.9 * agg / k,
+                     "per_max": 1.1 * agg / k, "wall_s": 0.8, "bytes": int(agg * 0.8), "single": 10e9,
+                     "kind": "copy", "nbytes": 64 * MB, "device": device, "cores": 2})
+    return rows
+
+
+def test_table_has_one_line_per_k_and_notes_shared_cores():
+    text = ct.contention_table(fake_rows())
+    lines = text.splitlines()
+    assert "memory bus" in lines[0] and "GB = 1e9" in lines[0] and "10 GB/s" in lines[0]
+    assert len([l for l in lines if l.strip()[:1].isdigit()]) == 4
+    assert "16.5" in text and "1.65" in text  # k = 8: 16.5 GB/s, 1.65 × one stream
+    assert "2 cores" in lines[-1] and "share the cores" in lines[-1]
+    assert "cores" not in ct.contention_table(fake_rows(ks=(1, 2), aggregates=(10e9, 16e9))).splitlines()[-1]
+
+
+def test_plot_draws_aggregate_per_transfer_and_the_reference():
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = ct.plot_contention(fake_rows())
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("aggregate" in l for l in labels) and any("per transfer" in l for l in labels)
+    assert any("one stream alone: 10 GB/s" in l for l in labels)
+    assert ax.get_xscale() == "log"
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"ks": (0, 2)}, "ks must be"), ({"ks": ()}, "ks must be"), ({"nbytes": 2}, "nbytes"),
+    ({"nbytes": 4.0}, "nbytes"), ({"seconds": 0}, "seconds"), ({"repeats": 0}, "repeats"),
+    ({"kind": "nvlink"}, "kind must be"),
+])
+def test_bad_arguments_raise_one_line_errors(kwargs, words):
+    with pytest.raises(ct.ContentionError, match=words) as info:
+        ct.sweep(**kwargs)
+    assert "\n" not in str(info.value) and isinstance(info.value, CourseError)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+@pytest.mark.parametrize("kind", ["h2d", "d2d"])
+def test_gpu_kinds_say_why_they_cannot_run_on_cpu(kind):
+    with pytest.raises(ct.ContentionError, match="needs a CUDA GPU") as info:
+        ct.sweep(kind=kind)
+    assert "\n" not in str(info.value) and "Hint: kind='copy'" in str(info.value)
+
+
+def test_small_sweep_returns_one_row_per_k_with_consistent_fields():
+    rows = ct.sweep(ks=(1, 2), nbytes=MB, seconds=0.05, repeats=1)
+    assert [r["k"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["kind"] == ("copy" if r["device"] == "cpu" else "h2d")
+        assert r["per_min"] <= r["per_mean"] <= r["per_max"] and r["aggregate"] > 0 and r["single"] > 0
+        assert r["aggregate"] == pytest.approx(r["bytes"] / r["wall_s"])
+    assert rows[0]["aggregate"] == pytest.approx(rows[0]["per_mean"], rel=1e-6)  # one stream: the same thing
+    assert torch.get_num_threads() >= 1
+
+
+def test_threads_are_restored_and_stopped_after_an_error(monkeypatch):
+    threads = torch.get_num_threads()
+    before = {t.name for t in __import__("threading").enumerate()}
+
+    def boom(pairs, seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ct, "_cpu_round", boom)
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path is the one with threads")
+    with pytest.raises(KeyboardInterrupt):
+        ct.sweep(ks=(1,), nbytes=MB, seconds=0.05)
+    assert torch.get_num_threads() == threads
+    assert not [t for t in __import__("threading").enumerate() if t.name.startswith("copy-stream") and t.name not in before]
+
+
+def test_a_failing_stream_is_reported_and_every_thread_joined():
+    import threading
+
+    pairs = [(torch.ones(16), torch.zeros(16)), (torch.ones(16), torch.zeros(8))]  # the second copy_ fails
+    with pytest.raises(ct.ContentionError, match="a copy stream failed"):
+        ct._cpu_round(pairs, 0.05)
+    assert not [t for t in threading.enumerate() if t.name.startswith("copy-stream")]
+
+
+@pytest.mark.slow
+def test_cpu_sweep_aggregate_flattens_while_per_transfer_falls():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU acceptance shape; on a GPU see test_gpu_sweep_shares_pcie")
+    start = time.perf_counter()
+    rows = ct.sweep(repeats=3)  # ks (1, 2, 4, 8), 64 MiB per stream, 0.8 s per round; best of 3: a shared machine
+    took = time.perf_counter() - start
+    print("\n" + ct.contention_table(rows) + f"\n# took {took:.1f} s")
+    agg = {r["k"]: r["aggregate"] for r in rows}
+    per = [r["per_mean"] for r in rows if r["k"] >= 2]
+    assert agg[8] <= 1.3 * agg[2] and agg[4] <= 1.3 * agg[2]  # the plateau
+    assert all(a > b for a, b in zip(per, per[1:]))  # each stream's share falls
+    assert took < 40
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["h2d", "d2d"])
+def test_gpu_sweep_shares_the_link(kind):
+    rows = ct.sweep(kind=kind, seconds=0.3, repeats=1)
+    print("\n" + ct.contention_table(rows))
+    agg = {r["k"]: r["aggregate"] for r in rows}
+    per = [r["per_mean"] for r in rows]
+    assert agg[8] <= 1.3 * max(agg[1], agg[2])
+    assert per[-1] < per[0]

@@ -1,0 +1,77 @@
+"""Unit 5: the bandwidth ladder — memory copies, host↔device pageable vs pinned.
+
+On CPU the host↔device probes must refuse in one line and the ladder must say which rows it skipped;
+the GPU tests (marked gpu) measure the real ladder.
+"""
+
+import pytest
+import torch
+
+from teraflops import ceilings as ce
+from teraflops.collectives import PUBLISHED_LINKS
+from teraflops.errors import CourseError
+
+MB = 2**20
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_host_device_copy_says_in_one_line_why_it_cannot_run_on_cpu(direction):
+    with pytest.raises(ce.CopyProbeError, match="needs a CUDA GPU") as info:
+        ce.measure_host_device_copy(MB, pinned=True, direction=direction)
+    msg = str(info.value)
+    assert "\n" not in msg and "PCIe" in msg and "Hint:" in msg and isinstance(info.value, CourseError)
+
+
+@pytest.mark.parametrize("kwargs, words", [({"direction": "up"}, "direction"), ({"nbytes": 0}, "nbytes"),
+                                           ({"nbytes": 1.5}, "nbytes")])
+def test_host_device_copy_checks_its_arguments_first(kwargs, words):
+    args = {"nbytes": MB, "pinned": False, **kwargs}
+    with pytest.raises(ce.CopyProbeError, match=words):
+        ce.measure_host_device_copy(**args)
+
+
+def test_pcie_link_follows_the_datasheet_generation():
+    assert ce._pcie_link(ce.published_for("NVIDIA A100-SXM4-80GB")).name == "PCIe Gen4 x16"
+    assert ce._pcie_link(ce.published_for("NVIDIA H200")).name == "PCIe Gen5 x16"
+    assert ce._pcie_link(None) is None
+    assert ce._pcie_link(ce.published_for("NVIDIA H100 80GB HBM3")).bandwidth == pytest.approx(63.0e9, rel=1e-3)
+    assert {l.name for l in PUBLISHED_LINKS} >= {"PCIe Gen4 x16", "PCIe Gen5 x16"}
+
+
+def test_ladder_rows_and_table():
+    rows = ce.bandwidth_ladder(nbytes=8 * MB, min_run_time=0.05)
+    whats = [r["what"] for r in rows]
+    assert whats[0].startswith("device copy") and rows[0]["bandwidth"] > 0
+    assert [w.split(" (")[0] for w in whats[-4:]] == ["H2D pageable", "H2D pinned", "D2H pageable", "D2H pinned"]
+    assert set(rows[0]) == {"what", "bandwidth", "counts", "published", "source", "note"}
+    text = ce.ladder_table(rows)
+    assert "measured (GB/s)" in text and "published (GB/s)" in text
+    if not torch.cuda.is_available():
+        assert len(rows) == 5
+        assert all(r["bandwidth"] is None and r["note"] == ce.NEEDS_GPU for r in rows[1:])
+        assert text.count("skipped: needs a CUDA GPU") == 4
+
+
+def test_ladder_table_numbers_published_sources():
+    rows = [{"what": "device copy (GPU HBM, device to device)", "bandwidth": 4.0e12, "counts": "read + write",
+             "published": 4.8e12, "source": "datasheet X", "note": "datasheet of the H200 SXM"},
+            {"what": "H2D pinned (host↔device)", "bandwidth": 50e9, "counts": "once", "published": 63e9,
+             "source": "PCI-SIG spec", "note": "PCIe Gen5 x16, per direction"},
+            {"what": "H2D pageable (host↔device)", "bandwidth": None, "counts": "once", "published": None,
+             "source": None, "note": ce.NEEDS_GPU}]
+    text = ce.ladder_table(rows)
+    assert "83%" in text and "79%" in text and "[1] datasheet X" in text and "[2] PCI-SIG spec" in text
+    assert "4,000" in text and "skipped" in text
+
+
+@pytest.mark.gpu
+def test_pinned_host_to_device_beats_pageable_and_stays_under_pcie():
+    rows = ce.bandwidth_ladder(min_run_time=0.2)
+    print("\n" + ce.ladder_table(rows))
+    by = {r["what"].split(" (")[0]: r for r in rows}
+    assert by["H2D pinned"]["bandwidth"] > by["H2D pageable"]["bandwidth"]
+    for name in ("H2D pinned", "D2H pinned"):
+        if by[name]["published"]:
+            assert by[name]["bandwidth"] < 1.05 * by[name]["published"]
+    assert by["device copy"]["bandwidth"] > by["H2D pinned"]["bandwidth"]
