@@ -94,6 +94,14 @@ class Preset:
     collective_min_iters: int = 3
     collective_warmup: int = 2
     collective_volume_bytes: int = 256 * MiB
+    # Unit 5 §2: remedies for communication (remedies.py): DDP with gradient accumulation and compression
+    # hooks, on the GPT of dp_* sizes (bucket_cap_mb dp_bucket_mb); each setting trains on the same
+    # remedy_micro_batches micro-batches (dp_micro_batch sequences per rank each; a multiple of remedy_accum)
+    remedy_ranks_cpu: int = 4  # ranks on a CPU machine; with GPUs, one rank per GPU
+    remedy_micro_batches: int = 32
+    remedy_accum: int = 4  # k: micro-batches per optimizer step when accumulating
+    remedy_powersgd_rank: int = 2  # PowerSGD matrix_approximation_rank
+    remedy_powersgd_start: int = 2  # PowerSGD start_powerSGD_iter (plain all-reduce before; >= 2)
 
 
 PRESETS = {
@@ -104,7 +112,7 @@ PRESETS = {
                    elastic_kill_step=5, decode_vocab=256, decode_d_model=64, decode_layers=2, decode_heads=2,
                    decode_max_seq_len=32, decode_prompt_len=4, decode_new_tokens=8, decode_batches=(1, 2, 4),
                    collective_ranks_cpu=2, collective_max_bytes=256 * 1024, collective_iters=5,
-                   collective_min_iters=2, collective_warmup=1),
+                   collective_min_iters=2, collective_warmup=1, remedy_micro_batches=16),
     "cpu": Preset("cpu", "cpu", torch.float32, 1024, 128 * MiB, (16, 64, 256, 1024), 1 << 24,
                   (1, 1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 22), 1, 2, 32, torch.float32,
                   (128, 256, 512, 1024), 256, 4, 128, 4, 0.1),
@@ -117,7 +125,8 @@ PRESETS = {
                   straggler_steps=30, elastic_steps=60, elastic_checkpoint_every=10, elastic_kill_step=33,
                   decode_vocab=32768, decode_d_model=2048, decode_layers=16, decode_heads=16, decode_max_seq_len=1024,
                   decode_prompt_len=128, decode_new_tokens=256, decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-                  collective_max_bytes=8192 * MiB, collective_warmup=5, collective_volume_bytes=1 << 40),
+                  collective_max_bytes=8192 * MiB, collective_warmup=5, collective_volume_bytes=1 << 40,
+                  remedy_micro_batches=64),
 }
 
 

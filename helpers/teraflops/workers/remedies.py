@@ -1,0 +1,228 @@
+"""Rank side of Unit 5's communication remedies: gradient accumulation and gradient compression under DDP.
+
+``python -m teraflops.workers.remedies [--settings baseline,accumulate,...] [--micro-batches 32] ...``,
+started by :func:`teraflops.remedies.run` through :func:`~teraflops.distributed.launch`. Every
+setting trains its own ``DistributedDataParallel`` copy of the same :class:`~teraflops.models.GPT`
+(:func:`~teraflops.workers.data_parallel.build_model`, same seed) on the same micro-batches in the
+same order: micro-batch ``i`` of rank ``r`` is :func:`~teraflops.workers.data_parallel.rank_batch`
+``(data, i, r, world, micro_batch)``. Optimizer: Adam, the same learning rate everywhere.
+
+Settings (:data:`SETTINGS`; ``k`` micro-batches per optimizer step, the loss of each scaled by
+``1/k`` so the step's gradient is the mean over its global batch of ``k × world × micro_batch``
+sequences):
+
+* ``baseline``: ``k = 1``, DDP's plain all-reduce (``allreduce_hook``) after every micro-batch.
+* ``accumulate``: ``k = --accum``; the first ``k − 1`` micro-batches run forward and backward inside
+  ``ddp.no_sync()`` (no all-reduce; gradients add up locally), the last one syncs the sum.
+* ``accumulate-sync``: the same ``k`` and updates, without ``no_sync``: DDP all-reduces after every
+  micro-batch anyway. Same losses as ``accumulate`` (to float rounding), ``k``× its bytes: it is
+  ``no_sync``, not accumulating, that saves the bytes.
+* ``fp16``, ``bf16``: ``k = 1``, ``fp16_compress_hook`` / ``bf16_compress_hook`` (cast the bucket to
+  16 bits, all-reduce, cast back).
+* ``powersgd``: ``k = 1``, ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank =
+  --powersgd-rank, start_powerSGD_iter = --powersgd-start)`` (error feedback and warm start on, the
+  defaults; plain all-reduce for the first ``start`` steps). On gloo with all gradients in one
+  bucket (:data:`ONE_BUCKET_WHY`).
+
+**Bytes are counted, not computed.** Every setting's hook is wrapped (:func:`counting_hook`): the
+wrapper adds ``bucket.buffer()``'s bytes (the fp32 gradients DDP hands over) to ``bucket_bytes``,
+then calls the real hook. The bytes actually all-reduced are counted by :class:`AllReduceBytes`,
+which, for the whole rank process, replaces ``torch.distributed.all_reduce`` with a wrapper that adds
+``tensor.numel() × tensor.element_size()`` of each call before calling the original. The hooks
+look ``dist.all_reduce`` up at call time (``torch/distributed/algorithms/ddp_comm_hooks/
+default_hooks.py`` ``_allreduce_fut`` and ``_compress_hook``; ``powerSGD_hook.py``: one all-reduce
+of the uncompressed vectors (biases, norms), then one of all ``P`` matrices and one of all ``Q``
+matrices, the last two launched from future callbacks after the hook has returned), so every byte
+a hook sends is seen, PowerSGD's ``P`` and ``Q`` included. DDP waits for every bucket's future
+before ``backward()`` returns, so the bytes counted between the start and the end of a step are
+that step's. These are the bytes each rank puts into all-reduce (the payload ``S``); a ring moves
+``2(n−1)/n · S`` over each rank's link (:mod:`teraflops.collectives`).
+
+Interleaving, against drift in the machine's load: the settings take turns in rounds of
+``max(k)`` micro-batches (each finishes its communication within its turn). Times are
+``time.perf_counter`` seconds per optimizer step; the steps of the first round are not timed
+(``None``: first-call allocations, DDP's bucket rebuild after its first step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from teraflops.models import lm_loss
+from teraflops.workers.data_parallel import (add_config_arguments, build_model, config_from_args, held_out,
+                                             make_data, rank_batch, sync_device)
+
+SETTINGS = ("baseline", "accumulate", "accumulate-sync", "fp16", "bf16", "powersgd")
+ONE_BUCKET_WHY = (
+    "on gloo, PowerSGD runs with all gradients in one DDP bucket: it launches its P and Q all-reduces from "
+    "future callbacks, so with several buckets their order depends on which bucket's all-reduce finishes "
+    "first, which can differ between ranks; gloo pairs collectives by their order, and the ranks then wait "
+    "on different ones (observed with torch 2.13: a hang at the first compressed step with 2 buckets)")
+
+
+class AllReduceBytes:
+    """Counts the bytes and calls of every ``torch.distributed.all_reduce`` while installed.
+
+    ``with AllReduceBytes() as c:`` replaces ``torch.distributed.all_reduce`` (the module attribute,
+    which the DDP comm hooks look up at each call) by a wrapper that adds
+    ``tensor.numel() * tensor.element_size()`` to ``c.bytes`` and 1 to ``c.calls`` (under a lock:
+    PowerSGD launches its ``P``/``Q`` all-reduces from future callbacks, on another thread), then
+    calls the original; the original is put back on exit.
+    """
+
+    def __init__(self):
+        self.bytes, self.calls, self._lock, self._original = 0, 0, threading.Lock(), None
+
+    def __enter__(self):
+        original = self._original = dist.all_reduce
+
+        def counted(tensor, *args, **kwargs):
+            with self._lock:
+                self.bytes += tensor.numel() * tensor.element_size()
+                self.calls += 1
+            return original(tensor, *args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._original
+        return False
+
+
+def comm_hook(setting: str, powersgd_rank: int = 2, powersgd_start: int = 2):
+    """``(state, hook)`` for ``DDP.register_comm_hook`` of ``setting`` (state None: the default group)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    if setting == "powersgd":
+        return psgd.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                  start_powerSGD_iter=powersgd_start), psgd.powerSGD_hook
+    return None, {"fp16": default.fp16_compress_hook, "bf16": default.bf16_compress_hook}.get(
+        setting, default.allreduce_hook)
+
+
+def counting_hook(hook, tally: dict):
+    """``hook`` that first adds ``bucket.buffer()``'s bytes to ``tally["bucket_bytes"]`` (and 1 to
+    ``tally["buckets"]``): the gradient bytes DDP hands to the hook, before any compression."""
+
+    def counted(state, bucket):
+        buf = bucket.buffer()
+        tally["bucket_bytes"] += buf.numel() * buf.element_size()
+        tally["buckets"] += 1
+        return hook(state, bucket)
+
+    return counted
+
+
+class RemedyRun:
+    """One setting on this rank: its DDP model, optimizer, losses, step times and bytes."""
+
+    def __init__(self, setting: str, k: int, cfg, data, w, counter: AllReduceBytes, *, bucket_mb: float,
+                 powersgd_rank: int, powersgd_start: int, untimed_micro_batches: int):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.setting, self.k, self.cfg, self.data, self.w, self.counter = setting, k, cfg, data, w, counter
+        self.no_sync = setting == "accumulate"
+        self.model = build_model(cfg, w.device)
+        if setting == "powersgd" and w.backend == "gloo":  # one bucket: see ONE_BUCKET_WHY
+            grad_mib = sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2**20
+            bucket_mb = max(bucket_mb, 2 * grad_mib + 1)
+        self.bucket_mb = bucket_mb
+        self.ddp = DDP(self.model, device_ids=[w.device] if w.device.type == "cuda" else None,
+                       bucket_cap_mb=bucket_mb)
+        self.tally = {"bucket_bytes": 0, "buckets": 0}
+        state, hook = comm_hook(setting, powersgd_rank, powersgd_start)
+        self.ddp.register_comm_hook(state, counting_hook(hook, self.tally))
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
+        self.untimed = untimed_micro_batches
+        self.losses, self.step_s, self.step_bytes, self.step_bucket_bytes, self.step_calls = [], [], [], [], []
+        self.step_buckets = []
+
+    def micro_batch(self, i: int) -> None:
+        """Forward and backward of micro-batch ``i``; the optimizer step after every ``k``-th."""
+        w, first, last = self.w, i % self.k == 0, i % self.k == self.k - 1
+        x, y = (t.to(w.device) for t in rank_batch(self.data, i, w.rank, w.world_size, self.cfg.micro_batch))
+        if first:
+            sync_device(w.device)
+            self._t0 = time.perf_counter()
+            self._start = (self.counter.bytes, self.counter.calls, self.tally["bucket_bytes"], self.tally["buckets"])
+            self.opt.zero_grad(set_to_none=True)
+        with self.ddp.no_sync() if self.no_sync and not last else nullcontext():
+            loss = lm_loss(self.ddp(x), y)
+            (loss / self.k).backward()  # DDP: returns once this micro-batch's all-reduces are done
+        self.losses.append(loss.item())
+        if last:
+            self.opt.step()
+            sync_device(w.device)
+            self.step_s.append(time.perf_counter() - self._t0 if i >= self.untimed else None)
+            self.step_bytes.append(self.counter.bytes - self._start[0])
+            self.step_calls.append(self.counter.calls - self._start[1])
+            self.step_bucket_bytes.append(self.tally["bucket_bytes"] - self._start[2])
+            self.step_buckets.append(self.tally["buckets"] - self._start[3])
+
+    def result(self, trained: int) -> dict:
+        """``{"setting", "k", "losses" (per micro-batch, this rank's), "step_s", "step_bytes",
+        "step_bucket_bytes", "step_calls", "step_buckets" (per optimizer step), "bucket_mb" (DDP's
+        bucket_cap_mb), "eval_loss"}``; ``eval_loss``: the
+        loss of the held-out rows after the first ``trained`` micro-batches."""
+        x, y = (t.to(self.w.device) for t in held_out(self.data, trained, self.w.world_size, self.cfg.micro_batch))
+        with torch.no_grad():
+            eval_loss = lm_loss(self.model(x), y).item()
+        return {"setting": self.setting, "k": self.k, "losses": self.losses, "step_s": self.step_s,
+                "step_bytes": self.step_bytes, "step_bucket_bytes": self.step_bucket_bytes,
+                "step_calls": self.step_calls, "step_buckets": self.step_buckets, "bucket_mb": self.bucket_mb,
+                "eval_loss": eval_loss}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train every setting; write ``{"rank", "world_size", "backend", "device", "params", "config",
+    "micro_batches", "powersgd": {"rank", "start"}, "runs": [RemedyRun.result()]}`` for this rank."""
+    from teraflops.distributed import finish, init_worker, report_progress, write_result
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
+    p.add_argument("--micro-batches", type=int, default=32, help="micro-batches per rank per setting")
+    p.add_argument("--accum", type=int, default=4, help="k: micro-batches per optimizer step when accumulating")
+    p.add_argument("--powersgd-rank", type=int, default=2, help="PowerSGD matrix_approximation_rank")
+    p.add_argument("--powersgd-start", type=int, default=2, help="PowerSGD start_powerSGD_iter (>= 2)")
+    p.add_argument("--bucket-mb", type=float, default=2.0, help="DDP bucket_cap_mb (MiB)")
+    add_config_arguments(p)
+    a = p.parse_args(argv)
+    cfg = config_from_args(a)
+    settings = [s for s in a.settings.split(",") if s]
+    if not settings or set(settings) - set(SETTINGS) or a.accum < 1 or a.powersgd_rank < 1 or a.powersgd_start < 2:
+        p.error(f"settings {a.settings!r} must come from {SETTINGS}; accum, powersgd-rank >= 1; powersgd-start >= 2")
+    if a.micro_batches < 1 or a.micro_batches % a.accum:
+        p.error(f"--micro-batches ({a.micro_batches}) must be a positive multiple of --accum ({a.accum})")
+
+    w = init_worker(a.timeout)
+    data = make_data(cfg, a.micro_batches, w.world_size)
+    ks = {s: a.accum if s.startswith("accumulate") else 1 for s in settings}
+    turn = max(ks.values())
+    with AllReduceBytes() as counter:
+        runs = [RemedyRun(s, ks[s], cfg, data, w, counter, bucket_mb=a.bucket_mb, powersgd_rank=a.powersgd_rank,
+                          powersgd_start=a.powersgd_start, untimed_micro_batches=turn) for s in settings]
+        total, done = len(runs) * a.micro_batches, 0
+        for start in range(0, a.micro_batches, turn):
+            for run in runs:
+                for i in range(start, start + turn):
+                    run.micro_batch(i)
+                done += turn
+                report_progress(done, total)
+    write_result({"rank": w.rank, "world_size": w.world_size, "backend": w.backend, "device": str(w.device),
+                  "params": build_model(cfg).num_params(), "config": asdict(cfg), "micro_batches": a.micro_batches,
+                  "powersgd": {"rank": a.powersgd_rank, "start": a.powersgd_start},
+                  "runs": [run.result(a.micro_batches) for run in runs]})
+    finish()
+
+
+if __name__ == "__main__":
+    main()
