@@ -13,7 +13,9 @@ import pytest
 from teraflops import collectives as co
 from teraflops.machine import detect
 from teraflops.errors import CourseError
-from teraflops.workers.collective_sweep import Buffers, counts, pattern
+import torch
+
+from teraflops.workers.collective_sweep import Buffers, check_input, count_wrong, counts, pattern
 
 MB = 2**20
 
@@ -50,6 +52,25 @@ def test_wrong_elements_are_counted_when_the_collective_does_nothing(collective,
     buf = Buffers(collective, total, chunk, rank=0, world=2, device="cpu")
     monkeypatch.setattr(buf, "run", lambda: None)  # a collective that moves nothing
     assert buf.wrong() == buf.out.numel()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_check_data_catches_a_wrong_or_swapped_chunk(n):
+    # reduce-scatter: rank r must get chunk r of the sum; chunk r + 1 (same i mod 8 pattern) is wrong
+    total, chunk = counts("reduce_scatter", 4096, n)
+    summed = sum(check_input("reduce_scatter", total, chunk, r, "cpu") for r in range(n)).view(n, chunk)
+    for r in range(n):
+        assert count_wrong("reduce_scatter", summed[r], chunk, r, n) == 0
+        assert count_wrong("reduce_scatter", summed[(r + 1) % n], chunk, r, n) == chunk
+    # all-gather: the chunks in rank order are right; two swapped are wrong
+    gathered = torch.cat([check_input("all_gather", chunk, chunk, q, "cpu") for q in range(n)])
+    assert count_wrong("all_gather", gathered, chunk, 0, n) == 0
+    swapped = gathered.view(n, chunk)[[1, 0] + list(range(2, n))].reshape(-1)
+    assert count_wrong("all_gather", swapped, chunk, 0, n) == 2 * chunk
+    # all-reduce: the plain sum
+    total, chunk = counts("all_reduce", 4096, n)
+    reduced = sum(check_input("all_reduce", total, chunk, r, "cpu") for r in range(n))
+    assert count_wrong("all_reduce", reduced, chunk, 1, n) == 0
 
 
 # ---- the alpha-beta model ------------------------------------------------------------------------

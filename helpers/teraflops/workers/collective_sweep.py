@@ -17,7 +17,9 @@ over ranks** (nccl-tests: ``Allreduce(args, &deltaSec, average)``); the maximum 
 too. Then, untimed, one call on fresh data whose result is known exactly: every element that
 differs counts as wrong (nccl-tests' ``#wrong``), summed over ranks (as ``CheckData`` then
 ``Allreduce(..., sum)`` do in nccl-tests). Rank ``r`` contributes
-``r + 1 + (i mod 8)`` at element ``i`` (small integers: float32 sums of them are exact).
+``r + 1 + 8·q + (i mod 8)`` at element ``i`` of the whole buffer, ``q`` the chunk that holds ``i``
+(small integers: float32 sums of them are exact), so a chunk delivered to the wrong rank, or
+gathered into the wrong place, counts as wrong (:func:`check_input`, :func:`expected`).
 
 Sizes above what fits in device memory (GPU: 4× the size must be free) are skipped and listed.
 """
@@ -30,9 +32,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from teraflops.collectives import COLLECTIVES
 from teraflops.distributed import finish, init_worker, report_progress, write_result
+from teraflops.workers.data_parallel import sync_device
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 PERIOD = 8  # the check pattern repeats every 8 elements
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 _scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -53,11 +56,44 @@ def pattern(numel: int, device) -> torch.Tensor:
     return torch.arange(PERIOD, dtype=torch.float32, device=device).repeat(reps)[:numel]
 
 
+def _blocks(numel: int, chunk: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(i mod 8)`` as ``[numel // chunk, chunk]`` and the chunk index ``q`` as ``[numel // chunk, 1]`` (float32)."""
+    blocks = max(numel // chunk, 1)
+    return (pattern(chunk, device).repeat(blocks).view(blocks, chunk),
+            torch.arange(blocks, dtype=torch.float32, device=device)[:, None])
+
+
+def check_input(collective: str, numel: int, chunk: int, rank: int, device) -> torch.Tensor:
+    """Rank ``rank``'s check data, ``[numel]``: ``rank + 1 + 8·q + (i mod 8)`` with ``q`` the chunk of the
+    whole buffer that holds element ``i`` (all-gather: this rank's input is chunk ``rank``)."""
+    pat, q = _blocks(numel, chunk, device)
+    first = rank if collective == "all_gather" else 0
+    return (pat + 8 * (q + first) + (rank + 1)).view(-1)
+
+
+def expected(collective: str, numel: int, chunk: int, rank: int, world: int, device) -> torch.Tensor:
+    """The exact output ``[numel]`` of ``collective`` on rank ``rank`` of ``world`` after every rank
+    passed :func:`check_input`: the sum over ranks (all-reduce: whole buffer; reduce-scatter: chunk
+    ``rank``), or every rank's chunk in rank order (all-gather)."""
+    pat, q = _blocks(numel, chunk, device)
+    n = world
+    if collective == "all_gather":  # chunk q holds rank q's input: q + 1 + 8q + (i mod 8)
+        return (pat + 9 * q + 1).view(-1)
+    first = rank if collective == "reduce_scatter" else 0  # this rank's chunk of the whole buffer
+    return (n * pat + 8 * n * (q + first) + n * (n + 1) / 2).view(-1)
+
+
+def count_wrong(collective: str, out: torch.Tensor, chunk: int, rank: int, world: int) -> int:
+    """Elements of ``out`` that differ from :func:`expected` (nccl-tests' ``#wrong`` on one rank)."""
+    want = expected(collective, out.numel(), chunk, rank, world, out.device)
+    return int((out != want).sum())
+
+
 class Buffers:
     """The input and output of one collective at one size; ``run()`` calls it once."""
 
     def __init__(self, collective: str, total: int, chunk: int, rank: int, world: int, device):
-        self.collective, self.rank, self.world = collective, rank, world
+        self.collective, self.rank, self.world, self.chunk = collective, rank, world, chunk
         if collective == "all_reduce":
             self.inp = self.out = torch.zeros(total, device=device)  # in place, as torch's all_reduce is
         elif collective == "all_gather":
@@ -75,23 +111,11 @@ class Buffers:
 
     def wrong(self) -> int:
         """Run once on the check data; the number of this rank's output elements that are wrong."""
-        n, r = self.world, self.rank
-        self.inp.copy_(pattern(self.inp.numel(), self.inp.device)).add_(r + 1)
+        self.inp.copy_(check_input(self.collective, self.inp.numel(), self.chunk, self.rank, self.inp.device))
         if self.collective == "all_gather":
             self.out.fill_(-1.0)
         self.run()
-        if self.collective == "all_gather":  # chunk q holds rank q's input
-            got = self.out.view(n, -1) - pattern(self.out.numel() // n, self.out.device)
-            want = torch.arange(1, n + 1, dtype=torch.float32, device=got.device)[:, None]
-            return int((got != want).sum())
-        # all-reduce and reduce-scatter: sum over ranks q of (q + 1 + pattern) (chunks are multiples of 8)
-        want = pattern(self.out.numel(), self.out.device).mul_(n).add_(n * (n + 1) / 2)
-        return int((self.out != want).sum())
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        return count_wrong(self.collective, self.out, self.chunk, self.rank, self.world)
 
 
 def fits(size: int, device: torch.device) -> bool:
@@ -133,12 +157,12 @@ def main(argv: list[str] | None = None) -> None:
         warmup, iters = iterations(size, a)
         for _ in range(warmup):
             buf.run()
-        sync(w.device)
+        sync_device(w.device)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(iters):
             buf.run()
-        sync(w.device)
+        sync_device(w.device)
         times.append((time.perf_counter() - start) / iters)
         rows.append({"collective": collective, "size": total * 4, "count": total, "type": "float",
                      "iters": iters, "warmup": warmup, "wrong": buf.wrong()})
