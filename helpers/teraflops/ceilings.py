@@ -25,6 +25,7 @@ import torch
 
 from .errors import CourseError
 from .machine import detect
+from .tables import GB
 from .timing import benchmark
 
 
@@ -165,7 +166,6 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
 
 # ---- the bandwidth ladder (Unit 5) ---------------------------------------------------------------
 
-GB = 1e9  # bytes; bandwidths in tables are GB/s
 # Sizes of the ladder's probes, chosen per machine (sizing.py is not changed for them): far beyond the
 # last-level cache (32 MiB on the course's CPU machine; 50-60 MB of L2 on an H100 / H200), so that the
 # copies measure memory and links, not caches.

@@ -34,14 +34,14 @@ algorithms for clusters of workstations", J. Parallel Distrib. Comput. 69(2), 20
 whose ``B`` is what busbw measures (:func:`ring_allreduce_seconds`).
 
 Units: sizes in bytes, times in seconds (µs in tables), bandwidths in bytes/s (GB/s in tables,
-GB = 1e9 bytes; Gb/s = 1e9 bits/s); message sizes in prose and on plots count KB = 1024 B and
-MB = 2**20 B, as nccl-tests' ``-b 1K -e 64M`` does.
+GB = 1e9 bytes; Gb/s = 1e9 bits/s); message sizes in prose and on plots are binary, KiB = 1024 B and
+MiB = 2**20 B, as nccl-tests' ``-b 1K -e 64M`` counts them.
 
 What to expect on the 2-core CPU machine with 4 gloo ranks (they share the cores and talk over
-loopback TCP): the sweep of three collectives over 1 KB – 64 MB takes ~35 s, the launch included;
-a message of up to ~1 MB costs the same 5–8 ms (on 2 ranks ~2 ms: roughly 1 ms per ring step, and a
+loopback TCP): the sweep of three collectives over 1 KiB – 64 MiB takes ~35 s, the launch included;
+a message of up to ~1 MiB costs the same 5–8 ms (on 2 ranks ~2 ms: roughly 1 ms per ring step, and a
 ring all-reduce takes 2(n−1) steps); the all-reduce fit gives α ≈ 5–6 ms, algbw B ≈ 0.35–0.45 GB/s
-(busbw 0.55–0.65 GB/s), R² ≈ 0.99, 80% of B from ~8 MB; peak busbw ~0.6–0.7 GB/s (all-reduce),
+(busbw 0.55–0.65 GB/s), R² ≈ 0.99, 80% of B from ~8 MiB; peak busbw ~0.6–0.7 GB/s (all-reduce),
 ~0.4–0.6 (all-gather), ~0.2 (reduce-scatter): some 700× below NVLink 4's 450 GB/s per direction.
 """
 
@@ -49,16 +49,16 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import CourseError
-from .tables import fmt, table
+from .tables import GB, fmt, fmt_bytes, fmt_seconds, table
 
 WORKER = "teraflops.workers.collective_sweep"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what sweep() measures
-GB = 1e9  # bytes; bandwidths in tables are GB/s
 
 
 class CollectiveInputError(CourseError, ValueError):
@@ -231,34 +231,42 @@ def fit_alpha_beta(sizes, seconds, *, weighting: str = "ordinary", collective: s
     its parameters), and it fits the large messages, where the bandwidth is decided, best.
     ``weighting="relative"`` minimises ``Σ ((α + βS − T) / T)²``, so every size counts alike and α is
     set by the small messages, but a real link's bandwidth is not one number (on the CPU machine
-    gloo's all-reduce busbw falls from 0.68 GB/s at 16 MB to 0.60 GB/s at 64 MB as the buffers
+    gloo's all-reduce busbw falls from 0.68 GB/s at 16 MiB to 0.60 GB/s at 64 MiB as the buffers
     outgrow the caches), and a B that suits the middle sizes mispredicts the largest ones: on the
     measured all-reduce sweep it gave R² = 0.944 where the ordinary fit gave 0.992. Ordinary it is;
     the relative fit is there to compare α. ``r2`` is in both cases the plain R² of the times. α is
-    kept >= 0 (if the free fit makes it negative, α = 0 and B alone is fitted).
+    kept >= 0 (if the free fit makes it negative, α = 0 and B alone is fitted). If the times are all
+    equal, ``r2`` is ``nan`` (R² is undefined without variance).
 
     Args:
         sizes: message sizes (bytes, > 0), at least 2 distinct. seconds: their times (s, > 0).
         collective, ranks: recorded in the result (for busbw and predictions), not used in the fit.
 
     Raises:
-        CollectiveInputError: mismatched lengths, fewer than 2 distinct sizes, values not > 0, or an
-            unknown weighting.
+        CollectiveInputError: mismatched lengths, fewer than 2 distinct sizes, values not > 0, an
+            unknown weighting, or times that do not grow with size (fitted ``β = 1/B <= 0``).
     """
     s, t = _check_positive("sizes", sizes), _check_positive("seconds", seconds)
     if s.shape != t.shape or s.ndim != 1 or len(np.unique(s)) < 2:
         raise CollectiveInputError(f"need sizes and seconds of the same length with >= 2 distinct sizes, got "
                                    f"{s.shape} and {t.shape}. Hint: pass one time per size, e.g. from a sweep's rows")
     if weighting not in ("ordinary", "relative"):
-        raise CollectiveInputError(f"weighting must be 'ordinary' or 'relative', got {weighting!r}")
+        raise CollectiveInputError(f"weighting must be 'ordinary' or 'relative', got {weighting!r}. "
+                                   "Hint: 'ordinary' fits the large messages best, 'relative' every size alike")
+    if np.ptp(t) == 0:
+        raise CollectiveInputError(f"all {t.size} times are equal ({t[0]:.3g} s): times do not grow with size and R² "
+                                   "is undefined. Hint: sweep larger sizes")
     w = 1.0 / t if weighting == "relative" else np.ones_like(t)  # row weights: residual × w
     a = np.stack([np.ones_like(s), s], axis=1) * w[:, None]
     (alpha, beta), *_ = np.linalg.lstsq(a, t * w, rcond=None)
-    if alpha < 0 or beta <= 0:
+    if beta <= 0:
+        raise CollectiveInputError(f"times do not grow with size (fitted 1/B = {float(beta):.3g} s/byte <= 0). "
+                                   "Hint: sweep larger sizes, where the bandwidth term outweighs the latency")
+    if alpha < 0:
         alpha, beta = 0.0, float(np.sum(w * w * s * t) / np.sum(w * w * s * s))
     pred = alpha + beta * s
     ss_tot = float(np.sum((t - t.mean()) ** 2))
-    r2 = 1.0 - float(np.sum((t - pred) ** 2)) / ss_tot if ss_tot > 0 else 1.0
+    r2 = 1.0 - float(np.sum((t - pred) ** 2)) / ss_tot if ss_tot > 0 else math.nan  # equal times: R² undefined
     return AlphaBeta(float(alpha), 1.0 / float(beta), r2, float(np.max(np.abs(pred - t) / t)), collective,
                      ranks, tuple(float(x) for x in s))
 
@@ -291,23 +299,6 @@ def saturation_size(fit: AlphaBeta, fraction: float = 0.8) -> float:
     return fraction / (1 - fraction) * fit.alpha * fit.bandwidth
 
 
-def fmt_bytes(n: float) -> str:
-    """Bytes with a binary prefix for powers of two, e.g. ``"64 MB"`` for 2**26 (course tables: KB = 1024 B
-    for message sizes, as nccl-tests' ``-b 1K -e 64M`` reads them)."""
-    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.3g} B"
-
-
-def fmt_seconds(t: float) -> str:
-    """A time in µs below 1 ms, in ms below 1 s, else in s, e.g. ``"5.47 ms"``."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
-        if t >= scale:
-            return f"{t / scale:.3g} {unit}"
-    return f"{t * 1e6:.3g} µs"
-
-
 # ---- predictions ----------------------------------------------------------------------------------
 
 
@@ -326,7 +317,8 @@ def ring_allreduce_seconds(size_bytes, n: int, bandwidth: float, alpha: float = 
     s = _check_positive("size_bytes", size_bytes)
     _check_positive("bandwidth", bandwidth)
     if not (isinstance(alpha, (int, float, np.floating)) and 0 <= alpha < math.inf):
-        raise CollectiveInputError(f"alpha must be a latency >= 0 in seconds, got {alpha!r}")
+        raise CollectiveInputError(f"alpha must be a latency >= 0 in seconds, got {alpha!r}. "
+                                   "Hint: alpha=0 gives the bandwidth-only ceiling")
     out = 2 * (n - 1) / n * s / bandwidth + 2 * (n - 1) * alpha
     return float(out) if out.ndim == 0 else out
 
@@ -403,7 +395,7 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
     """Measure ``collectives`` over message ``sizes`` on real ranks, in one launch; rows for :func:`bandwidth_table`.
 
     Ranks: one per GPU with NCCL when there are at least 2 GPUs (``ranks``, if given, at most that
-    many), else ``ranks`` (default the preset's ``collective_ranks_cpu``) CPU ranks with gloo and one
+    many: asking for more raises), else ``ranks`` (default the preset's ``collective_ranks_cpu``) CPU ranks with gloo and one
     torch thread each, the GPU (if one) hidden. Each rank runs ``workers/collective_sweep.py``.
 
     Args:
@@ -422,7 +414,9 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
 
     Raises:
         CollectiveInputError: an unknown collective, a size that is not an integer >= 32·ranks bytes,
-            ranks < 2 or iteration counts < 1.
+            ranks < 2 (or more ranks than GPUs on a machine with 2 or more), iteration counts < 1.
+
+    Warns (``UserWarning``) naming the sizes the ranks skipped because they did not fit in GPU memory.
         LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
     """
     from .distributed import launch
@@ -434,11 +428,19 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
         if c not in COLLECTIVES:
             raise CollectiveInputError(f"sweep measures some of {COLLECTIVES}, got {c!r}. "
                                        "Hint: pass a tuple such as ('all_reduce',)")
+    if ranks is not None:
+        _check_ranks(ranks)
     p, gpus = preset(), detect().gpu_count
-    on_gpus = gpus >= 2 and (ranks is None or ranks <= gpus)
+    if gpus >= 2 and ranks is not None and ranks > gpus:
+        raise CollectiveInputError(f"ranks={ranks} but this machine has {gpus} GPUs (one NCCL rank per GPU). "
+                                   f"Hint: ranks <= {gpus}, or ranks=None for one rank per GPU")
+    on_gpus = gpus >= 2
     cpu = p if p.device == "cpu" else PRESETS["cpu"]
     hide = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}  # gloo ranks: one GPU cannot host several NCCL ranks
-    n, env = (ranks or gpus, {}) if on_gpus else (ranks or cpu.collective_ranks_cpu, {"OMP_NUM_THREADS": "1", **hide})
+    if on_gpus:
+        n, env = (gpus if ranks is None else ranks), {}
+    else:
+        n, env = (cpu.collective_ranks_cpu if ranks is None else ranks), {"OMP_NUM_THREADS": "1", **hide}
     _check_ranks(n)
     q = p if on_gpus else cpu
     sizes = default_sizes(q, n) if sizes is None else list(sizes)
@@ -446,11 +448,15 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
                             for s in sizes):
         raise CollectiveInputError(f"sizes must be integers of at least 32·ranks = {32 * n} bytes, got {sizes!r}. "
                                    "Hint: each rank's chunk holds a multiple of 8 float32 elements")
-    knobs = {"iters": iters or q.collective_iters, "min_iters": min_iters or q.collective_min_iters,
+    knobs = {"iters": q.collective_iters if iters is None else iters,
+             "min_iters": q.collective_min_iters if min_iters is None else min_iters,
              "warmup": q.collective_warmup if warmup is None else warmup,
-             "volume_bytes": volume_bytes or q.collective_volume_bytes}
-    if min(knobs.values()) < 1:
-        raise CollectiveInputError(f"iteration counts and volume must be >= 1, got {knobs}")
+             "volume_bytes": q.collective_volume_bytes if volume_bytes is None else volume_bytes}
+    for name, v in knobs.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise CollectiveInputError(f"{name} must be an integer >= 1, got {v!r}. "
+                                       f"Hint: leave it None for the preset's {getattr(q, 'collective_' + name)}")
+    knobs = {k: int(v) for k, v in knobs.items()}
     args = ["--collectives", ",".join(collectives), "--sizes", ",".join(str(int(s)) for s in sizes),
             "--iters", knobs["iters"], "--min-iters", min(knobs["min_iters"], knobs["iters"]),
             "--warmup", knobs["warmup"], "--volume-bytes", knobs["volume_bytes"]]
@@ -459,6 +465,9 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
                      desc=f"{', '.join(collectives)} on {n} ranks")
     wall = time.perf_counter() - start
     r0 = results[0]
+    if r0.get("skipped"):
+        warnings.warn(f"sweep skipped {len(r0['skipped'])} point(s) that did not fit in device memory: "
+                      + ", ".join(f"{c} {fmt_bytes(size)}" for c, size in r0["skipped"]), stacklevel=2)
     rows = []
     for row in r0["rows"]:
         row = {**row, "ranks": r0["world_size"], "backend": r0["backend"], "wall_s": wall}

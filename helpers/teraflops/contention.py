@@ -57,9 +57,8 @@ import torch
 
 from .errors import CourseError
 from .machine import detect
-from .tables import table
+from .tables import GB, table
 
-GB = 1e9  # bytes; bandwidths in tables are GB/s
 KS = (1, 2, 4, 8)  # concurrent streams per round
 # Per-stream buffer and round length, chosen per machine (sizing.py is not changed for them).
 # CPU: 64 MiB per buffer, twice the 32 MiB L3 of the course machine (src + dst: 128 MiB per stream,

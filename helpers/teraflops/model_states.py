@@ -28,9 +28,8 @@ import numbers
 from dataclasses import dataclass
 
 from .machine import GiB  # noqa: F401 - re-exported: one home for the unit
-from .tables import fmt, table
+from .tables import GB, fmt, table
 
-GB = 1e9
 
 STAGE_NAMES = ("DP (replicated)", "P_os", "P_os+g", "P_os+g+p")  # the paper's names for stages 0-3
 

@@ -31,19 +31,20 @@ hands to ``all_reduce`` (counted in the ranks, not computed: see the worker's do
 * **Bucketing** overlaps the all-reduce with backward: measured in :mod:`teraflops.data_parallel`
   (the overlap experiment); every setting here uses DDP's buckets (``dp_bucket_mb``).
 
-Units: bytes as counted in each rank (the all-reduce payload ``S``; the ring moves ``2(n−1)/n·S``
+Units: bytes as counted in each rank, printed in binary multiples (KiB = 1024 B, MiB = 2**20 B;
+:func:`teraflops.tables.fmt_bytes`) in tables and plots (the all-reduce payload ``S``; the ring moves ``2(n−1)/n·S``
 over each rank's link, :func:`teraflops.collectives.ring_allreduce_seconds`); a sample is one
 sequence of the global batch (all ranks); times in ms (median over the timed optimizer steps, the
 slowest rank's); losses in nats: ``eval_loss`` on held-out batches after the last step, and the
 per-micro-batch training loss of the global micro-batch (mean over ranks).
 
 What to expect on the 2-core CPU machine (4 gloo ranks, the ``cpu`` preset's 1.6 M-parameter GPT,
-6.4 MB of fp32 gradients in 4 buckets; six settings × 32 micro-batches of 16 sequences; measured
-~44 s with the launch): accumulation ``k = 4`` cuts bytes per sample exactly 4× (6.11 MB per step
-either way; 391 → 97.7 KB per sample), but its 8 updates instead of 32 leave the held-out loss
+6.4 MB (GB = 1e9 B; 6.11 MiB) of fp32 gradients in 4 buckets; six settings × 32 micro-batches of 16 sequences; measured
+~44 s with the launch): accumulation ``k = 4`` cuts bytes per sample exactly 4× (6.11 MiB per step
+either way; 391 → 97.7 KiB per sample), but its 8 updates instead of 32 leave the held-out loss
 ~1.2 nats higher after the same samples; ``accumulate-sync`` gives the same loss with 4× the
-bytes. fp16 and bf16 halve the bytes (3.05 MB per step) and change the loss by < 1e-4 nats.
-PowerSGD rank 2 sends 96.6 KB per step (65× fewer; 13× per sample over the whole run, its two
+bytes. fp16 and bf16 halve the bytes (3.05 MiB per step) and change the loss by < 1e-4 nats.
+PowerSGD rank 2 sends 96.6 KiB per step (65× fewer; 13× per sample over the whole run, its two
 plain steps included) but, with Adam over only 30 compressed steps, costs ~1.1 nats of held-out
 loss (rank 8: 20× fewer bytes, +0.34 nats; rank 2 starting at step 16: +0.31). Communication is a
 small part of a step on loopback with 2 cores, so step times gain far less than the bytes: PowerSGD's
@@ -58,12 +59,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from .collectives import fmt_bytes
 from .data_parallel import _mean_over_ranks, _median_ms
 from .distributed import launch
 from .errors import CourseError
 from .sizing import DataParallelPlan, data_parallel_plan
-from .tables import table
+from .tables import fmt_bytes, table
 from .workers.data_parallel import Config, config_args
 from .workers.remedies import SETTINGS
 
@@ -264,7 +264,7 @@ def _delta(d: float) -> str:
 
 
 def remedies_table(rows: list[dict]) -> str:
-    """The rows as a text table: bytes per step and per sample with their cut against the baseline,
+    """The rows as a text table: bytes per step and per sample (KiB / MiB) with their cut against the baseline,
     step time, held-out loss and its difference.
 
     Raises:

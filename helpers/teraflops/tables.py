@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+GB = 1e9  # bytes: the course's GB (bandwidths in GB/s); binary multiples are KiB, MiB, GiB
+
 
 def fmt(x, digits: int = 3) -> str:
     """Format a number with ``digits`` significant digits; strings pass through."""
@@ -22,6 +24,23 @@ def fmt(x, digits: int = 3) -> str:
     if 1000 <= abs(x) < 1e7:
         return f"{x:,.0f}"  # 2,039 rather than 2.04e+03
     return f"{x:.{digits}g}"
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count with a binary prefix, e.g. ``"64 MiB"`` for 2**26 (message and buffer sizes, which
+    are powers of two, as nccl-tests' ``-b 1K -e 64M`` counts them; GB = 1e9 is kept for bandwidths)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.3g} B"
+
+
+def fmt_seconds(t: float) -> str:
+    """A time in µs below 1 ms, in ms below 1 s, else in s, e.g. ``"5.47 ms"``."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if t >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t * 1e6:.3g} µs"
 
 
 def table(rows: Iterable[Sequence], headers: Sequence[str], digits: int = 3) -> str:
