@@ -7,6 +7,7 @@ Row shapes, the table and the plot are tested on made-up rows; one real CPU swee
 import time
 
 import matplotlib
+import numpy as np
 import pytest
 import torch
 
@@ -52,12 +53,20 @@ def test_plot_draws_aggregate_per_transfer_and_the_reference():
 @pytest.mark.parametrize("kwargs, words", [
     ({"ks": (0, 2)}, "ks must be"), ({"ks": ()}, "ks must be"), ({"nbytes": 2}, "nbytes"),
     ({"nbytes": 4.0}, "nbytes"), ({"seconds": 0}, "seconds"), ({"repeats": 0}, "repeats"),
-    ({"kind": "nvlink"}, "kind must be"),
+    ({"kind": "nvlink"}, "kind must be"), ({"ks": np.int64(2)}, r"Hint: ks=\(2,\)"), ({"ks": 2}, "iterable"),
+    ({"ks": (1.0,)}, "ks must be"), ({"seconds": True}, "seconds"), ({"seconds": float("inf")}, "seconds"),
+    ({"seconds": float("nan")}, "seconds"), ({"seconds": "1"}, "seconds"), ({"repeats": True}, "repeats"),
 ])
 def test_bad_arguments_raise_one_line_errors(kwargs, words):
     with pytest.raises(ct.ContentionError, match=words) as info:
         ct.sweep(**kwargs)
-    assert "\n" not in str(info.value) and isinstance(info.value, CourseError)
+    assert "\n" not in str(info.value) and "Hint:" in str(info.value) and isinstance(info.value, CourseError)
+
+
+def test_contention_table_of_no_rows_is_a_one_line_error():
+    with pytest.raises(ct.ContentionError, match="no rows") as info:
+        ct.contention_table([])
+    assert "\n" not in str(info.value) and "Hint:" in str(info.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
@@ -69,6 +78,7 @@ def test_gpu_kinds_say_why_they_cannot_run_on_cpu(kind):
 
 
 def test_small_sweep_returns_one_row_per_k_with_consistent_fields():
+    threads = torch.get_num_threads()
     rows = ct.sweep(ks=(1, 2), nbytes=MB, seconds=0.05, repeats=1)
     assert [r["k"] for r in rows] == [1, 2]
     for r in rows:
@@ -76,7 +86,7 @@ def test_small_sweep_returns_one_row_per_k_with_consistent_fields():
         assert r["per_min"] <= r["per_mean"] <= r["per_max"] and r["aggregate"] > 0 and r["single"] > 0
         assert r["aggregate"] == pytest.approx(r["bytes"] / r["wall_s"])
     assert rows[0]["aggregate"] == pytest.approx(rows[0]["per_mean"], rel=1e-6)  # one stream: the same thing
-    assert torch.get_num_threads() >= 1
+    assert torch.get_num_threads() == threads  # the sweep sets one thread per stream, then restores
 
 
 def test_threads_are_restored_and_stopped_after_an_error(monkeypatch):

@@ -72,15 +72,30 @@ class ContentionError(CourseError, ValueError):
     """A bad argument to :func:`sweep` (ks, sizes, kind), or a GPU kind asked for on a CPU machine."""
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def _check(ks, nbytes, seconds, repeats, kind, device) -> tuple[int, ...]:
-    ks = (ks,) if isinstance(ks, int) else tuple(ks)
-    if not ks or not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 1 for k in ks):
+    if _is_int(ks):
+        raise ContentionError(f"ks must be an iterable of stream counts, got the single number {ks!r}. "
+                              f"Hint: ks=({int(ks)},) for one round of {int(ks)} streams")
+    try:
+        ks = tuple(ks)
+    except TypeError:
+        raise ContentionError(f"ks must be an iterable of stream counts (ints >= 1), got {ks!r}. "
+                              "Hint: ks=(1, 2, 4, 8)") from None
+    if not ks or not all(_is_int(k) and k >= 1 for k in ks):
         raise ContentionError(f"ks must be stream counts (ints >= 1), got {ks!r}. Hint: ks=(1, 2, 4, 8)")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
+    if not _is_int(nbytes) or nbytes < 4:
         raise ContentionError(f"nbytes must be an int >= 4 (bytes per stream's buffer), got {nbytes!r}. "
                               f"Hint: well beyond the last-level cache, e.g. CONTENTION_BYTES = {CONTENTION_BYTES}")
-    if not (isinstance(seconds, (int, float)) and seconds > 0) or not (isinstance(repeats, int) and repeats >= 1):
-        raise ContentionError(f"seconds must be > 0 and repeats an int >= 1, got {seconds!r} and {repeats!r}")
+    if isinstance(seconds, (bool, np.bool_)) or not isinstance(seconds, (int, float, np.integer, np.floating)) \
+            or not (0 < seconds < float("inf")):
+        raise ContentionError(f"seconds must be a finite number > 0 (length of one round), got {seconds!r}. "
+                              f"Hint: CONTENTION_SECONDS = {CONTENTION_SECONDS}")
+    if not _is_int(repeats) or repeats < 1:
+        raise ContentionError(f"repeats must be an int >= 1 (rounds per k), got {repeats!r}. Hint: repeats=2")
     if kind not in KINDS:
         raise ContentionError(f"kind must be one of {KINDS}, got {kind!r}. Hint: 'copy' on a CPU, 'h2d' or 'd2d' on a GPU")
     if kind != "copy" and device != "cuda":
@@ -197,7 +212,7 @@ def sweep(ks=KS, nbytes: int | None = None, seconds: float | None = None, *, kin
     """Aggregate and per-transfer bandwidth of ``k`` concurrent copy streams sharing one link, per k.
 
     Args:
-        ks: stream counts, one round each (default ``(1, 2, 4, 8)``).
+        ks: an iterable of stream counts (ints >= 1), one round each (default ``(1, 2, 4, 8)``).
         nbytes: bytes of each stream's buffer (default :data:`CONTENTION_BYTES`: 64 MiB on CPU, 256 MiB on
             a GPU). Memory used: ``2 × nbytes × max(ks)`` (pinned host memory for ``kind="h2d"``).
         seconds: length of one round (default :data:`CONTENTION_SECONDS`: 0.8 s on CPU, 0.5 s on a GPU).
@@ -254,7 +269,13 @@ _LINK = {"copy": "the memory bus", "h2d": "PCIe (pinned host → GPU)", "d2d": "
 
 def contention_table(rows: list[dict]) -> str:
     """One line per k: aggregate GB/s, its ratio to one stream alone, per-transfer GB/s mean / min / max.
-    A header names the link and the byte counting; on CPU, a note when k exceeds the cores."""
+    A header names the link and the byte counting; on CPU, a note when k exceeds the cores.
+
+    Raises:
+        ContentionError: no rows.
+    """
+    if not rows:
+        raise ContentionError("contention_table got no rows. Hint: pass the list that sweep() returns")
     r0 = rows[0]
     counting = "bytes crossing PCIe" if r0["kind"] == "h2d" else "read + write, 2 × bytes per copy"
     head = (f"# {max(r['k'] for r in rows)} streams at most sharing {_LINK[r0['kind']]}; {r0['nbytes'] / 2**20:g} MiB "
