@@ -39,6 +39,25 @@ def test_pcie_link_follows_the_datasheet_generation():
     assert {l.name for l in PUBLISHED_LINKS} >= {"PCIe Gen4 x16", "PCIe Gen5 x16"}
 
 
+@pytest.mark.parametrize("nbytes", [0, 2, 1.5, True])
+def test_ladder_refuses_buffers_too_small_to_time(nbytes):
+    with pytest.raises(ce.CopyProbeError, match="nbytes") as info:
+        ce.bandwidth_ladder(nbytes=nbytes)
+    assert "\n" not in str(info.value) and "Hint:" in str(info.value)
+
+
+def test_ladder_on_a_gpu_without_a_published_link_names_the_gpu(monkeypatch):
+    machine = type("M", (), {"device": "cuda", "gpu_name": "NVIDIA Imaginary X1"})()
+    monkeypatch.setattr(ce, "detect", lambda: machine)
+    monkeypatch.setattr(ce, "measure_copy_bandwidth", lambda *a: 1e9)
+    monkeypatch.setattr(ce, "measure_host_device_copy", lambda *a: 1e9)
+    rows = ce.bandwidth_ladder(nbytes=MB)
+    links = [r for r in rows if "host↔device" in r["what"]]
+    assert len(links) == 4
+    assert all(r["published"] is None and r["note"] == "no published host link figure for NVIDIA Imaginary X1"
+               for r in links)
+
+
 def test_ladder_rows_and_table():
     rows = ce.bandwidth_ladder(nbytes=8 * MB, min_run_time=0.05)
     whats = [r["what"] for r in rows]

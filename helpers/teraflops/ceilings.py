@@ -236,13 +236,21 @@ def bandwidth_ladder(nbytes: int | None = None, min_run_time: float = 0.3) -> li
     * ``H2D`` / ``D2H``, ``pageable`` / ``pinned``: :func:`measure_host_device_copy`, counting the
       bytes that cross the link once, against the per-direction bandwidth of the GPU's PCIe
       generation from :data:`teraflops.collectives.PUBLISHED_LINKS` (after 128b/130b encoding). On a
-      CPU machine these rows hold ``None`` and the note ``"skipped: needs a CUDA GPU"``.
+      CPU machine these rows hold ``None`` and the note ``"skipped: needs a CUDA GPU"``; on a GPU
+      without a PCIe generation in :data:`PUBLISHED`, ``published`` is ``None`` and the note says
+      ``"no published host link figure for <GPU name>"``.
 
     Each row: ``what`` (str), ``bandwidth`` (measured bytes/s or ``None``), ``counts`` (how bytes are
     counted), ``published`` (bytes/s or ``None``), ``source`` (of the published figure, or ``None``),
     ``note`` (str). ``nbytes`` defaults to :data:`LADDER_BYTES`. Takes ~1 s on CPU, a few on a GPU.
+
+    Raises:
+        CopyProbeError: ``nbytes`` not an int >= 4 (too small to hold one float32 to copy).
     """
-    nbytes = nbytes or LADDER_BYTES
+    nbytes = LADDER_BYTES if nbytes is None else nbytes
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
+        raise CopyProbeError(f"nbytes must be an int >= 4 (one float32) to time a copy, got {nbytes!r}. "
+                             f"Hint: well beyond the last-level cache, e.g. LADDER_BYTES = {LADDER_BYTES}")
     rw, once = "read + write (2 × bytes)", "bytes crossing the link"
     machine = detect()
     rows = []
@@ -266,7 +274,9 @@ def bandwidth_ladder(nbytes: int | None = None, min_run_time: float = 0.3) -> li
             what = f"{direction.upper()} {'pinned' if pinned else 'pageable'} (host↔device)"
             row = {"what": what, "bandwidth": None, "counts": once, "published": link.bandwidth if link else None,
                    "source": link.source if link else None,
-                   "note": f"{link.name}, per direction" if link else NEEDS_GPU}
+                   "note": f"{link.name}, per direction" if link
+                   else f"no published host link figure for {machine.gpu_name}" if machine.device == "cuda"
+                   else NEEDS_GPU}
             if machine.device == "cuda":
                 row["bandwidth"] = measure_host_device_copy(nbytes, pinned, direction, min_run_time)
             rows.append(row)
