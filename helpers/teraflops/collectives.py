@@ -150,7 +150,7 @@ PUBLISHED_LINKS: tuple[PublishedLink, ...] = (
                   "nvidia-tensor-core-gpu-datasheet; NVLink page, https://www.nvidia.com/en-us/data-center/nvlink/"),
     PublishedLink("PCIe Gen4 x16", 16 * 16e9 * 128 / 130 / 8, "16 GT/s per lane",
                   "16 lanes × 16 GT/s with 128b/130b encoding = 31.5 GB/s per direction (datasheets print "
-                  "64 GB/s: both directions, before encoding); packet headers leave ~26 GB/s in practice",
+                  "64 GB/s: both directions, before encoding); transaction-layer packet headers take a further share",
                   "PCI-SIG, PCI Express Base Specification Revision 4.0 (2017), https://pcisig.com/specifications"),
     PublishedLink("PCIe Gen5 x16", 16 * 32e9 * 128 / 130 / 8, "32 GT/s per lane",
                   "16 lanes × 32 GT/s with 128b/130b encoding = 63.0 GB/s per direction (the H100 datasheet's "
@@ -159,9 +159,9 @@ PUBLISHED_LINKS: tuple[PublishedLink, ...] = (
     PublishedLink("InfiniBand NDR (400 Gb/s)", 400e9 / 8, "400 Gb/s",
                   "one 4x NDR port: 400 Gb/s of data per direction (4 lanes × 100 Gb/s; the line rate with FEC "
                   "is higher) = 50 GB/s; a DGX H100 has one such port per GPU",
-                  "NVIDIA ConnectX-7 400G adapter datasheet (2022), https://www.nvidia.com/en-us/networking/"
-                  "ethernet-adapters/connectx-7/; InfiniBand Trade Association roadmap, "
-                  "https://www.infinibandta.org/infiniband-roadmap/"),
+                  "NVIDIA DGX SuperPOD data-center design guide (cabling), \"NDR Overview\", https://docs.nvidia.com/"
+                  "dgx-superpod/design-guide-cabling-data-centers/latest/ndr-overview.html; InfiniBand Trade "
+                  "Association roadmap, https://www.infinibandta.org/infiniband-roadmap/"),
 )
 
 
