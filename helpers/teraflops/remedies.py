@@ -109,7 +109,8 @@ def _check_settings(settings, micro_batches: int, accum: int, powersgd_rank: int
     if not settings or bad:
         raise RemediesError(f"unknown setting(s) {bad or 'none given'}. Hint: choose from {', '.join(SETTINGS)}")
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
-        raise RemediesError(f"accum must be an int >= 1 (micro-batches per optimizer step), got {accum!r}")
+        raise RemediesError(f"accum must be an int >= 1 (micro-batches per optimizer step), got {accum!r}. "
+                            "Hint: accum=4 sums 4 micro-batches' gradients before one all-reduce")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1 \
             or micro_batches % accum:
         raise RemediesError(f"micro_batches must be a positive multiple of accum = {accum}, got {micro_batches!r}. "
@@ -224,8 +225,8 @@ def remedy_rows(results: list[dict]) -> list[dict]:
 
 def _check_rows(rows) -> None:
     if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, dict) for r in rows):
-        raise RemediesError(f"rows must be a non-empty list of dicts (from remedy_rows or run().rows), got "
-                            f"{type(rows).__name__}")
+        raise RemediesError(f"rows must be a non-empty list of dicts, got {type(rows).__name__}. "
+                            "Hint: pass remedy_rows(...) or run().rows")
     for r in rows:
         missing = [k for k in ROW_KEYS if k not in r]
         if missing:
