@@ -198,8 +198,10 @@ def test_bad_input_is_one_line_course_error_with_hint(call):
 
 def test_sweep_refuses_more_ranks_than_gpus(monkeypatch):
     import teraflops.machine as machine
+    import teraflops.sizing  # noqa: F401 - bound to the real detect before it is patched
 
-    monkeypatch.setattr(machine, "detect", lambda: type("M", (), {"gpu_count": 2})())
+    monkeypatch.setenv("TERAFLOPS_PRESET", "cpu")
+    monkeypatch.setattr(machine, "detect", lambda: type("M", (), {"gpu_count": 2, "device": "cpu"})())
     with pytest.raises(co.CollectiveInputError, match="Hint: ranks <= 2"):
         co.sweep(ranks=4)
 
@@ -207,6 +209,7 @@ def test_sweep_refuses_more_ranks_than_gpus(monkeypatch):
 def test_sweep_warns_about_sizes_it_skipped(monkeypatch):
     import teraflops.distributed as distributed
 
+    monkeypatch.setenv("TERAFLOPS_PRESET", "cpu")
     row = {"collective": "all_reduce", "size": 4096, "count": 1024, "type": "float", "seconds": 1e-3,
            "seconds_max": 1e-3, "wrong": 0, "iters": 3, "warmup": 1}
     monkeypatch.setattr(distributed, "launch", lambda *a, **k: [

@@ -381,7 +381,7 @@ def default_sizes(p=None, ranks: int | None = None) -> list[int]:
     if p.device == "cpu":
         import psutil
 
-        top = min(top, psutil.virtual_memory().available // (4 * 3 * (ranks or p.collective_ranks_cpu)))
+        top = min(top, psutil.virtual_memory().available // (4 * 3 * (p.collective_ranks_cpu if ranks is None else ranks)))
     sizes, s = [], p.collective_min_bytes
     while s <= top:
         sizes.append(s)
