@@ -235,8 +235,8 @@ def fit_alpha_beta(sizes, seconds, *, weighting: str = "ordinary", collective: s
     outgrow the caches), and a B that suits the middle sizes mispredicts the largest ones: on the
     measured all-reduce sweep it gave R² = 0.944 where the ordinary fit gave 0.992. Ordinary it is;
     the relative fit is there to compare α. ``r2`` is in both cases the plain R² of the times. α is
-    kept >= 0 (if the free fit makes it negative, α = 0 and B alone is fitted). If the times are all
-    equal, ``r2`` is ``nan`` (R² is undefined without variance).
+    kept >= 0 (if the free fit makes it negative, α = 0 and B alone is fitted). Times that are all
+    equal (R² undefined) or fall with size (``β <= 0``) raise rather than give an absurd fit.
 
     Args:
         sizes: message sizes (bytes, > 0), at least 2 distinct. seconds: their times (s, > 0).
