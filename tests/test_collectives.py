@@ -139,6 +139,74 @@ def test_gradient_sync_table_covers_models_and_links():
     assert "70B" in text and "measured (s)" in text and "InfiniBand" in text
 
 
+def test_training_flops_and_comm_fraction():
+    assert co.train_flops(7e9, 4096) == pytest.approx(6 * 7e9 * 4096)  # Kaplan et al. 2020: 6 N per token
+    assert co.comm_fraction(1.0, 3.0) == pytest.approx(0.25)
+    with pytest.raises(co.CollectiveInputError, match="Hint:"):
+        co.comm_fraction(0.0, 1.0)
+
+
+def test_gradient_sync_fraction_does_not_depend_on_model_size():
+    rows = co.gradient_sync_rows(n=8, tokens_per_gpu=4096, peak_flops=1e15, mfu=0.5)
+    ib = co.PUBLISHED_LINKS[-1].name
+    assert rows[0]["compute"] == pytest.approx(6 * 1e9 * 4096 / 0.5e15)
+    fractions = [r[f"{ib} fraction"] for r in rows]
+    assert fractions == pytest.approx([fractions[0]] * 4)  # both grow with the parameters
+    assert fractions[0] == pytest.approx(co.comm_fraction(rows[0][ib], rows[0]["compute"]))
+    assert "compute (s)" in co.gradient_sync_table(n=8, tokens_per_gpu=4096) and "%)" in co.gradient_sync_table(
+        n=8, tokens_per_gpu=4096)
+    with pytest.raises(co.CollectiveInputError, match="mfu"):
+        co.gradient_sync_rows(tokens_per_gpu=4096, mfu=1.5)
+
+
+def test_comm_bound_tokens_is_where_sync_equals_math():
+    link = co.PUBLISHED_LINKS[-1]
+    t = co.comm_bound_tokens(8, link.bandwidth, peak_flops=1e15, mfu=0.4)
+    row = co.gradient_sync_rows((13e9,), 8, tokens_per_gpu=t, peak_flops=1e15, mfu=0.4)[0]
+    assert row[f"{link.name} fraction"] == pytest.approx(0.5)
+    # an NVLink node tolerates ~9x fewer tokens per GPU than InfiniBand NDR (450 vs 50 GB/s)
+    assert co.comm_bound_tokens(8, 50e9) / co.comm_bound_tokens(8, 450e9) == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize("sync, micro, target, k", [
+    (1.0, 1.0, 0.5, 1),     # exactly met at k = 1
+    (1.0, 1.0, 0.2, 4),     # 1 / (4 + 1) = 0.2 exactly: k stays 4 despite rounding
+    (1.0, 1.0, 0.19, 5),
+    (0.1, 1.0, 0.5, 1),     # already under budget
+    (3.0, 0.01, 0.1, 2700),
+])
+def test_accumulation_for_fraction(sync, micro, target, k):
+    got = co.accumulation_for_fraction(sync, micro, target)
+    assert got == k and isinstance(got, int)
+    assert sync / (got * micro + sync) <= target + 1e-12
+    if got > 1:
+        assert sync / ((got - 1) * micro + sync) > target
+
+
+@pytest.mark.parametrize("target", [0, 1, 1.5, True, "0.1"])
+def test_accumulation_for_fraction_refuses_bad_targets(target):
+    with pytest.raises(co.CollectiveInputError, match="Hint:"):
+        co.accumulation_for_fraction(1.0, 1.0, target)
+
+
+def test_comm_fraction_plot_and_widget_render_headless():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from teraflops.widgets import gradient_sync_widget
+
+    ax = co.plot_comm_fraction(8, fit=co.AlphaBeta(5e-3, 0.4e9, 0.99, 0.1, "all_reduce", 4))
+    assert len(ax.lines) == len(co.PUBLISHED_LINKS) + 1
+    ui = gradient_sync_widget()
+    row = ui.result
+    assert row["params"] == 7e9 and 0 < row["InfiniBand NDR (400 Gb/s) fraction"] < 1
+    ui.children[1].value = 64  # GPUs: the ring's 2(n-1)/n grows towards 2
+    assert ui.result["InfiniBand NDR (400 Gb/s)"] == pytest.approx(row["InfiniBand NDR (400 Gb/s)"] * (126 / 64) / (14 / 8))
+    plt.close("all")
+
+
 def test_published_links_are_per_direction_with_sources():
     by_name = {l.name: l for l in co.PUBLISHED_LINKS}
     assert by_name["NVLink 4 (H100 SXM)"].bandwidth == 450e9

@@ -116,3 +116,46 @@ def batching_widget(latency, tokens_per_request: int = 1, price_per_hour: float 
     )
     display(ui)
     return ui
+
+
+def gradient_sync_widget(fit=None):
+    """Sliders for model size (parameters), number of GPUs, fabric, tokens per GPU per step and MFU →
+    the predicted ring all-reduce time of bf16 gradients per step
+    (:func:`teraflops.collectives.ring_allreduce_seconds`, α = 0 on a datasheet link), the step's
+    math time (6·params·tokens at MFU × the H100 SXM's 989.5 TFLOP/s), communication's share with no
+    overlap, and the accumulation steps that bring it under 10%
+    (:func:`teraflops.collectives.accumulation_for_fraction`). With ``fit`` (an all-reduce
+    :class:`~teraflops.collectives.AlphaBeta` from this machine's sweep) "this machine (measured)" is
+    a fabric too, its busbw and per-step latency scaled to the chosen GPU count.
+
+    Returns the ``ipywidgets.interactive``; its ``result`` is the row of
+    :func:`teraflops.collectives.gradient_sync_rows` for the chosen fabric."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    from .collectives import PUBLISHED_LINKS, accumulation_for_fraction, gradient_sync_rows
+    from .tables import fmt_seconds
+
+    fabrics = [(l.name, l.name) for l in PUBLISHED_LINKS] + ([("this machine (measured)", "measured")] if fit else [])
+
+    def show(params, gpus, fabric, tokens_per_gpu, mfu):
+        row = gradient_sync_rows((params,), gpus, 2, PUBLISHED_LINKS, fit, tokens_per_gpu=tokens_per_gpu, mfu=mfu)[0]
+        sync, compute, frac = row[fabric], row["compute"], row[f"{fabric} fraction"]
+        k = accumulation_for_fraction(sync, compute, 0.1)
+        verdict = "communication-bound" if frac > 0.5 else "compute-bound"
+        print(f"{params / 1e9:.3g}B parameters ({2 * params / 1e9:.3g} GB of bf16 gradients) on {gpus} GPUs over {fabric}:\n"
+              f"  all-reduce {fmt_seconds(sync)} per step, math {fmt_seconds(compute)} → {frac:.0%} of the step "
+              f"in communication ({verdict}, no overlap)\n"
+              f"  accumulate {k} micro-steps of {tokens_per_gpu:,} tokens per sync to keep it under 10%")
+        return row
+
+    ui = W.interactive(
+        show,
+        params=W.FloatLogSlider(value=7e9, base=10, min=8, max=12, step=0.05, readout_format=".3g", description="params"),
+        gpus=W.SelectionSlider(options=[2**k for k in range(1, 14)], value=8, description="GPUs"),
+        fabric=W.Dropdown(options=fabrics, value=PUBLISHED_LINKS[-1].name, description="fabric"),
+        tokens_per_gpu=W.SelectionSlider(options=[2**k for k in range(8, 21)], value=8192, description="tokens/GPU"),
+        mfu=W.FloatSlider(value=0.4, min=0.05, max=0.8, step=0.05, description="MFU"),
+    )
+    display(ui)
+    return ui
