@@ -4,6 +4,8 @@ Row shapes, the table and the plot are tested on made-up rows; one real CPU swee
 ~10 s) checks the acceptance shape: the aggregate flattens while each stream's share falls.
 """
 
+import subprocess
+import sys
 import time
 
 import matplotlib
@@ -13,6 +15,7 @@ import torch
 
 from teraflops import contention as ct
 from teraflops.errors import CourseError
+from teraflops.sizing import PRESETS, preset
 
 GB = 1e9
 MB = 2**20
@@ -114,12 +117,34 @@ def test_a_failing_stream_is_reported_and_every_thread_joined():
     assert not [t for t in threading.enumerate() if t.name.startswith("copy-stream")]
 
 
+def test_default_sizes_are_the_presets_read_at_call_time(monkeypatch):
+    assert (preset("cpu").contention_bytes, preset("cpu").contention_seconds) == (64 * MB, 0.8)
+    assert (PRESETS["gpu"].contention_bytes, PRESETS["gpu"].contention_seconds) == (256 * MB, 0.5)
+    monkeypatch.setenv("TERAFLOPS_PRESET", "tiny")
+    assert (preset().contention_bytes, preset().contention_seconds) == (4 * MB, 0.1)
+    if torch.cuda.is_available():
+        pytest.skip("the CPU copy path")
+    tiny, rows = preset("tiny"), ct.sweep(ks=(1,), repeats=1)
+    assert rows[0]["nbytes"] == tiny.contention_bytes and rows[0]["wall_s"] >= tiny.contention_seconds
+
+
+def test_importing_the_modules_probes_no_hardware():
+    code = ("import teraflops.machine as m\n"
+            "def probe(): raise SystemExit('detect() called at import')\n"
+            "m.detect = probe\n"
+            "import teraflops.contention, teraflops.ceilings")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-500:]
+
+
 @pytest.mark.slow
 def test_cpu_sweep_aggregate_flattens_while_per_transfer_falls():
     if torch.cuda.is_available():
         pytest.skip("the CPU acceptance shape; on a GPU see test_gpu_sweep_shares_pcie")
+    cpu = preset("cpu")  # its sizes whatever TERAFLOPS_PRESET says: tiny's buffers fit in the cache
     start = time.perf_counter()
-    rows = ct.sweep(repeats=3)  # ks (1, 2, 4, 8), 64 MiB per stream, 0.8 s per round; best of 3: a shared machine
+    rows = ct.sweep(nbytes=cpu.contention_bytes, seconds=cpu.contention_seconds, repeats=3)  # ks (1, 2, 4, 8),
+    # 64 MiB per stream, 0.8 s per round; best of 3: a shared machine
     took = time.perf_counter() - start
     print("\n" + ct.contention_table(rows) + f"\n# took {took:.1f} s")
     agg = {r["k"]: r["aggregate"] for r in rows}

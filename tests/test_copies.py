@@ -10,6 +10,7 @@ import torch
 from teraflops import ceilings as ce
 from teraflops.collectives import PUBLISHED_LINKS
 from teraflops.errors import CourseError
+from teraflops.sizing import PRESETS, preset
 
 MB = 2**20
 
@@ -44,6 +45,28 @@ def test_ladder_refuses_buffers_too_small_to_time(nbytes):
     with pytest.raises(ce.CopyProbeError, match="nbytes") as info:
         ce.bandwidth_ladder(nbytes=nbytes)
     assert "\n" not in str(info.value) and "Hint:" in str(info.value)
+
+
+def test_ladder_bytes_default_to_the_preset_at_call_time(monkeypatch):
+    assert preset("cpu").ladder_bytes == 64 * MB and PRESETS["gpu"].ladder_bytes == 256 * MB
+    seen = []
+    monkeypatch.setattr(ce, "measure_copy_bandwidth", lambda nbytes, *a: seen.append(nbytes) or 1e9)
+    monkeypatch.setattr(ce, "measure_host_device_copy", lambda nbytes, *a: seen.append(nbytes) or 1e9)
+    monkeypatch.setenv("TERAFLOPS_PRESET", "tiny")
+    ce.bandwidth_ladder()
+    assert seen and set(seen) == {preset("tiny").ladder_bytes}
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"matmul_n": 0}, "matmul_n"), ({"matmul_n": 1}, "matmul_n"), ({"matmul_n": 64.0}, "matmul_n"),
+    ({"matmul_n": True}, "matmul_n"), ({"copy_bytes": 0}, "copy_bytes"), ({"copy_bytes": -8}, "copy_bytes"),
+    ({"copy_bytes": "1MB"}, "copy_bytes"), ({"dtype": "float32"}, "dtype"), ({"device": ""}, "device")])
+def test_measure_ceilings_refuses_bad_sizes_instead_of_using_the_default(kwargs, words):
+    args = {"matmul_n": 64, "copy_bytes": MB, "dtype": torch.float32, "device": "cpu", **kwargs}
+    with pytest.raises(ce.CeilingsError, match=words) as info:
+        ce.measure_ceilings(**args)
+    msg = str(info.value)
+    assert "\n" not in msg and "Hint:" in msg and isinstance(info.value, CourseError)
 
 
 def test_ladder_on_a_gpu_without_a_published_link_names_the_gpu(monkeypatch):

@@ -1,5 +1,6 @@
 """Unit 2 §3-4: stale updates and DDP overlap, run for real on two gloo ranks with tiny sizes."""
 
+import dataclasses
 import math
 
 import matplotlib
@@ -53,6 +54,41 @@ def test_ranks_split_each_global_batch_and_the_held_out_rows_are_unseen():
     seen = [rank_batch((inputs, targets), s, r, world, 3)[0] for s in range(steps) for r in range(world)]
     assert (torch.cat(seen) == inputs[:steps * world * 3]).all()
     assert (held_out((inputs, targets), steps, world, 3)[0] == inputs[steps * world * 3:]).all()
+
+
+def test_slowest_median_ms_takes_the_slowest_ranks_median_of_its_timed_steps():
+    per_rank = [[None, 0.010, 0.012, 0.011], [None, 0.020, 0.030, 0.025]]
+    assert dp.slowest_median_ms(per_rank) == pytest.approx(25.0)
+    assert math.isnan(dp.slowest_median_ms([[None, 0.01], [None]]))  # a rank with no timed step
+
+
+def test_mean_over_ranks_is_the_per_step_mean():
+    assert dp.mean_over_ranks([[4.0, 3.0], [2.0, 1.0]]) == [3.0, 2.0]
+
+
+def test_launch_timed_passes_the_plan_and_returns_the_launch_fields(monkeypatch):
+    seen = {}
+
+    def fake_launch(module, nproc, args, **kwargs):
+        seen.update(module=module, nproc=nproc, args=args, **kwargs)
+        return [{"params": 10, "world_size": nproc, "backend": "gloo", "config": {"micro_batch": 2}}] * nproc
+
+    monkeypatch.setattr(dp, "launch", fake_launch)
+    plan = data_parallel_plan(preset("tiny"))
+    results, launched = dp.launch_timed("some.worker", plan, ["--x", "1"], timeout=5, desc="d")
+    assert len(results) == plan.ranks and seen["env"] == plan.env and seen["timeout"] == 5
+    assert seen["module"] == "some.worker" and seen["args"] == ["--x", "1"] and seen["desc"] == "d"
+    assert {f.name for f in dataclasses.fields(dp.RankLaunch)} == set(launched)
+    assert launched["ranks"] == plan.ranks and launched["params"] == 10 and launched["wall_s"] >= 0
+    assert len(launched["load_avg"]) == 2
+
+
+def test_worker_args_carry_the_model_args_of_the_preset():
+    p = preset("tiny")
+    args = dp.worker_args(data_parallel_plan(p), steps=3)
+    assert args[args.index("--steps") + 1] == "3" and args[-len(dp.model_args(p)):] == dp.model_args(p)
+    opts = dict(zip(dp.model_args(p)[::2], dp.model_args(p)[1::2]))
+    assert opts["--bucket-mb"] == str(p.dp_bucket_mb) and opts["--d-model"] == str(p.dp_d_model)
 
 
 @pytest.fixture(scope="module")

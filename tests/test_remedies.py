@@ -12,6 +12,7 @@ import matplotlib
 import pytest
 import torch
 
+from teraflops import data_parallel as dp
 from teraflops import remedies as rm
 from teraflops.sizing import data_parallel_plan, preset
 from teraflops.workers import remedies as wr
@@ -126,6 +127,25 @@ def test_rows_refuse_ranks_that_counted_different_bytes():
     with pytest.raises(rm.RemediesError, match="different") as info:
         rm.remedy_rows(results)
     assert "\n" not in str(info.value)
+
+
+def test_run_launches_once_and_returns_the_rows_with_the_launch_fields(monkeypatch):
+    p = preset("tiny")
+    plan = data_parallel_plan(p, ranks_cpu=2)
+    step = {"k": 1, "losses": [4.0, 3.9], "step_s": [None, 0.01], "step_bytes": [400, 400],
+            "step_bucket_bytes": [400, 400], "step_calls": [1, 1], "step_buckets": [1, 1], "eval_loss": 3.8}
+    result = {"params": 100, "world_size": 2, "backend": "gloo", "config": {"micro_batch": 2},
+              "powersgd": {"rank": 2, "start": 2},
+              "runs": [{**step, "setting": "baseline"}, {**step, "setting": "fp16"}]}
+    calls = []
+    monkeypatch.setattr(dp, "launch", lambda module, nproc, args, **kw: calls.append((module, nproc, kw)) or
+                        [result] * nproc)
+    out = rm.run(("baseline", "fp16"), micro_batches=2, accum=1, plan=plan, timeout=7)
+    assert len(calls) == 1 and calls[0][0] == rm.WORKER and calls[0][1] == 2 and calls[0][2]["timeout"] == 7
+    assert isinstance(out, rm.RemediesRun) and isinstance(out, dp.RankLaunch)
+    assert (out.params, out.ranks, out.backend, out.config) == (100, 2, "gloo", {"micro_batch": 2})
+    assert [r["setting"] for r in out.rows] == ["baseline", "fp16"] and out.wall_s >= 0 and len(out.load_avg) == 2
+    assert "bytes/step" in str(out)
 
 
 # ---- the real run -------------------------------------------------------------------------------

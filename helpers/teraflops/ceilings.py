@@ -18,6 +18,7 @@ Units: FLOP/s, bytes/s with GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s.
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, replace
 
@@ -25,6 +26,7 @@ import torch
 
 from .errors import CourseError
 from .machine import detect
+from .sizing import preset
 from .tables import GB
 from .timing import benchmark
 
@@ -145,19 +147,46 @@ def measure_copy_bandwidth(nbytes: int, device: str, min_run_time: float = 0.3) 
     return 2 * src.numel() * 4 / t.median
 
 
+class CeilingsError(CourseError, ValueError):
+    """A bad argument to :func:`measure_ceilings` (one line, with a hint)."""
+
+
 def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
                      dtype: torch.dtype | None = None, device: str | None = None) -> Ceilings:
     """Probe this machine's peak matmul FLOP/s and copy bandwidth (a few seconds).
 
-    Sizes and dtype default to :func:`teraflops.sizing.preset` for this machine.
-    """
-    from .sizing import preset
+    Args:
+        matmul_n: size of the square probe matmuls (``matmul_n // 2`` and ``matmul_n``; default the
+            preset's ``probe_matmul_n``).
+        copy_bytes: bytes of the copied tensor (default the preset's ``probe_copy_bytes``).
+        dtype: dtype of the matmuls (default the preset's ``dtype``).
+        device: ``"cpu"`` or ``"cuda"`` (default this machine's, :func:`teraflops.machine.detect`).
 
-    p = preset()
-    device = device or detect().device
-    dtype = dtype or p.dtype
-    matmul_n = matmul_n or p.probe_matmul_n
-    copy_bytes = copy_bytes or p.probe_copy_bytes
+    Defaults (``None``) come from :func:`teraflops.sizing.preset` for this machine; any other value
+    is checked, so 0 is an error, not the default.
+
+    Raises:
+        CeilingsError: ``matmul_n`` not an int >= 2, ``copy_bytes`` not an int >= 4 (one float32),
+            ``dtype`` not a torch dtype, or ``device`` not a non-empty string.
+    """
+    if matmul_n is None or copy_bytes is None or dtype is None:
+        p = preset()
+        matmul_n = p.probe_matmul_n if matmul_n is None else matmul_n
+        copy_bytes = p.probe_copy_bytes if copy_bytes is None else copy_bytes
+        dtype = p.dtype if dtype is None else dtype
+    device = detect().device if device is None else device
+    if isinstance(matmul_n, bool) or not isinstance(matmul_n, numbers.Integral) or matmul_n < 2:
+        raise CeilingsError(f"matmul_n must be an int >= 2 (the probe matmuls are matmul_n // 2 and matmul_n "
+                            f"square), got {matmul_n!r}. Hint: leave it None for the preset's probe_matmul_n")
+    if isinstance(copy_bytes, bool) or not isinstance(copy_bytes, numbers.Integral) or copy_bytes < 4:
+        raise CeilingsError(f"copy_bytes must be an int >= 4 (one float32) to time a copy, got {copy_bytes!r}. "
+                            "Hint: leave it None for the preset's probe_copy_bytes, far beyond the last-level cache")
+    if not isinstance(dtype, torch.dtype):
+        raise CeilingsError(f"dtype must be a torch dtype, got {dtype!r}. Hint: e.g. torch.float32, or None for "
+                            "the preset's")
+    if not isinstance(device, str) or not device:
+        raise CeilingsError(f"device must be 'cpu' or 'cuda', got {device!r}. Hint: leave it None for this machine's")
+    matmul_n, copy_bytes = int(matmul_n), int(copy_bytes)
     # The best of two sizes: one probe on a shared CPU can land on a slow moment.
     flops = max(measure_peak_flops(n, dtype, device) for n in (matmul_n // 2, matmul_n))
     bw = measure_copy_bandwidth(copy_bytes, device)
@@ -166,10 +195,8 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
 
 # ---- the bandwidth ladder (Unit 5) ---------------------------------------------------------------
 
-# Sizes of the ladder's probes, chosen per machine (sizing.py is not changed for them): far beyond the
-# last-level cache (32 MiB on the course's CPU machine; 50-60 MB of L2 on an H100 / H200), so that the
-# copies measure memory and links, not caches.
-LADDER_BYTES = 256 * 2**20 if detect().device == "cuda" else 64 * 2**20
+# The ladder's copies are the preset's ladder_bytes (teraflops.sizing: far beyond the last-level cache),
+# read when bandwidth_ladder() is called, so importing this module probes no hardware.
 NEEDS_GPU = "skipped: needs a CUDA GPU"  # the ladder's note on rows a CPU machine cannot measure
 
 
@@ -202,7 +229,8 @@ def measure_host_device_copy(nbytes: int, pinned: bool, direction: str = "h2d",
         raise CopyProbeError(f"direction must be 'h2d' or 'd2h', got {direction!r}. "
                              "Hint: h2d = host (CPU) memory to the GPU, d2h = back")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
-        raise CopyProbeError(f"nbytes must be an int >= 1, got {nbytes!r}. Hint: e.g. LADDER_BYTES = {LADDER_BYTES}")
+        raise CopyProbeError(f"nbytes must be an int >= 1, got {nbytes!r}. "
+                             "Hint: e.g. the preset's ladder_bytes (64 MiB on CPU, 256 MiB on a GPU)")
     if not torch.cuda.is_available():
         raise CopyProbeError("measure_host_device_copy needs a CUDA GPU: a host↔device copy crosses the link "
                              "between CPU memory and GPU memory (PCIe), and this machine has no GPU "
@@ -242,15 +270,17 @@ def bandwidth_ladder(nbytes: int | None = None, min_run_time: float = 0.3) -> li
 
     Each row: ``what`` (str), ``bandwidth`` (measured bytes/s or ``None``), ``counts`` (how bytes are
     counted), ``published`` (bytes/s or ``None``), ``source`` (of the published figure, or ``None``),
-    ``note`` (str). ``nbytes`` defaults to :data:`LADDER_BYTES`. Takes ~1 s on CPU, a few on a GPU.
+    ``note`` (str). ``nbytes`` (bytes per copy) defaults to :func:`teraflops.sizing.preset`'s
+    ``ladder_bytes``: 64 MiB on CPU, 256 MiB on a GPU, 8 MiB at ``tiny``. Takes ~1 s on CPU, a few on a GPU.
 
     Raises:
         CopyProbeError: ``nbytes`` not an int >= 4 (too small to hold one float32 to copy).
     """
-    nbytes = LADDER_BYTES if nbytes is None else nbytes
+    nbytes = preset().ladder_bytes if nbytes is None else nbytes
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
         raise CopyProbeError(f"nbytes must be an int >= 4 (one float32) to time a copy, got {nbytes!r}. "
-                             f"Hint: well beyond the last-level cache, e.g. LADDER_BYTES = {LADDER_BYTES}")
+                             "Hint: well beyond the last-level cache, e.g. the preset's ladder_bytes "
+                             "(64 MiB on CPU, 256 MiB on a GPU)")
     rw, once = "read + write (2 × bytes)", "bytes crossing the link"
     machine = detect()
     rows = []

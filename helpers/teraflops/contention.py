@@ -11,12 +11,13 @@ sharing one PCIe switch arrive slower than one GPU's.
 :func:`sweep` measures it, one round per ``k``:
 
 * **CPU**: ``k`` threads, each repeating ``dst.copy_(src)`` on its own pair of float32 buffers of
-  ``nbytes`` (default :data:`CONTENTION_BYTES`, 64 MiB: twice the 32 MiB last-level cache of the course's CPU
-  machine, so the copies go to DRAM), with one torch thread each (``torch.set_num_threads(1)`` for the
-  round: one copy = one core's stream). Threads, not processes: torch releases the GIL inside
-  ``copy_`` (its Python bindings drop it around every ATen call), so k threads copy at once — measured
-  here, 2 threads move 1.6–1.8× the bytes of one, which a GIL-bound loop could not; while 8 spawned
-  worker processes each importing torch took 19 s to start on this 2-core machine, 4× a whole sweep.
+  ``nbytes`` (default the preset's ``contention_bytes``, :mod:`teraflops.sizing`: 64 MiB on CPU, twice
+  the 32 MiB last-level cache of the course's CPU machine, so the copies go to DRAM), with one torch
+  thread each (``torch.set_num_threads(1)`` for the round: one copy = one core's stream). Threads, not
+  processes: torch releases the GIL inside ``copy_`` (its Python bindings drop it around every ATen
+  call), so k threads copy at once — measured here, 2 threads move 1.6–1.8× the bytes of one, which
+  a GIL-bound loop could not; while 8 spawned worker processes each importing torch took 19 s to
+  start on this 2-core machine, 4× a whole sweep.
   The link shared is the memory bus. **On the 2-core course machine, k > 2 streams also share the
   two cores**: from k = 3 the operating system time-slices the streams, so the plateau is set by
   cores and memory bus together (each core alone reaches ~10 GB/s of the ~16 GB/s the two reach
@@ -57,14 +58,12 @@ import torch
 
 from .errors import CourseError
 from .machine import detect
+from .sizing import preset
 from .tables import GB, table
 
 KS = (1, 2, 4, 8)  # concurrent streams per round
-# Per-stream buffer and round length, chosen per machine (sizing.py is not changed for them).
-# CPU: 64 MiB per buffer, twice the 32 MiB L3 of the course machine (src + dst: 128 MiB per stream,
-# 1 GiB for 8 streams); GPU: 256 MiB, beyond an H100/H200's 50-60 MB L2.
-CONTENTION_BYTES = 256 * 2**20 if detect().device == "cuda" else 64 * 2**20
-CONTENTION_SECONDS = 0.5 if detect().device == "cuda" else 0.8
+# Per-stream buffer and round length: the preset's contention_bytes and contention_seconds
+# (teraflops.sizing), read when sweep() is called, so importing this module probes no hardware.
 KINDS = ("copy", "h2d", "d2d")  # copy: CPU memory copy; h2d: pinned host to GPU; d2d: GPU to GPU
 
 
@@ -89,11 +88,12 @@ def _check(ks, nbytes, seconds, repeats, kind, device) -> tuple[int, ...]:
         raise ContentionError(f"ks must be stream counts (ints >= 1), got {ks!r}. Hint: ks=(1, 2, 4, 8)")
     if not _is_int(nbytes) or nbytes < 4:
         raise ContentionError(f"nbytes must be an int >= 4 (bytes per stream's buffer), got {nbytes!r}. "
-                              f"Hint: well beyond the last-level cache, e.g. CONTENTION_BYTES = {CONTENTION_BYTES}")
+                              "Hint: well beyond the last-level cache, e.g. the preset's contention_bytes "
+                              "(64 MiB on CPU, 256 MiB on a GPU)")
     if isinstance(seconds, (bool, np.bool_)) or not isinstance(seconds, (int, float, np.integer, np.floating)) \
             or not (0 < seconds < float("inf")):
         raise ContentionError(f"seconds must be a finite number > 0 (length of one round), got {seconds!r}. "
-                              f"Hint: CONTENTION_SECONDS = {CONTENTION_SECONDS}")
+                              "Hint: the preset's contention_seconds (0.8 s on CPU, 0.5 s on a GPU)")
     if not _is_int(repeats) or repeats < 1:
         raise ContentionError(f"repeats must be an int >= 1 (rounds per k), got {repeats!r}. Hint: repeats=2")
     if kind not in KINDS:
@@ -213,9 +213,11 @@ def sweep(ks=KS, nbytes: int | None = None, seconds: float | None = None, *, kin
 
     Args:
         ks: an iterable of stream counts (ints >= 1), one round each (default ``(1, 2, 4, 8)``).
-        nbytes: bytes of each stream's buffer (default :data:`CONTENTION_BYTES`: 64 MiB on CPU, 256 MiB on
-            a GPU). Memory used: ``2 × nbytes × max(ks)`` (pinned host memory for ``kind="h2d"``).
-        seconds: length of one round (default :data:`CONTENTION_SECONDS`: 0.8 s on CPU, 0.5 s on a GPU).
+        nbytes: bytes of each stream's buffer (default :func:`teraflops.sizing.preset`'s
+            ``contention_bytes``: 64 MiB on CPU, 256 MiB on a GPU, 4 MiB at ``tiny``). Memory used:
+            ``2 × nbytes × max(ks)`` (pinned host memory for ``kind="h2d"``).
+        seconds: length of one round (default the preset's ``contention_seconds``: 0.8 s on CPU, 0.5 s
+            on a GPU, 0.1 s at ``tiny``).
         kind: ``"copy"`` (CPU memory copies; the default on CPU), ``"h2d"`` (pinned host → GPU over
             PCIe; the default on a GPU) or ``"d2d"`` (GPU memory copies). See the module doc.
         repeats: rounds per k; the one with the highest aggregate is kept.
@@ -237,8 +239,10 @@ def sweep(ks=KS, nbytes: int | None = None, seconds: float | None = None, *, kin
 
     machine = detect()
     kind = kind or ("h2d" if machine.device == "cuda" else "copy")
-    nbytes = CONTENTION_BYTES if nbytes is None else nbytes
-    seconds = CONTENTION_SECONDS if seconds is None else seconds
+    if nbytes is None or seconds is None:
+        p = preset()
+        nbytes = p.contention_bytes if nbytes is None else nbytes
+        seconds = p.contention_seconds if seconds is None else seconds
     ks = _check(ks, nbytes, seconds, repeats, kind, machine.device)
     threads = torch.get_num_threads()
     pairs = _buffers(kind, max(ks), nbytes)

@@ -32,6 +32,10 @@ over whole later steps, and the ranks may drift up to τ steps apart, so a rank 
 slow (another process took its core) no longer stalls the others at every step, which is the
 straggler problem SSP was designed for; on a shared 2-core machine that gain swings by tens of
 percent from run to run (measured 0.8× to 1.46×). Both are results, not faults.
+
+The launch plumbing (:class:`RankLaunch`, :func:`launch_timed`, :func:`model_args`) and the
+reductions over ranks (:func:`slowest_median_ms`, :func:`mean_over_ranks`) also serve the DDP
+remedies of Unit 5 (:mod:`teraflops.remedies`).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import time
 from dataclasses import dataclass
 
 from .distributed import launch
-from .sizing import DataParallelPlan, data_parallel_plan
+from .sizing import DataParallelPlan, Preset, data_parallel_plan
 from .tables import table
 from .workers.data_parallel import Config, config_args
 
@@ -53,23 +57,22 @@ MODE_LABELS = {"bucketed": "bucketed (overlap)", "after": "all-reduce after back
                "local": "no all-reduce (floor)"}
 
 
-@dataclass(frozen=True)
-class DataParallelRun:
-    """What :func:`run` measured.
+@dataclass(frozen=True, kw_only=True)
+class RankLaunch:
+    """What every data-parallel launch reports besides its rows (:func:`launch_timed` fills it in).
+
+    The experiments' results (:class:`DataParallelRun`, :class:`teraflops.remedies.RemediesRun`)
+    add their rows to these fields, which are keyword-only.
 
     Attributes:
-        staleness: rows of :func:`staleness_rows`, one per τ.
-        overlap: rows of :func:`overlap_rows`, one per mode.
         params: parameters of the model (its gradient is ``4 * params`` bytes, fp32).
         ranks, backend: data-parallel ranks and their torch.distributed backend.
-        config: the model, batch and optimizer settings (``Config`` of the worker).
+        config: the model, batch and optimizer settings (``Config`` of the worker, as a dict).
         load_avg: the machine's 1-minute load average before and after the launch (other
             processes' load makes timings noisy).
         wall_s: seconds the launch took, process start-up included.
     """
 
-    staleness: list
-    overlap: list
     params: int
     ranks: int
     backend: str
@@ -78,15 +81,57 @@ class DataParallelRun:
     wall_s: float
 
 
+@dataclass(frozen=True)
+class DataParallelRun(RankLaunch):
+    """What :func:`run` measured: the rows below, and the model and launch of :class:`RankLaunch`
+    (``params``, ``ranks``, ``backend``, ``config``, ``load_avg``, ``wall_s``).
+
+    Attributes:
+        staleness: rows of :func:`staleness_rows`, one per τ.
+        overlap: rows of :func:`overlap_rows`, one per mode.
+    """
+
+    staleness: list
+    overlap: list
+
+
+def launch_timed(worker: str, plan: DataParallelPlan, args: list[str], *, timeout: float,
+                 desc: str) -> tuple[list[dict], dict]:
+    """Launch ``worker`` on ``plan.ranks`` ranks (:func:`~teraflops.distributed.launch`, with ``plan.env``)
+    and time the launch.
+
+    Returns:
+        The ranks' results (one dict per rank, rank 0 first) and the keyword arguments of
+        :class:`RankLaunch`: ``params``, ``ranks`` (``world_size``), ``backend`` and ``config`` from
+        rank 0's result, ``load_avg`` (1-minute load average before and after) and ``wall_s``.
+
+    Raises:
+        LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
+    """
+    before, start = os.getloadavg()[0], time.perf_counter()
+    results = launch(worker, plan.ranks, args, timeout=timeout, env=plan.env, desc=desc)
+    r0 = results[0]
+    return results, {"params": r0["params"], "ranks": r0["world_size"], "backend": r0["backend"],
+                     "config": r0["config"], "load_avg": (before, os.getloadavg()[0]),
+                     "wall_s": time.perf_counter() - start}
+
+
+def model_args(p: Preset, collective_timeout: float = 30) -> list[str]:
+    """The workers' model, batch, optimizer and DDP arguments from a preset: the GPT of its ``dp_*`` sizes
+    and ``gpt_heads`` (:func:`~teraflops.workers.data_parallel.config_args`), ``--bucket-mb``
+    (``dp_bucket_mb``, MiB) and ``--timeout`` (seconds a rank waits on one collective)."""
+    return ["--bucket-mb", str(p.dp_bucket_mb),
+            *config_args(Config(p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len, p.dp_micro_batch,
+                                p.dp_lr)), "--timeout", str(collective_timeout)]
+
+
 def worker_args(plan: DataParallelPlan, *, taus=TAUS, steps=None, overlap_steps=None,
                 experiments=("staleness", "overlap"), collective_timeout: float = 30) -> list[str]:
-    """Command-line arguments for the worker from ``plan.preset``'s ``gpt_heads``, ``dp_*`` sizes."""
+    """Command-line arguments for the worker from ``plan.preset``'s ``dp_*`` sizes (:func:`model_args`)."""
     p = plan.preset
     return ["--experiments", ",".join(experiments), "--taus", ",".join(str(int(t)) for t in taus),
             "--steps", str(steps or p.dp_steps), "--overlap-steps", str(overlap_steps or p.dp_overlap_steps),
-            "--bucket-mb", str(p.dp_bucket_mb),
-            *config_args(Config(p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len, p.dp_micro_batch,
-                                p.dp_lr)), "--timeout", str(collective_timeout)]
+            *model_args(p, collective_timeout)]
 
 
 def run(taus=TAUS, steps: int | None = None, overlap_steps: int | None = None, plan: DataParallelPlan | None = None,
@@ -109,13 +154,10 @@ def run(taus=TAUS, steps: int | None = None, overlap_steps: int | None = None, p
     if any(int(t) < 0 for t in taus):
         raise ValueError(f"taus must be >= 0 (steps a gradient is applied late), got {tuple(taus)}")
     plan = plan or data_parallel_plan()
-    before, start = os.getloadavg()[0], time.perf_counter()
-    results = launch(WORKER, plan.ranks, worker_args(plan, taus=taus, steps=steps, overlap_steps=overlap_steps,
-                                                     experiments=experiments),
-                     timeout=timeout, env=plan.env, desc="data parallel: " + " and ".join(experiments))
-    r0 = results[0]
-    return DataParallelRun(staleness_rows(results), overlap_rows(results), r0["params"], r0["world_size"],
-                           r0["backend"], r0["config"], (before, os.getloadavg()[0]), time.perf_counter() - start)
+    args = worker_args(plan, taus=taus, steps=steps, overlap_steps=overlap_steps, experiments=experiments)
+    results, launched = launch_timed(WORKER, plan, args, timeout=timeout,
+                                     desc="data parallel: " + " and ".join(experiments))
+    return DataParallelRun(staleness_rows(results), overlap_rows(results), **launched)
 
 
 def run_staleness(taus=TAUS, steps: int | None = None, plan: DataParallelPlan | None = None) -> list[dict]:
@@ -128,14 +170,25 @@ def run_overlap(steps: int | None = None, plan: DataParallelPlan | None = None) 
     return run(overlap_steps=steps, plan=plan, experiments=("overlap",)).overlap
 
 
-def _median_ms(per_rank_seconds: list[list]) -> float:
-    """The slowest rank's median (ms) over its timed steps (``None`` marks untimed ones); NaN if none."""
+def slowest_median_ms(per_rank_seconds: list[list]) -> float:
+    """The slowest rank's median step time, in ms.
+
+    Args:
+        per_rank_seconds: per rank, its step times in seconds; ``None`` marks an untimed step
+            (warm-up).
+
+    Returns:
+        ``1e3 ×`` the largest of the ranks' medians over their timed steps (a synchronous step ends
+        when its slowest rank does); NaN if some rank has no timed step.
+    """
     timed = [[t for t in s if t is not None] for s in per_rank_seconds]
     return 1e3 * max(statistics.median(t) for t in timed) if all(timed) else float("nan")
 
 
-def _mean_over_ranks(per_rank: list[list[float]]) -> list[float]:
-    """Per step, the mean over ranks: with equal micro-batches, the loss of the global batch."""
+def mean_over_ranks(per_rank: list[list[float]]) -> list[float]:
+    """Per step, the mean over ranks of their values (one list per rank, steps aligned; the
+    result is as long as the shortest). With equal micro-batches on every rank, the mean of the
+    ranks' losses is the loss of the global batch (nats)."""
     return [sum(v) / len(v) for v in zip(*per_rank)]
 
 
@@ -154,8 +207,8 @@ def staleness_rows(results: list[dict]) -> list[dict]:
     rows = []
     for i, run0 in enumerate(results[0]["staleness"]):
         runs = [r["staleness"][i] for r in results]
-        losses = _mean_over_ranks([r["losses"] for r in runs])
-        step_ms = _median_ms([r["step_s"] for r in runs])
+        losses = mean_over_ranks([r["losses"] for r in runs])
+        step_ms = slowest_median_ms([r["step_s"] for r in runs])
         tail = losses[-LAST_STEPS:]
         rows.append({"tau": run0["tau"], "step_ms": step_ms, "samples_per_s": samples / step_ms * 1e3,
                      "tokens_per_s": samples * cfg["seq_len"] / step_ms * 1e3,
@@ -183,8 +236,8 @@ def overlap_rows(results: list[dict]) -> list[dict]:
         runs = [r["overlap"][i] for r in results]
         row = {"mode": MODE_LABELS[run0["mode"]], "key": run0["mode"]}
         for name in ("step", "forward", "backward", "comm"):
-            row[f"{name}_ms"] = _median_ms([r[f"{name}_s"] for r in runs])
-        row.update(buckets=run0["buckets"], losses=_mean_over_ranks([r["losses"] for r in runs]))
+            row[f"{name}_ms"] = slowest_median_ms([r[f"{name}_s"] for r in runs])
+        row.update(buckets=run0["buckets"], losses=mean_over_ranks([r["losses"] for r in runs]))
         rows.append(row)
     floor = next((r for r in rows if r["key"] == "local"), None)
     after = next((r for r in rows if r["key"] == "after"), None)

@@ -54,17 +54,13 @@ accumulation (~1.6–2.2×) is mostly the 3 all-reduces it skips, each paying gl
 
 from __future__ import annotations
 
-import os
 import statistics
-import time
 from dataclasses import dataclass
 
-from .data_parallel import _mean_over_ranks, _median_ms
-from .distributed import launch
+from .data_parallel import RankLaunch, launch_timed, mean_over_ranks, model_args, slowest_median_ms
 from .errors import CourseError
 from .sizing import DataParallelPlan, data_parallel_plan
 from .tables import fmt_bytes, table
-from .workers.data_parallel import Config, config_args
 from .workers.remedies import SETTINGS
 
 WORKER = "teraflops.workers.remedies"
@@ -79,25 +75,17 @@ class RemediesError(CourseError, ValueError):
 
 
 @dataclass(frozen=True)
-class RemediesRun:
-    """What :func:`run` measured.
+class RemediesRun(RankLaunch):
+    """What :func:`run` measured: the rows below, and the model and launch of
+    :class:`~teraflops.data_parallel.RankLaunch` (``params``: fp32 gradients of ``4 * params`` bytes
+    per step; ``ranks``, ``backend``, ``config`` (the worker's ``Config``, as a dict), ``load_avg``,
+    ``wall_s``). ``str()`` gives :func:`remedies_table`.
 
     Attributes:
         rows: rows of :func:`remedy_rows`, one per setting, in the order run.
-        params: parameters of the model (fp32 gradients: ``4 * params`` bytes per step).
-        ranks, backend: data-parallel ranks and their torch.distributed backend.
-        config: model, batch and optimizer settings (the worker's ``Config``, as a dict).
-        load_avg: the machine's 1-minute load average before and after the launch.
-        wall_s: seconds the launch took, process start-up included.
     """
 
     rows: list
-    params: int
-    ranks: int
-    backend: str
-    config: dict
-    load_avg: tuple
-    wall_s: float
 
     def __str__(self) -> str:
         return remedies_table(self.rows)
@@ -124,7 +112,8 @@ def _check_settings(settings, micro_batches: int, accum: int, powersgd_rank: int
 def worker_args(plan: DataParallelPlan, settings=SETTINGS, *, micro_batches: int | None = None,
                 accum: int | None = None, powersgd_rank: int | None = None, powersgd_start: int | None = None,
                 collective_timeout: float = 30) -> list[str]:
-    """Command-line arguments for the worker from ``plan.preset``'s ``dp_*`` and ``remedy_*`` sizes.
+    """Command-line arguments for the worker from ``plan.preset``'s ``remedy_*`` sizes and its ``dp_*`` model
+    (:func:`~teraflops.data_parallel.model_args`).
 
     Raises:
         RemediesError: an unknown setting, ``accum < 1``, ``micro_batches`` not a multiple of
@@ -138,9 +127,7 @@ def worker_args(plan: DataParallelPlan, settings=SETTINGS, *, micro_batches: int
     r, start = pick(powersgd_rank, p.remedy_powersgd_rank), pick(powersgd_start, p.remedy_powersgd_start)
     _check_settings(settings, mb, k, r, start)
     return ["--settings", ",".join(settings), "--micro-batches", str(mb), "--accum", str(k),
-            "--powersgd-rank", str(r), "--powersgd-start", str(start), "--bucket-mb", str(p.dp_bucket_mb),
-            *config_args(Config(p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len, p.dp_micro_batch,
-                                p.dp_lr)), "--timeout", str(collective_timeout)]
+            "--powersgd-rank", str(r), "--powersgd-start", str(start), *model_args(p, collective_timeout)]
 
 
 def run(settings=SETTINGS, *, micro_batches: int | None = None, accum: int | None = None,
@@ -169,11 +156,8 @@ def run(settings=SETTINGS, *, micro_batches: int | None = None, accum: int | Non
         plan = data_parallel_plan(base.preset, ranks_cpu=base.preset.remedy_ranks_cpu)
     args = worker_args(plan, settings, micro_batches=micro_batches, accum=accum, powersgd_rank=powersgd_rank,
                        powersgd_start=powersgd_start)
-    before, start = os.getloadavg()[0], time.perf_counter()
-    results = launch(WORKER, plan.ranks, args, timeout=timeout, env=plan.env, desc="remedies: " + ", ".join(settings))
-    r0 = results[0]
-    return RemediesRun(remedy_rows(results), r0["params"], r0["world_size"], r0["backend"], r0["config"],
-                       (before, os.getloadavg()[0]), time.perf_counter() - start)
+    results, launched = launch_timed(WORKER, plan, args, timeout=timeout, desc="remedies: " + ", ".join(settings))
+    return RemediesRun(remedy_rows(results), **launched)
 
 
 def remedy_rows(results: list[dict]) -> list[dict]:
@@ -204,10 +188,10 @@ def remedy_rows(results: list[dict]) -> list[dict]:
         if any(r["step_bytes"] != run0["step_bytes"] for r in runs):
             raise RemediesError(f"{run0['setting']}: ranks counted different all-reduce bytes "
                                 f"{[sum(r['step_bytes']) for r in runs]}. Hint: every rank must run the same settings")
-        losses = _mean_over_ranks([r["losses"] for r in runs])
+        losses = mean_over_ranks([r["losses"] for r in runs])
         steps, k = len(run0["step_bytes"]), run0["k"]
         samples = len(losses) * per_micro
-        step_ms = _median_ms([r["step_s"] for r in runs])
+        step_ms = slowest_median_ms([r["step_s"] for r in runs])
         psgd = results[0].get("powersgd", {})
         label = LABELS[run0["setting"]].replace(" k", f" k={k}").replace("rank r", f"rank {psgd.get('rank', '?')}")
         rows.append({"setting": run0["setting"], "label": label, "k": k, "steps": steps, "samples": samples,

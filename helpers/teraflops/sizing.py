@@ -102,6 +102,13 @@ class Preset:
     remedy_accum: int = 4  # k: micro-batches per optimizer step when accumulating
     remedy_powersgd_rank: int = 2  # PowerSGD matrix_approximation_rank
     remedy_powersgd_start: int = 2  # PowerSGD start_powerSGD_iter (plain all-reduce before; >= 2)
+    # Unit 5: copy probes of the bandwidth ladder (ceilings.bandwidth_ladder) and of k streams sharing one
+    # link (contention.sweep). Buffers far beyond the last-level cache (32 MiB of L3 on the course's CPU
+    # machine; 50-60 MB of L2 on an H100 / H200), so that the copies measure memory and links, not caches
+    # (tiny's buffers fit in that cache: they only run the code paths)
+    ladder_bytes: int = 64 * MiB  # bytes per copy of each rung
+    contention_bytes: int = 64 * MiB  # bytes of each stream's buffer (src + dst: 2 × per stream, 1 GiB at k = 8)
+    contention_seconds: float = 0.8  # length of one round of the contention sweep, s
 
 
 PRESETS = {
@@ -112,7 +119,8 @@ PRESETS = {
                    elastic_kill_step=5, decode_vocab=256, decode_d_model=64, decode_layers=2, decode_heads=2,
                    decode_max_seq_len=32, decode_prompt_len=4, decode_new_tokens=8, decode_batches=(1, 2, 4),
                    collective_ranks_cpu=2, collective_max_bytes=256 * 1024, collective_iters=5,
-                   collective_min_iters=2, collective_warmup=1, remedy_micro_batches=16),
+                   collective_min_iters=2, collective_warmup=1, remedy_micro_batches=16,
+                   ladder_bytes=8 * MiB, contention_bytes=4 * MiB, contention_seconds=0.1),
     "cpu": Preset("cpu", "cpu", torch.float32, 1024, 128 * MiB, (16, 64, 256, 1024), 1 << 24,
                   (1, 1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 22), 1, 2, 32, torch.float32,
                   (128, 256, 512, 1024), 256, 4, 128, 4, 0.1),
@@ -126,7 +134,8 @@ PRESETS = {
                   decode_vocab=32768, decode_d_model=2048, decode_layers=16, decode_heads=16, decode_max_seq_len=1024,
                   decode_prompt_len=128, decode_new_tokens=256, decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
                   collective_max_bytes=8192 * MiB, collective_warmup=5, collective_volume_bytes=1 << 40,
-                  remedy_micro_batches=64),
+                  remedy_micro_batches=64, ladder_bytes=256 * MiB, contention_bytes=256 * MiB,
+                  contention_seconds=0.5),
 }
 
 
