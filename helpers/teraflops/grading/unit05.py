@@ -1,0 +1,374 @@
+"""Checks for Unit 5 (Hardware). Each takes the learner's function and nothing else (exercise 2 also
+takes the notebook's own measured sweep).
+
+Every check compares the learner's answer with the package's reference (:mod:`teraflops.collectives`)
+on cases built here and, on a wrong answer, tries the plausible wrong versions: a mistake is named
+only when it reproduces every answer the learner gave. Units as in :mod:`teraflops.collectives`:
+bytes, seconds, bytes/s.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from fractions import Fraction
+
+import numpy as np
+
+from ..collectives import (PUBLISHED_LINKS, accumulation_for_fraction, bus_factor,
+                           fit_alpha_beta as reference_fit, ring_allreduce_seconds)
+from .core import check_cases, close, exercise, expect_number, fail
+
+
+def _finite(fn, what: str, unit: str, describe):
+    """``fn`` whose answer must be a finite number: nan or inf fails at once, naming the case."""
+    def call(*case):
+        got = expect_number(what, fn(*case), unit)
+        if not math.isfinite(got):
+            fail(f"for {describe(case)}: got {got}, expected a finite number ({unit}). "
+                 "Hint: look for a division by zero")
+        return got
+    return call
+
+
+def _holds(formula):
+    """A mistake model for :func:`check_cases`: the learner's answer is ``formula(*case)`` to 1e-6."""
+    def holds(got, want, case):
+        try:
+            return close(got, float(formula(*case)))
+        except (ArithmeticError, ValueError):  # the wrong version cannot answer this case: not the mistake
+            return False
+    return holds
+
+
+# --- exercise 1: bus bandwidth from algorithm bandwidth --------------------------------------------
+
+_BUS_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+_ALGBWS = (0.38e9, 180e9, 21.5e9, 45e9)  # bytes/s: gloo on the CPU machine, NVLink, PCIe, InfiniBand
+# (algbw bytes/s, collective, n): every collective on 2, 3, 4 and 8 ranks
+_BUS_CASES = [(_ALGBWS[i % len(_ALGBWS)], c, n)
+              for i, (c, n) in enumerate((c, n) for c in _BUS_COLLECTIVES for n in (2, 3, 4, 8))]
+
+
+def _factor_ar(n):  # all-reduce
+    return 2 * (n - 1) / n
+
+
+def _factor_half(n):  # all-gather, reduce-scatter
+    return (n - 1) / n
+
+
+def _pick(ar, other):
+    """A factor rule: ``ar(n)`` for all-reduce, ``other(n)`` for all-gather and reduce-scatter."""
+    return lambda a, c, n: a * (ar(n) if c == "all_reduce" else other(n))
+
+
+_BUS_MISTAKES = [
+    (_pick(_factor_ar, _factor_ar),
+     "all-gather and reduce-scatter move half an all-reduce's data: nccl-tests' factor for them is (n-1)/n, "
+     "2(n-1)/n only for all-reduce"),
+    (_pick(_factor_half, _factor_half),
+     "an all-reduce is a reduce-scatter then an all-gather: nccl-tests' factor for it is 2(n-1)/n, twice theirs"),
+    (_pick(_factor_half, _factor_ar),
+     "the factors are the wrong way round: nccl-tests uses 2(n-1)/n for all_reduce, (n-1)/n for all_gather and "
+     "reduce_scatter"),
+    (lambda a, c, n: a / bus_factor(c, n),
+     "nccl-tests defines busbw = algbw × factor: multiply by the factor, do not divide"),
+    (_pick(lambda n: 2.0, lambda n: 1.0),
+     "the factor depends on the rank count: nccl-tests uses 2(n-1)/n for all_reduce, (n-1)/n for the others"),
+    (_pick(lambda n: 2 * n / (n - 1), lambda n: n / (n - 1)),
+     "nccl-tests' factor is (n-1)/n (times 2 for all_reduce), not n/(n-1): each link carries n-1 of every n chunks"),
+    (lambda a, c, n: a * bus_factor(c, n) / 1e9,
+     "bytes/s in, bytes/s out: return busbw in algbw's unit, not GB/s (nccl-tests converts only to print)"),
+    (lambda a, c, n: a * bus_factor(c, n) / 2**30,
+     "bytes/s in, bytes/s out: return busbw in algbw's unit, not GiB/s"),
+    (lambda a, c, n: a, "nccl-tests defines busbw = algbw × factor(n): 2(n-1)/n for all_reduce, (n-1)/n for "
+                        "all_gather and reduce_scatter"),
+]
+
+
+def _describe_bus(case) -> str:
+    a, c, n = case
+    return f"algbw={a:g} bytes/s ({a / 1e9:g} GB/s), collective={c!r}, n={n}"
+
+
+@exercise(1, "bus bandwidth from algorithm bandwidth")
+def busbw(fn) -> None:
+    """``fn(algbw, collective, n) -> busbw`` in bytes/s for ``"all_reduce"``, ``"all_gather"`` and
+    ``"reduce_scatter"`` on ``n`` = 2, 3, 4 and 8 ranks (nccl-tests doc/PERFORMANCE.md)."""
+    check_cases(_finite(fn, "busbw", "bytes/s", _describe_bus), "busbw", "bytes/s", _BUS_CASES,
+                lambda a, c, n: a * bus_factor(c, n),
+                [(_holds(f), h) for f, h in _BUS_MISTAKES],
+                "nccl-tests (doc/PERFORMANCE.md) defines busbw = algbw × 2(n-1)/n for all_reduce and algbw × (n-1)/n "
+                "for all_gather and reduce_scatter",
+                _describe_bus, lambda g, w: f"got {g:.6g} bytes/s, expected {w:.6g}")
+
+
+# --- exercise 2: fit alpha and beta -----------------------------------------------------------------
+
+_ALPHA, _BANDWIDTH = 5e-3, 0.4e9  # s, bytes/s: about what gloo's all-reduce gives on the CPU machine
+_SIZES = 2.0 ** np.arange(10, 27)  # 1 KiB … 64 MiB, as the lecture's sweep
+_NOISE = 0.03  # relative: a typical spread of repeated measurements
+
+
+def _synthetic_cases() -> list[tuple[str, np.ndarray, np.ndarray]]:
+    exact = _ALPHA + _SIZES / _BANDWIDTH
+    noisy = exact * np.exp(_NOISE * np.random.default_rng(5).standard_normal(_SIZES.size))
+    return [("exact times T = 5 ms + S / (0.4 GB/s) over 1 KiB–64 MiB", _SIZES, exact),
+            (f"the same times with {_NOISE:.0%} noise", _SIZES, noisy)]
+
+
+def _ols(s, t) -> tuple[float, float]:
+    """The free least-squares line, α unclamped."""
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(s), s], axis=1), t, rcond=None)
+    return float(a), float(b)
+
+
+def _same_fit(got, want, t) -> bool:
+    """β within 1e-6 relative; α within 1e-6 of the largest time (α may be 0)."""
+    return abs(got[0] - want[0]) <= 1e-6 * float(np.max(t)) and close(got[1], want[1])
+
+
+def _two_points(s, t, i, j, anchor):
+    b = (t[j] - t[i]) / (s[j] - s[i])
+    return t[anchor] - b * s[anchor], b
+
+
+def _endpoints(s, t, anchor_first=True):
+    o = np.argsort(s)
+    return _two_points(s, t, o[0], o[-1], o[0] if anchor_first else o[-1])
+
+
+def _largest_two(s, t):
+    o = np.argsort(s)
+    return _two_points(s, t, o[-2], o[-1], o[-1])
+
+
+def _min_time(slope):
+    def fit(s, t):
+        return float(np.min(t)), slope(s, t)
+    return fit
+
+
+def _log_fit(log, exp):
+    def fit(s, t):
+        slope, intercept = np.polyfit(log(s), log(t), 1)
+        return (exp(intercept) if exp else intercept), slope
+    return fit
+
+
+_TWO_POINTS = ("use every point in a least-squares fit (np.polyfit(sizes, seconds, 1) or np.linalg.lstsq), "
+               "not a line through two of them: one noisy point then decides B")
+_MIN_TIME = ("α is the fitted line's intercept, not the smallest measured time (which also holds S·β and noise): "
+             "fit α and β together by least squares")
+_LOG_LOG = ("fit T = α + β·S to the times themselves: a straight line on log-log axes is a power law T = c·S^k, "
+            "not the alpha-beta model")
+_ORIGIN = "the line does not pass through the origin: fit the intercept α too (a column of ones next to the sizes)"
+
+_FIT_MISTAKES = [
+    (lambda s, t: (_ols(s, t)[1], _ols(s, t)[0]),
+     "return (alpha, beta) in that order (np.polyfit(sizes, seconds, 1) gives [beta, alpha], the highest power first)"),
+    (lambda s, t: (_ols(s, t)[0], 1 / _ols(s, t)[1]),
+     "return β in seconds per byte, 1 / B, not the bandwidth B in bytes/s"),
+    (lambda s, t: (1 / _ols(s, t)[1], _ols(s, t)[0]),
+     "return (alpha, beta): alpha in seconds first, then β = 1/B in seconds per byte, not the bandwidth"),
+    (lambda s, t: (0.0, float(np.sum(s * t) / np.sum(s * s))), _ORIGIN),
+    (lambda s, t: (0.0, float(np.mean(t / s))), _ORIGIN),
+    (lambda s, t: (0.0, _ols(s, t)[1]), _ORIGIN),
+    (_log_fit(np.log, np.exp), _LOG_LOG),
+    (_log_fit(np.log, None), _LOG_LOG),
+    (_log_fit(np.log10, lambda x: 10 ** x), _LOG_LOG),
+    (_log_fit(np.log10, None), _LOG_LOG),
+    (_endpoints, _TWO_POINTS),
+    (lambda s, t: _endpoints(s, t, anchor_first=False), _TWO_POINTS),
+    (_largest_two, _TWO_POINTS),
+    (_min_time(lambda s, t: _ols(s, t)[1]), _MIN_TIME),
+    (_min_time(lambda s, t: _endpoints(s, t)[1]), _MIN_TIME),
+    (_min_time(lambda s, t: float(np.sum(s * (t - np.min(t))) / np.sum(s * s))), _MIN_TIME),
+]
+
+
+def _pair(got) -> tuple[float, float]:
+    """The learner's ``(alpha, beta)`` as floats, or a one-line failure."""
+    if not isinstance(got, (tuple, list, np.ndarray)):
+        fail(f"fit_alpha_beta should return a tuple (alpha, beta) of numbers, got {type(got).__name__}. "
+             "Hint: return alpha, beta")
+    if len(got) != 2:
+        fail(f"fit_alpha_beta should return two numbers (alpha, beta), got {len(got)}. Hint: return alpha, beta")
+    a = expect_number("fit_alpha_beta's alpha", got[0], "seconds")
+    b = expect_number("fit_alpha_beta's beta", got[1], "seconds per byte")
+    if not (math.isfinite(a) and math.isfinite(b)):
+        fail(f"fit_alpha_beta returned alpha = {a}, beta = {b}: expected finite numbers (s, s/byte). "
+             "Hint: look for a division by zero, e.g. a variance of equal sizes")
+    return a, b
+
+
+def _words(fit) -> str:
+    return f"alpha = {fit[0]:.6g} s, beta = {fit[1]:.6g} s/byte"
+
+
+@exercise(2, "fit alpha and beta")
+def fit_alpha_beta(fn, sizes=None, seconds=None) -> None:
+    """``fn(sizes, seconds) -> (alpha, beta)``: the ordinary least-squares line ``T = α + β·S`` through
+    measured times (``sizes`` in bytes and ``seconds``, NumPy arrays; ``alpha`` in s, ``beta = 1/B`` in
+    s/byte). Checked on exact and noisy synthetic times and, when the notebook passes them, on its own
+    measured sweep (``sizes``, ``seconds``: one all-reduce time per size)."""
+    cases = _synthetic_cases()
+    if (sizes is None) != (seconds is None):
+        fail("pass both sizes and seconds of your sweep, or neither. Hint: check.fit_alpha_beta(fit_alpha_beta, "
+             "sizes, seconds)")
+    if sizes is not None:
+        s, t = np.array(sizes, dtype=np.float64).reshape(-1), np.array(seconds, dtype=np.float64).reshape(-1)
+        reference_fit(s, t)  # a sweep that cannot be fitted (lengths, times that do not grow) fails here
+        cases.append((f"your measured sweep ({s.size} sizes)", s, t))
+    answers = []
+    for what, s, t in cases:
+        got = _pair(fn(s.copy(), t.copy()))
+        ref = reference_fit(s, t)
+        want = (ref.alpha, ref.beta)
+        free = _ols(s, t)  # where the reference kept α >= 0 by refitting, the free fit is right too
+        answers.append((got, want, (s, t), what, _same_fit(got, want, t) or (free[0] < 0 and _same_fit(got, free, t))))
+    wrong = [a for a in answers if not a[4]]
+    if not wrong:
+        return
+    hint = "least squares of T = α + β·S over every point: beta, alpha = np.polyfit(sizes, seconds, 1)"
+    for model, h in _FIT_MISTAKES:
+        try:
+            if all(_same_fit(got, model(*case), case[1]) for got, _, case, _, _ in answers):
+                hint = h
+                break
+        except (ArithmeticError, ValueError, np.linalg.LinAlgError):  # cannot answer a case: not the mistake
+            continue
+    got, want, _, what, _ = wrong[0]
+    fail(f"on {what}: got {_words(got)}, expected {_words(want)}. Hint: {hint}")
+
+
+# --- exercise 3: predict an all-reduce on a fabric ------------------------------------------------
+
+_LINKS = {link.name: link.bandwidth for link in PUBLISHED_LINKS}
+_NVLINK, _PCIE4, _PCIE5, _NDR = (next(n for n in _LINKS if n.startswith(p))
+                                 for p in ("NVLink", "PCIe Gen4", "PCIe Gen5", "InfiniBand"))
+# (size bytes, n, bandwidth bytes/s, alpha s): 1 MB – 10 GB, 2 – 64 ranks, the published links
+_RING_CASES = [(1e6, 2, _LINKS[_NVLINK], 0.0), (1e6, 8, _LINKS[_NVLINK], 5e-6), (1e10, 8, _LINKS[_NDR], 0.0),
+               (2e9, 64, _LINKS[_NDR], 5e-6), (2.6e8, 4, _LINKS[_PCIE4], 5e-6), (1e8, 4, _LINKS[_PCIE5], 0.0),
+               (1e7, 64, _LINKS[_NVLINK], 5e-6), (1e9, 2, _LINKS[_PCIE5], 5e-6)]
+
+
+def _ring_bw(s, n, b):
+    return 2 * (n - 1) / n * s / b
+
+
+def _ring_lat(n, a):
+    return 2 * (n - 1) * a
+
+
+_UNITS = "size_bytes and bandwidth are both in bytes (bytes/s): convert neither"
+
+_RING_MISTAKES = [
+    (lambda s, n, b, a: s / b + a,
+     "that is one message of S bytes, α + S/B; a ring all-reduce is 2(n-1) steps of S/n bytes each: "
+     "T = 2(n-1)/n·S/B + 2(n-1)·α"),
+    (lambda s, n, b, a: s / b + _ring_lat(n, a),
+     "in a ring all-reduce each rank's link carries 2(n-1)/n·S bytes, not S: T = 2(n-1)/n·S/B + 2(n-1)·α"),
+    (lambda s, n, b, a: (n - 1) / n * s / b + (n - 1) * a,
+     "that is a reduce-scatter (n-1 steps); an all-reduce is a reduce-scatter then an all-gather: "
+     "2(n-1) steps, T = 2(n-1)/n·S/B + 2(n-1)·α"),
+    (lambda s, n, b, a: (n - 1) / n * s / b + _ring_lat(n, a),
+     "(n-1)/n is a reduce-scatter's (or an all-gather's) share; an all-reduce is both: 2(n-1)/n·S/B"),
+    (lambda s, n, b, a: 2 * (n - 1) * s / b + _ring_lat(n, a),
+     "each of the 2(n-1) steps sends a chunk of S/n bytes, not S: 2(n-1)/n·S/B"),
+    (lambda s, n, b, a: _ring_bw(s, n, b) + a,
+     "every one of the ring's 2(n-1) steps pays the latency: 2(n-1)·α, not α once"),
+    (lambda s, n, b, a: _ring_bw(s, n, b) + (n - 1) * a,
+     "the latency is paid 2(n-1) times (n-1 steps of reduce-scatter, n-1 of all-gather), not n-1"),
+    (lambda s, n, b, a: 8 * _ring_bw(s, n, b) + _ring_lat(n, a), f"{_UNITS}: no factor of 8 for bits"),
+    (lambda s, n, b, a: _ring_bw(s, n, b) / 8 + _ring_lat(n, a), f"{_UNITS}: no factor of 8 for bits"),
+    (lambda s, n, b, a: _ring_bw(s, n, b) * 2**30 / 1e9 + _ring_lat(n, a),
+     f"{_UNITS}; mixing GB (1e9 bytes) and GiB (2**30 bytes) is off by 7%"),
+    (lambda s, n, b, a: _ring_bw(s, n, b) * 1e9 / 2**30 + _ring_lat(n, a),
+     f"{_UNITS}; mixing GB (1e9 bytes) and GiB (2**30 bytes) is off by 7%"),
+    (lambda s, n, b, a: 1e3 * ring_allreduce_seconds(s, n, b, a), "return seconds, not milliseconds"),
+    (lambda s, n, b, a: 1e6 * ring_allreduce_seconds(s, n, b, a), "return seconds, not microseconds"),
+]
+
+
+def _describe_ring(case) -> str:
+    s, n, b, a = case
+    link = next((name for name, bw in _LINKS.items() if bw == b), "")
+    return f"size_bytes={s:g}, n={n}, bandwidth={b:.4g} bytes/s ({link}), alpha={a:g} s"
+
+
+@exercise(3, "predict an all-reduce on a fabric")
+def predict_allreduce(fn) -> None:
+    """``fn(size_bytes, n, bandwidth, alpha) -> seconds`` of a ring all-reduce (see
+    :func:`teraflops.collectives.ring_allreduce_seconds`), on 2 – 64 ranks and the published links."""
+    check_cases(_finite(fn, "predict_allreduce", "seconds", _describe_ring), "predict_allreduce", "seconds",
+                _RING_CASES, ring_allreduce_seconds, [(_holds(f), h) for f, h in _RING_MISTAKES],
+                "a ring all-reduce takes T = 2(n-1)/n · size_bytes / bandwidth + 2(n-1) · alpha "
+                "(Patarasuk & Yuan 2009)",
+                _describe_ring, lambda g, w: f"got {g:.6g} s, expected {w:.6g} s")
+
+
+# --- exercise 4: accumulation steps for a communication budget -------------------------------------
+
+# (sync s, micro-batch s, target): exact boundaries (dyadic, so float arithmetic is exact), the target
+# met by one micro-batch, ordinary and large ratios (kept well away from whole numbers)
+_ACCUM_CASES = [(3.0, 0.5, 0.25), (1.0, 0.25, 0.5), (0.001, 1.0, 0.1), (0.05, 0.2, 0.3), (0.35, 0.12, 0.1),
+                (0.9, 0.22, 0.5), (1.7, 0.013, 0.05)]
+
+
+def _exact_k(sync, micro, target) -> Fraction:
+    """sync·(1 − target) / (target·micro), exactly (the k at which the fraction equals target)."""
+    s, m, t = Fraction(sync), Fraction(micro), Fraction(target)
+    return s * (1 - t) / (t * m)
+
+
+def _ceil(x: Fraction) -> int:
+    return -((-x.numerator) // x.denominator)
+
+
+def _share(sync, micro, k) -> float:
+    return sync / (k * micro + sync)
+
+
+_ROUND_UP = ("the fewest micro-batches that meet the target: round k = sync·(1 - target) / (target·micro) up "
+             "(math.ceil); rounding down or to nearest leaves the sync above the target")
+
+_ACCUM_MISTAKES = [
+    (lambda s, m, t: 0 if _share(s, m, 1) <= t else _ceil(_exact_k(s, m, t)),
+     "k counts micro-batches per all-reduce, at least 1: when one already meets the target, return 1"),
+    (lambda s, m, t: max(1, math.floor(_exact_k(s, m, t))), _ROUND_UP),
+    (lambda s, m, t: math.floor(_exact_k(s, m, t)), _ROUND_UP),
+    (lambda s, m, t: max(1, round(_exact_k(s, m, t))), _ROUND_UP),
+    (lambda s, m, t: round(_exact_k(s, m, t)), _ROUND_UP),
+    (lambda s, m, t: math.floor(_exact_k(s, m, t)) + 1,
+     "the target is 'at most': sync / (k·micro + sync) <= target, so a k that meets it exactly is enough"),
+    (lambda s, m, t: max(1, _ceil(Fraction(s) / (Fraction(t) * Fraction(m)))),
+     "the fraction is of the whole step, compute and sync: sync / (k·micro + sync) <= target, "
+     "not sync / (k·micro)"),
+]
+
+
+@exercise(4, "accumulation steps for a communication budget")
+def accumulation_steps(fn) -> None:
+    """``fn(sync_seconds, micro_batch_seconds, target) -> int``: the fewest micro-batches ``k >= 1`` per
+    all-reduce with ``sync / (k·micro + sync) <= target`` (see
+    :func:`teraflops.collectives.accumulation_for_fraction`)."""
+    answers = []
+    for case in _ACCUM_CASES:
+        got = fn(*case)
+        if isinstance(got, bool) or not isinstance(got, numbers.Integral):
+            fail(f"accumulation_steps should return an int (micro-batches per all-reduce), got "
+                 f"{type(got).__name__} {got!r}. Hint: math.ceil returns an int; np.ceil returns a float, "
+                 "so wrap it in int(...)")
+        answers.append((int(got), accumulation_for_fraction(*case), case))
+    wrong = [a for a in answers if a[0] != a[1]]
+    if not wrong:
+        return
+    got, want, (sync, micro, target) = wrong[0]
+    hint = next((h for m, h in _ACCUM_MISTAKES if all(m(*c) == g for g, _, c in answers)),
+                "k = max(1, ceil(sync·(1 - target) / (target·micro))): the smallest k with "
+                "sync / (k·micro + sync) <= target")
+    share = f" (at k = {got} the sync takes {_share(sync, micro, got):.1%} of the step)" if got >= 1 else ""
+    fail(f"with a {1e3 * sync:g} ms sync, {1e3 * micro:g} ms micro-batches and target {target:g} you returned "
+         f"k = {got}{share}, expected {want}. Hint: {hint}")
