@@ -1,0 +1,23 @@
+"""`teraflops run 5` on this machine: peak busbw, the fitted alpha and beta, accumulation's cut."""
+
+from pathlib import Path
+
+import pytest
+
+from teraflops import detect
+from teraflops.runner import format_summary, run_units
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_run_unit_5_reports_peak_busbw_alpha_and_beta(tmp_path):
+    (result,) = run_units([5], out_dir=tmp_path, root=ROOT)
+    assert result.ok, result.error
+    h = {k: v["value"] for k, v in result.headline.items()}
+    assert h["peak_busbw_all_reduce"] > 0 and h["alpha"] > 0 and h["beta"] > 0
+    assert h["accumulate_sample_cut"] == pytest.approx(4.0, rel=1e-6)
+    if detect().device == "cpu":
+        assert result.seconds < 300, f"Unit 5 took {result.seconds:.0f} s on CPU; the budget is 300 s"
+    summary = format_summary(detect(), [result])
+    assert "busbw" in summary and "alpha" in summary and "beta" in summary
