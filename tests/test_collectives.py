@@ -142,8 +142,14 @@ def test_gradient_sync_table_covers_models_and_links():
 def test_training_flops_and_comm_fraction():
     assert co.train_flops(7e9, 4096) == pytest.approx(6 * 7e9 * 4096)  # Kaplan et al. 2020: 6 N per token
     assert co.comm_fraction(1.0, 3.0) == pytest.approx(0.25)
-    with pytest.raises(co.CollectiveInputError, match="Hint:"):
-        co.comm_fraction(0.0, 1.0)
+    assert co.comm_fraction(0.0, 1.0) == 0.0 and co.comm_fraction(1e308, 1e308) == pytest.approx(0.5)
+    for bad in (-1.0, True, "1"):
+        with pytest.raises(co.CollectiveInputError, match="Hint:"):
+            co.comm_fraction(bad, 1.0)
+    for bad in (dict(params=True), dict(bytes_per_grad=[2, 4]), dict(mfu=7)):
+        with pytest.raises(co.CollectiveInputError, match="Hint:"):
+            co.gradient_sync_rows(**bad)
+    assert co.gradient_sync_rows(7e9)[0]["bytes"] == 14e9  # one model as a number
 
 
 def test_gradient_sync_fraction_does_not_depend_on_model_size():
@@ -174,6 +180,7 @@ def test_comm_bound_tokens_is_where_sync_equals_math():
     (1.0, 1.0, 0.19, 5),
     (0.1, 1.0, 0.5, 1),     # already under budget
     (3.0, 0.01, 0.1, 2700),
+    (5.000000001, 1.0, 0.5, 6),  # just above an integer: k = 5 would leave the share above the target
 ])
 def test_accumulation_for_fraction(sync, micro, target, k):
     got = co.accumulation_for_fraction(sync, micro, target)
@@ -187,6 +194,23 @@ def test_accumulation_for_fraction(sync, micro, target, k):
 def test_accumulation_for_fraction_refuses_bad_targets(target):
     with pytest.raises(co.CollectiveInputError, match="Hint:"):
         co.accumulation_for_fraction(1.0, 1.0, target)
+
+
+def test_cross_node_link_adds_a_nodes_ports_up_to_nvlink():
+    assert co.cross_node_link(1).bandwidth == 50e9
+    assert co.cross_node_link(8).bandwidth == 400e9
+    assert co.cross_node_link(16).bandwidth == 450e9  # the NVLink hops inside the node are then the limit
+    assert "nccl/issues/412" in co.cross_node_link(8).source
+    for bad in (0, 2.0, True):
+        with pytest.raises(co.CollectiveInputError, match="Hint:"):
+            co.cross_node_link(bad)
+
+
+def test_widget_refuses_a_fit_of_another_collective_in_one_line():
+    from teraflops.widgets import gradient_sync_widget
+
+    with pytest.raises(co.CollectiveInputError, match="all-reduce fit"):
+        gradient_sync_widget(co.AlphaBeta(5e-3, 0.4e9, 0.99, 0.1, "all_gather", 4))
 
 
 def test_comm_fraction_plot_and_widget_render_headless():

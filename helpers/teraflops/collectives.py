@@ -48,6 +48,7 @@ ring all-reduce takes 2(n−1) steps); the all-reduce fit gives α ≈ 5–6 ms,
 from __future__ import annotations
 
 import math
+import numbers
 import time
 import warnings
 from dataclasses import dataclass
@@ -89,7 +90,15 @@ def _check_ranks(n) -> None:
 
 
 def _check_positive(name: str, values) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.float64)
+    flat = values if isinstance(values, (list, tuple, np.ndarray)) else [values]
+    if any(isinstance(v, (bool, np.bool_, str, bytes)) for v in np.asarray(flat, dtype=object).reshape(-1)):
+        raise CollectiveInputError(f"{name} must be numbers, got {values!r}. "
+                                   "Hint: sizes are in bytes, times in seconds, bandwidths in bytes/s")
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise CollectiveInputError(f"{name} must be numbers, got {values!r}. "
+                                   "Hint: sizes are in bytes, times in seconds, bandwidths in bytes/s") from None
     if arr.size == 0 or not np.all(np.isfinite(arr)) or np.any(arr <= 0):
         raise CollectiveInputError(f"{name} must be finite numbers > 0, got {values!r}. "
                                    "Hint: sizes are in bytes, times in seconds, bandwidths in bytes/s")
@@ -163,6 +172,34 @@ PUBLISHED_LINKS: tuple[PublishedLink, ...] = (
                   "dgx-superpod/design-guide-cabling-data-centers/latest/ndr-overview.html; InfiniBand Trade "
                   "Association roadmap, https://www.infinibandta.org/infiniband-roadmap/"),
 )
+
+
+def cross_node_link(nics_per_node: int = 8, nic: PublishedLink = PUBLISHED_LINKS[3],
+                    intra: PublishedLink = PUBLISHED_LINKS[0]) -> PublishedLink:
+    """The per-rank bandwidth of a ring all-reduce that crosses nodes with ``nics_per_node`` network
+    ports per node: ``min(nics_per_node × nic, intra)``, as a :class:`PublishedLink` for
+    :func:`gradient_sync_rows`.
+
+    NCCL builds one ring (channel) per port; each ring carries its share of the buffer and enters and
+    leaves every node once, through its own port, while the hops inside a node use NVLink. So a node's
+    ports add up, until the intra-node links become the limit (NVIDIA/nccl issue #412, the maintainer's
+    answer: more NICs next to the GPUs give more inter-node bandwidth, "up to" the NVLink intra-node
+    bandwidth; issue #569 measures it on DGX-2 nodes). ``nics_per_node = 1`` is a node whose GPUs share
+    one port, the bare ``nic`` row of :data:`PUBLISHED_LINKS`; a DGX H100 has 8 NDR ports, one per GPU.
+
+    Raises:
+        CollectiveInputError: ``nics_per_node`` not an integer >= 1.
+    """
+    if isinstance(nics_per_node, bool) or not isinstance(nics_per_node, (int, np.integer)) or nics_per_node < 1:
+        raise CollectiveInputError(f"nics_per_node must be an integer >= 1, got {nics_per_node!r}. "
+                                   "Hint: a DGX H100 has 8 InfiniBand NDR ports, one per GPU")
+    bandwidth = min(int(nics_per_node) * nic.bandwidth, intra.bandwidth)
+    return PublishedLink(f"{nics_per_node} × {nic.name.split(' (')[0]} per node", bandwidth,
+                         f"{nics_per_node} × {nic.quoted}",
+                         f"a ring across nodes: one NCCL ring per port, {nics_per_node} × {nic.bandwidth / GB:g} GB/s "
+                         f"= {nics_per_node * nic.bandwidth / GB:g} GB/s per direction, at most {intra.name}'s "
+                         f"{intra.bandwidth / GB:g} GB/s",
+                         f"{nic.source}; NVIDIA/nccl issue #412, https://github.com/NVIDIA/nccl/issues/412")
 
 
 def links_table(links=PUBLISHED_LINKS) -> str:
@@ -316,7 +353,7 @@ def ring_allreduce_seconds(size_bytes, n: int, bandwidth: float, alpha: float = 
     _check_ranks(n)
     s = _check_positive("size_bytes", size_bytes)
     _check_positive("bandwidth", bandwidth)
-    if not (isinstance(alpha, (int, float, np.floating)) and 0 <= alpha < math.inf):
+    if isinstance(alpha, (bool, np.bool_)) or not (isinstance(alpha, numbers.Real) and 0 <= alpha < math.inf):
         raise CollectiveInputError(f"alpha must be a latency >= 0 in seconds, got {alpha!r}. "
                                    "Hint: alpha=0 gives the bandwidth-only ceiling")
     out = 2 * (n - 1) / n * s / bandwidth + 2 * (n - 1) * alpha
@@ -345,7 +382,9 @@ def gradient_sync_rows(params=(1e9, 7e9, 13e9, 70e9), n: int = 8, bytes_per_grad
 
     Each row: ``params``, ``bytes`` (``params × bytes_per_grad``: 2 for bf16 gradients) and, per link,
     :func:`ring_allreduce_seconds` at the link's per-direction bandwidth with α = 0 (a ceiling: the
-    best any implementation can do). With ``fit`` (an all-reduce fit from :func:`fit_rows`, measured
+    best any implementation can do). The link is the ring's slowest hop for every rank: NVLink 4 only
+    while all ``n`` GPUs share one NVLink domain (8 in an HGX H100); the bare InfiniBand row is a ring
+    whose nodes each have one port; for nodes with several ports use :func:`cross_node_link`. With ``fit`` (an all-reduce fit from :func:`fit_rows`, measured
     on ``fit.ranks`` ranks) a ``"measured"`` column: the ring formula with ``B`` = the fit's busbw
     asymptote and ``α`` = fitted latency / ``2(fit.ranks − 1)`` per step, scaled to ``n`` ranks.
 
@@ -360,15 +399,18 @@ def gradient_sync_rows(params=(1e9, 7e9, 13e9, 70e9), n: int = 8, bytes_per_grad
             (0, 1], a fit of another collective or without its rank count.
     """
     _check_ranks(n)
-    counts = _check_positive("params", params)
+    counts = np.atleast_1d(_check_positive("params", params))
+    if np.ndim(bytes_per_grad) != 0:
+        raise CollectiveInputError(f"bytes_per_grad must be one number, got {bytes_per_grad!r}. "
+                                   "Hint: 2 for bf16 gradients, 4 for fp32")
     _check_positive("bytes_per_grad", bytes_per_grad)
     if fit is not None and (fit.collective != "all_reduce" or fit.ranks is None):
         raise CollectiveInputError("fit must be an all-reduce fit that knows its rank count. "
                                    "Hint: fit_rows(rows, 'all_reduce') on a sweep's rows")
+    peak = _h100_peak() if peak_flops is None else float(_check_positive("peak_flops", peak_flops))
+    _check_fraction("mfu", mfu)
     if tokens_per_gpu is not None:
         _check_positive("tokens_per_gpu", tokens_per_gpu)
-        peak = _h100_peak() if peak_flops is None else float(_check_positive("peak_flops", peak_flops))
-        _check_fraction("mfu", mfu)
     names = [link.name for link in links] + (["measured"] if fit is not None else [])
     rows = []
     for p in counts:
@@ -479,10 +521,14 @@ def comm_fraction(sync_seconds, compute_seconds):
     ``sync / (compute + sync)`` (dimensionless, 0–1). Overlap (DDP's buckets) can only lower it.
 
     Raises:
-        CollectiveInputError: a time not > 0.
+        CollectiveInputError: a sync time < 0 or a compute time not > 0.
     """
-    c, k = _check_positive("sync_seconds", sync_seconds), _check_positive("compute_seconds", compute_seconds)
-    out = c / (k + c)
+    k = _check_positive("compute_seconds", compute_seconds)
+    c = np.asarray(sync_seconds, dtype=np.float64) if not isinstance(sync_seconds, (bool, str)) else None
+    if c is None or c.size == 0 or not np.all(np.isfinite(c)) or np.any(c < 0):
+        raise CollectiveInputError(f"sync_seconds must be finite times >= 0, got {sync_seconds!r}. "
+                                   "Hint: seconds of one all-reduce of the gradients")
+    out = 1.0 / (1.0 + k / c) if np.all(c > 0) else np.where(c > 0, c / (k + np.where(c > 0, c, 1.0)), 0.0)
     return float(out) if out.ndim == 0 else out
 
 
@@ -504,8 +550,16 @@ def accumulation_for_fraction(sync_seconds: float, micro_batch_seconds: float, t
     if isinstance(target, bool) or not isinstance(target, (int, float, np.floating)) or not 0 < target < 1:
         raise CollectiveInputError(f"target must be a fraction strictly between 0 and 1, got {target!r}. "
                                    "Hint: 0.1 asks that communication take at most 10% of the step")
-    k = sync * (1 - target) / (target * micro)
-    return max(1, math.ceil(k - 1e-9 * max(1.0, k)))  # an exact integer k stays k despite rounding
+    x = sync * (1 - target) / (target * micro)
+    if not math.isfinite(x):
+        raise CollectiveInputError(f"sync {sync!r} s over micro-batch {micro!r} s is out of range. "
+                                   "Hint: both in seconds, of the same order of magnitude as a real step")
+    k = max(1, math.ceil(x))
+    while k > 1 and sync / ((k - 1) * micro + sync) <= target:  # x rounded up past an exact integer
+        k -= 1
+    while sync / (k * micro + sync) > target:  # x rounded down below the true k
+        k += 1
+    return k
 
 
 # ---- the measurement -------------------------------------------------------------------------------

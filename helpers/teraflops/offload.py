@@ -25,8 +25,12 @@
 
 **Time** (:func:`offload_rows`): ``bytes / bandwidth`` against ``6Ψ · tokens / (peak × MFU)``
 (:func:`teraflops.collectives.train_flops`; 8Ψ with recompute). ZeRO-Offload overlaps the gradient copies
-with the backward pass and the CPU step with the next step (§5, one-step delayed update): the transfer
-hides while ``PCIe / compute <= 1``. Both grow with Ψ, so the ratio depends only on tokens per GPU, Nd
+with the backward pass and the CPU step with the next step (§5, one-step delayed update). The gradients go
+down during backward and the parameters come up after the CPU step, in different phases, so the time is
+the two directions summed, each at one direction's bandwidth (the host→device figure stands for both; a
+PCIe link is symmetric). ``PCIe / compute <= 1`` is necessary for the transfer to hide, not sufficient:
+the download must fit under backward alone (about 4/6 of the math), and without the delayed update the
+upload and CPU Adam sit on the critical path. Both grow with Ψ, so the ratio depends only on tokens per GPU, Nd
 and the two rates. Not modelled: CPU Adam time, GPU collectives, activations, gradient accumulation.
 
 Units: bytes (GB = 1e9), seconds, bytes/s per direction, FLOP/s.

@@ -118,7 +118,7 @@ PRESETS = {
                    straggler_steps=4, straggler_delays_ms=(0, 50), elastic_steps=8, elastic_checkpoint_every=3,
                    elastic_kill_step=5, decode_vocab=256, decode_d_model=64, decode_layers=2, decode_heads=2,
                    decode_max_seq_len=32, decode_prompt_len=4, decode_new_tokens=8, decode_batches=(1, 2, 4),
-                   collective_ranks_cpu=2, collective_max_bytes=256 * 1024, collective_iters=5,
+                   collective_ranks_cpu=2, collective_max_bytes=4 * MiB, collective_iters=5,
                    collective_min_iters=2, collective_warmup=1, remedy_micro_batches=16,
                    ladder_bytes=8 * MiB, contention_bytes=4 * MiB, contention_seconds=0.1),
     "cpu": Preset("cpu", "cpu", torch.float32, 1024, 128 * MiB, (16, 64, 256, 1024), 1 << 24,

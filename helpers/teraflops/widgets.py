@@ -124,7 +124,8 @@ def gradient_sync_widget(fit=None):
     (:func:`teraflops.collectives.ring_allreduce_seconds`, α = 0 on a datasheet link), the step's
     math time (6·params·tokens at MFU × the H100 SXM's 989.5 TFLOP/s), communication's share with no
     overlap, and the accumulation steps that bring it under 10%
-    (:func:`teraflops.collectives.accumulation_for_fraction`). With ``fit`` (an all-reduce
+    (:func:`teraflops.collectives.accumulation_for_fraction`). Fabrics: the published links and a node
+    with 8 InfiniBand NDR ports (:func:`teraflops.collectives.cross_node_link`). With ``fit`` (an all-reduce
     :class:`~teraflops.collectives.AlphaBeta` from this machine's sweep) "this machine (measured)" is
     a fabric too, its busbw and per-step latency scaled to the chosen GPU count.
 
@@ -133,20 +134,27 @@ def gradient_sync_widget(fit=None):
     import ipywidgets as W
     from IPython.display import display
 
-    from .collectives import PUBLISHED_LINKS, accumulation_for_fraction, gradient_sync_rows
+    from .collectives import PUBLISHED_LINKS, accumulation_for_fraction, cross_node_link, gradient_sync_rows
     from .tables import fmt_seconds
 
-    fabrics = [(l.name, l.name) for l in PUBLISHED_LINKS] + ([("this machine (measured)", "measured")] if fit else [])
+    links = PUBLISHED_LINKS + (cross_node_link(8),)
+    gradient_sync_rows((1e9,), 2, 2, links, fit)  # a fit of the wrong kind fails here, in one line
+    fabrics = [(l.name, l.name) for l in links] + ([("this machine (measured)", "measured")] if fit else [])
 
     def show(params, gpus, fabric, tokens_per_gpu, mfu):
-        row = gradient_sync_rows((params,), gpus, 2, PUBLISHED_LINKS, fit, tokens_per_gpu=tokens_per_gpu, mfu=mfu)[0]
+        row = gradient_sync_rows((params,), gpus, 2, links, fit, tokens_per_gpu=tokens_per_gpu, mfu=mfu)[0]
         sync, compute, frac = row[fabric], row["compute"], row[f"{fabric} fraction"]
         k = accumulation_for_fraction(sync, compute, 0.1)
         verdict = "communication-bound" if frac > 0.5 else "compute-bound"
-        print(f"{params / 1e9:.3g}B parameters ({2 * params / 1e9:.3g} GB of bf16 gradients) on {gpus} GPUs over {fabric}:\n"
+        size = f"{params / 1e12:.3g}T" if params >= 1e12 else f"{params / 1e9:.3g}B"
+        print(f"{size} parameters ({2 * params / 1e9:,.3g} GB of bf16 gradients) on {gpus} GPUs over {fabric}:\n"
               f"  all-reduce {fmt_seconds(sync)} per step, math {fmt_seconds(compute)} → {frac:.0%} of the step "
               f"in communication ({verdict}, no overlap)\n"
-              f"  accumulate {k} micro-steps of {tokens_per_gpu:,} tokens per sync to keep it under 10%")
+              f"  accumulate {k} micro-batch{'es' if k > 1 else ''} of {tokens_per_gpu:,} tokens per sync "
+              "to keep it under 10%")
+        if fabric == PUBLISHED_LINKS[0].name and gpus > 8:
+            print("  note: NVLink 4 connects the 8 GPUs of an HGX H100 node; a ring of more GPUs crosses nodes, "
+                  "and the fabric between them sets its speed")
         return row
 
     ui = W.interactive(
