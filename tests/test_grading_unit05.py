@@ -303,6 +303,7 @@ def _ring(s, n, b):
     (lambda s, n, b, a: _ring(s, n, b * 8) + 2 * (n - 1) * a, "no factor of 8"),
     (lambda s, n, b, a: _ring(s / 2**30, n, b / 1e9) + 2 * (n - 1) * a, "off by 7%"),
     (lambda s, n, b, a: _ring(s / 1e9, n, b / 2**30) + 2 * (n - 1) * a, "off by 7%"),
+    (lambda s, n, b, a: 2 * (n - 1) / n * s / (b * 1e9) + 2 * (n - 1) * a, "do not multiply it by 1e9"),
     (lambda s, n, b, a: 1e3 * predict_allreduce(s, n, b, a), "not milliseconds"),
     (lambda s, n, b, a: 1e6 * predict_allreduce(s, n, b, a), "not microseconds"),
     (lambda s, n, b, a: s / b + 2 * n * a, "T = 2\\(n-1\\)/n · size_bytes / bandwidth \\+ 2\\(n-1\\) · alpha"),

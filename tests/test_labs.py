@@ -98,3 +98,24 @@ def test_marker_spelling_variants_are_stripped():
 def test_near_miss_markers_are_errors_not_leaks(marker):
     with pytest.raises(CourseError, match="looks like a solution marker|without"):
         labs.strip_solution(f"def f():\n    {marker}\n    return 42\n    ### END SOLUTION\n")
+
+
+def test_an_unfinished_exercise_reads_as_one_line_in_any_cell():
+    """A cell that uses the learner's unfinished function (not only its check) fails in one line; other
+    NotImplementedErrors keep their traceback; the cell still fails, so graders see it."""
+    from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    nb = new_notebook(cells=[
+        new_code_cell(f"import teraflops\ndef busbw(a, c, n):\n    {labs.PLACEHOLDER}"),
+        new_code_cell("print(busbw(1.0, 'all_reduce', 4))"),
+        new_code_cell("raise NotImplementedError('a library feature')"),
+        new_code_cell("print('next cell runs')"),
+    ])
+    nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    NotebookClient(nb, allow_errors=True, kernel_name="python3", timeout=120).execute()
+    (mine,), (other,), (ok,) = (c.outputs for c in nb.cells[1:])
+    assert mine.output_type == "error" and mine.ename == "NotImplementedError"
+    assert len(mine.traceback) == 1 and "busbw() is not written yet. Hint:" in mine.traceback[0]
+    assert other.output_type == "error" and len(other.traceback) > 1  # IPython's usual traceback
+    assert ok.text == "next cell runs\n"

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import nbformat
 
-from .errors import CourseError
+from .errors import PLACEHOLDER_MESSAGE, CourseError
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-PLACEHOLDER_MESSAGE = "Exercise: replace this line with your code"
 PLACEHOLDER = f'raise NotImplementedError("{PLACEHOLDER_MESSAGE}")'
 SOLUTION_ONLY_TAG = "solution-only"
 # Like nbgrader, any comment line naming the marker counts, whatever its case or number of '#'.

@@ -310,6 +310,10 @@ _RING_MISTAKES = [
      f"{_UNITS}; mixing GB (1e9 bytes) and GiB (2**30 bytes) is off by 7%"),
     (lambda s, n, b, a: _ring_bw(s, n, b) * 1e9 / 2**30 + _ring_lat(n, a),
      f"{_UNITS}; mixing GB (1e9 bytes) and GiB (2**30 bytes) is off by 7%"),
+    (lambda s, n, b, a: _ring_bw(s, n, b) / 1e9 + _ring_lat(n, a),
+     f"{_UNITS}: bandwidth is already in bytes/s (450e9 for 450 GB/s), do not multiply it by 1e9"),
+    (lambda s, n, b, a: _ring_bw(s, n, b) * 1e9 + _ring_lat(n, a),
+     f"{_UNITS}: bandwidth is in bytes/s, not GB/s, and size_bytes in bytes: do not divide either by 1e9"),
     (lambda s, n, b, a: 1e3 * ring_allreduce_seconds(s, n, b, a), "return seconds, not milliseconds"),
     (lambda s, n, b, a: 1e6 * ring_allreduce_seconds(s, n, b, a), "return seconds, not microseconds"),
 ]
