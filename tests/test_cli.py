@@ -146,3 +146,27 @@ def test_python_dash_m_teraflops():
 
     p = subprocess.run([sys.executable, "-m", "teraflops", "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and "doctor" in p.stdout
+
+
+def test_checked_output_mismatches_compares_check_cells_as_nbval(tmp_path):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    from teraflops.errors import CourseError
+    from teraflops.runner import checked_output_mismatches
+
+    def nb(check_text, other_text, path):
+        cells = [new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(ok)"), new_code_cell("print(time)")]
+        cells[0].outputs = [new_output("stream", name="stdout", text=t) for t in check_text]
+        cells[1].outputs = [new_output("stream", name="stdout", text=other_text)]
+        nbformat.write(new_notebook(cells=cells), path)
+        return path
+
+    committed = nb(["ok: True\n"], "", tmp_path / "kept.ipynb")
+    assert checked_output_mismatches(nb(["ok: ", "True\n"], "1.3 s\n", tmp_path / "a.ipynb"), committed) == []
+    (line,) = checked_output_mismatches(nb(["ok: False\n"], "1.3 s\n", tmp_path / "b.ipynb"), committed)
+    assert line.startswith("cell 0:") and "False" in line
+    other = tmp_path / "c.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("print(1)")]), other)
+    with pytest.raises(CourseError, match="same cells"):
+        checked_output_mismatches(other, committed)

@@ -345,3 +345,49 @@ def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
     passed = sum(r.ok for r in results)
     lines.append(f"{passed}/{len(results)} notebooks ok; outputs in {', '.join(folders) or '-'}")
     return "\n".join(lines)
+
+
+CHECK_MARK = "# NBVAL_CHECK_OUTPUT"  # nbval's marker: the cell's outputs are compared with the committed ones
+
+
+def _output_texts(cell) -> list[tuple[str, str]]:
+    """A code cell's outputs as nbval compares them: streams by name, results and displays by their
+    plain text, errors by name and value."""
+    out = []
+    for o in cell.get("outputs", []):
+        if o.output_type == "stream":
+            out.append((o.name, o.text))
+        elif o.output_type in ("execute_result", "display_data"):
+            out.append((o.output_type, o.get("data", {}).get("text/plain", "")))
+        elif o.output_type == "error":
+            out.append(("error", f"{o.ename}: {o.evalue}"))
+    merged: list[tuple[str, str]] = []
+    for kind, text in out:  # consecutive chunks of one stream are one output, however they were flushed
+        if merged and kind in ("stdout", "stderr") and merged[-1][0] == kind:
+            merged[-1] = (kind, merged[-1][1] + text)
+        else:
+            merged.append((kind, text))
+    return merged
+
+
+def checked_output_mismatches(executed: Path | str, committed: Path | str) -> list[str]:
+    """The check cells (first line ``# NBVAL_CHECK_OUTPUT``) of ``executed`` whose outputs differ from
+    those committed in ``committed``: what ``pytest --nbval-lax`` would report, from a notebook that
+    ``teraflops run`` already executed (so CI runs each lecture once). One line per differing cell.
+
+    Raises:
+        CourseError: the two notebooks do not have the same cells (not the same notebook).
+    """
+    import nbformat
+
+    ran, kept = nbformat.read(executed, as_version=4), nbformat.read(committed, as_version=4)
+    if [c.source for c in ran.cells] != [c.source for c in kept.cells]:
+        raise CourseError(f"{executed} and {committed} do not hold the same cells. "
+                          "Hint: compare an executed notebook with the file it was executed from")
+    bad = []
+    for i, (a, b) in enumerate(zip(ran.cells, kept.cells)):
+        if a.cell_type == "code" and a.source.lstrip().startswith(CHECK_MARK):
+            got, want = _output_texts(a), _output_texts(b)
+            if got != want:
+                bad.append(f"cell {i}: expected {want!r}, got {got!r}")
+    return bad
