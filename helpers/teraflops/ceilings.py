@@ -83,6 +83,15 @@ def published_for(gpu_name: str | None) -> PublishedGPU | None:
     return None
 
 
+def published_peak(gpu_name: str | None = None) -> tuple[float, str]:
+    """``(FLOP/s, source)``: dense 16-bit tensor-core peak of ``gpu_name`` from
+    :data:`teraflops.ceilings.PUBLISHED`; the H100 SXM's (989.5 TFLOP/s bf16) when it is not listed."""
+    gpu = published_for(gpu_name)
+    why = "detected" if gpu else f"default, {gpu_name} not listed" if gpu_name else "default, no GPU here"
+    gpu = gpu or next(g for g in PUBLISHED if g.name == "H100 SXM")
+    return gpu.tensor_tflops * 1e12, f"published {gpu.name} dense 16-bit, {why}"
+
+
 @dataclass(frozen=True)
 class Ceilings:
     """Measured ceilings of one device.

@@ -361,10 +361,10 @@ def ring_allreduce_seconds(size_bytes, n: int, bandwidth: float, alpha: float = 
 
 
 def _h100_peak() -> float:
-    """Dense bf16 FLOP/s of an H100 SXM (989.5 TFLOP/s, :data:`teraflops.ceilings.PUBLISHED`)."""
-    from .ceilings import PUBLISHED
+    """Dense bf16 FLOP/s of an H100 SXM (989.5 TFLOP/s, :func:`teraflops.ceilings.published_peak`)."""
+    from .ceilings import published_peak
 
-    return next(g for g in PUBLISHED if g.name == "H100 SXM").tensor_tflops * 1e12
+    return published_peak()[0]
 
 
 def _check_fraction(name: str, x) -> float:

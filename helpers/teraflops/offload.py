@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 from .errors import CourseError
 from .machine import detect
+from .ceilings import published_peak
 from .model_states import _deepspeed_estimators, memory_capacities, model_states
 from .tables import GB, fmt, fmt_bytes, table
 
 OFFLOAD_MODES = ("none", "optimizer", "params")
-DEFAULT_GPU = "H100 SXM"  # whose published peak times the compute when no listed GPU is detected
 HOST_LINK = "PCIe Gen5 x16"  # the published link used when there is no GPU to measure
 
 
@@ -157,17 +157,6 @@ def host_link_bandwidth(nbytes: int | None = None) -> tuple[float, str]:
         n = preset().ladder_bytes if nbytes is None else nbytes
         return measure_host_device_copy(n, pinned=True), f"measured pinned H2D, {fmt_bytes(n)}"
     return next(l.bandwidth for l in PUBLISHED_LINKS if l.name == HOST_LINK), f"published {HOST_LINK}, no GPU here"
-
-
-def published_peak(gpu_name: str | None = None) -> tuple[float, str]:
-    """``(FLOP/s, source)``: dense 16-bit tensor-core peak of ``gpu_name`` from
-    :data:`teraflops.ceilings.PUBLISHED`; the H100 SXM's (989.5 TFLOP/s bf16) when it is not listed."""
-    from .ceilings import PUBLISHED, published_for
-
-    gpu = published_for(gpu_name)
-    why = "detected" if gpu else f"default, {gpu_name} not listed" if gpu_name else "default, no GPU here"
-    gpu = gpu or next(g for g in PUBLISHED if g.name == DEFAULT_GPU)
-    return gpu.tensor_tflops * 1e12, f"published {gpu.name} dense 16-bit, {why}"
 
 
 def offload_rows(params=(1e9, 7e9, 13e9, 70e9), nd: int = 8, tokens_per_gpu: int = 8192, mode: str = "optimizer",
