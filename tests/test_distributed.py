@@ -115,3 +115,21 @@ def test_results_and_progress_files(monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "0")
     report_progress(2, 4)
     assert (tmp_path / "progress.json").read_text() == '{"done": 2, "total": 4}'
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_kept(monkeypatch, tmp_path):
+    # torch's JIT loader waits forever on a lock file a killed rank left (file_baton.py): the launch clears it
+    from teraflops import distributed
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / distributed._SHM_OP / "lock"
+    lock.parent.mkdir()
+    assert not distributed.clear_stale_build_lock()  # no lock: nothing to do
+    lock.touch()
+    holder = psutil.Popen(["sleep", "30"], env={**os.environ, distributed.RESULTS_ENV: str(tmp_path)})
+    try:
+        assert not distributed.clear_stale_build_lock() and lock.exists()  # a rank of a live launch may hold it
+    finally:
+        holder.kill()
+        holder.wait()
+    assert distributed.clear_stale_build_lock() and not lock.exists()

@@ -2,12 +2,13 @@
 
 import shutil
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
-from teraflops import model_states, zero
-from teraflops.distributed import LaunchFailed, port_in_use
+from teraflops import distributed, model_states, zero
+from teraflops.distributed import LaunchFailed, port_in_use, shm_buffers
 from teraflops.sizing import PRESETS, data_parallel_plan
 
 
@@ -26,9 +27,26 @@ def test_comm_bytes_per_step_counts_the_paper_way():
         zero.comm_bytes_per_step({}, 2, 0)
 
 
+def deepspeed_shm_files():
+    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+
+
 @pytest.fixture(scope="module")
-def runs():
-    return zero.run_zero(stages=(0, 1, 2, 3), plan=data_parallel_plan(PRESETS["tiny"]), steps=3)
+def runs_and_leftovers():
+    """The four stages' runs and the DeepSpeed shared-memory files they left in /dev/shm."""
+    before = deepspeed_shm_files()
+    runs = zero.run_zero(stages=(0, 1, 2, 3), plan=data_parallel_plan(PRESETS["tiny"]), steps=3)
+    return runs, deepspeed_shm_files() - before
+
+
+@pytest.fixture(scope="module")
+def runs(runs_and_leftovers):
+    return runs_and_leftovers[0]
+
+
+def test_zero_runs_leave_no_shared_memory_files(runs_and_leftovers):
+    # DeepSpeed's CPU comm op never unlinks its ~67 MB per rank; left behind, they filled RAM run by run
+    assert not runs_and_leftovers[1]
 
 
 def test_zero_runs_hold_what_the_calculator_says(runs):
@@ -61,6 +79,10 @@ def test_a_rank_killed_mid_run_fails_cleanly_and_the_next_run_starts():
     assert "\n" not in message and "rank 1" in message
     assert not psutil.Process().children(recursive=True)
     assert not port_in_use(info.value.port)
+    assert not shm_buffers(info.value.port)
     shutil.rmtree(info.value.logs)  # kept for the learner on a failure; the test has read what it needs
+    lock = distributed._extensions_dir() / distributed._SHM_OP / "lock"
+    assert not lock.exists()
+    lock.touch()  # as a rank killed inside torch's JIT loader leaves it: the next run must not wait on it forever
     (again,) = zero.run_zero(stages=(0,), plan=plan, steps=2)
     assert again.held[0]["params"] == again.psi

@@ -7,7 +7,8 @@
 directory per launch, kept when it fails): ``rank{r}.json``, ``rank{r}.out``/``.err``, ``rank{r}.exit``,
 ``progress.json`` (rank 0's :func:`report_progress`) and ``launcher.log``. A crash, a killed or hung
 rank or a timeout raises :class:`LaunchFailed` (one line) once every process of the launch is gone
-and its port is free, also when the cell is interrupted.
+and its port is free (and, for DeepSpeed on CPU, its shared-memory files are removed), also when
+the cell is interrupted.
 
 Fault injection: ``TERAFLOPS_FAULT=KIND:rank=R:step=S`` makes rank R, at ``fault_point(S)``,
 SIGKILL itself (``kill``), sleep forever (``hang``) or raise RuntimeError (``raise``), in the first
@@ -16,6 +17,7 @@ attempt only, so that an elastic restart (torchrun ``--max-restarts``) recovers.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -38,6 +40,7 @@ from .errors import CourseError
 RESULTS_ENV, FAULT_ENV, FAULT_KINDS = "TERAFLOPS_RESULTS_DIR", "TERAFLOPS_FAULT", ("kill", "hang", "raise")
 _WRAPPER = Path(__file__).with_name("workers") / "_rank.py"
 _SHM_OP = "deepspeed_shm_comm"  # the C++ op DeepSpeed's CPU accelerator JIT-builds in init_distributed
+_SHM_PREFIX = "deepspeed_allreduce_buffer"  # its shared-memory files, in /dev/shm
 _NOISE = re.compile(r"warn|^\s|^\[?[WI]\d{4}|\[(INFO|WARNING)\]|^[*=-]+$", re.IGNORECASE)
 _VICTIMS = (-signal.SIGTERM, -signal.SIGINT)  # how launchers stop the other ranks after a failure
 
@@ -61,7 +64,15 @@ def cache_dir() -> Path:
 
 
 def _extensions_dir() -> Path:
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions")
+    """``$TORCH_EXTENSIONS_DIR``, else one folder per Python environment under :func:`cache_dir`.
+
+    torch's JIT build is keyed by its compile command, which names the environment's paths: two
+    virtual environments sharing a folder would rebuild the op in turn, inside a launch's ranks.
+    """
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    env = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+    return cache_dir() / "torch_extensions" / f"py{sys.version_info[0]}{sys.version_info[1]}-{env}"
 
 
 def free_port() -> int:
@@ -135,12 +146,32 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
             deadline = time.monotonic() + 10
             while port_in_use(port) and time.monotonic() < deadline:
                 time.sleep(0.1)
+            if launcher == "deepspeed":
+                remove_shm_buffers(port)
+                clear_stale_build_lock()
         finally:  # a second Ctrl-C cuts the wait for the port short, not the clean-up of the folder
             if not keep:
                 shutil.rmtree(results, ignore_errors=True)
     err = LaunchFailed(f"{desc or module}: {why} Logs: {results}")
     err.rank, err.logs, err.port = rank, results, port
     raise err
+
+
+def shm_buffers(port: int, addr: str = "127.0.0.1") -> list[Path]:
+    """The shared-memory files DeepSpeed's CPU comm op made for the launch on ``addr:port``.
+
+    On CPU, with every rank on one host, ``deepspeed.init_distributed`` has each rank create
+    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` (~67 MB, its all-reduce
+    workspace; ``csrc/cpu/comm/shm.cpp``) and never unlinks it: they hold RAM until removed.
+    """
+    shm = Path("/dev/shm")
+    return sorted(shm.glob(f"{_SHM_PREFIX}_{os.getuid()}_{addr}_{port}_*")) if shm.is_dir() else []
+
+
+def remove_shm_buffers(port: int, addr: str = "127.0.0.1") -> None:
+    """Unlink :func:`shm_buffers` of a finished launch (its ranks must be gone)."""
+    for path in shm_buffers(port, addr):
+        path.unlink(missing_ok=True)
 
 
 def _wait(proc, results: Path, timeout: float, desc: str, verbose: bool) -> int | None:
@@ -263,11 +294,38 @@ def _stop(proc, results: Path | None, grace: float = 3.0) -> None:
             break
 
 
+def clear_stale_build_lock() -> bool:
+    """Remove the build lock of DeepSpeed's CPU comm op when no live process can hold it; True if removed.
+
+    ``torch.utils.cpp_extension.load`` takes a lock file (``FileBaton``, ``<op folder>/lock``, made
+    with ``O_EXCL``) around every load, also when nothing needs building, and the others wait for
+    the file to go (``torch/utils/file_baton.py``). A rank killed while it holds the lock leaves the
+    file, and every later ``deepspeed.init_distributed`` on CPU then waits forever. A lock is stale
+    when no rank of a launch and no build (:func:`prepare_deepspeed_ops`) with our
+    ``TORCH_EXTENSIONS_DIR`` is alive.
+    """
+    import psutil
+
+    ext = _extensions_dir()
+    lock = ext / _SHM_OP / "lock"
+    if not lock.exists():
+        return False
+    for p in psutil.process_iter():
+        with suppress(psutil.Error):
+            env = p.environ() if p.pid != os.getpid() else {}
+            if env.get("TORCH_EXTENSIONS_DIR") == str(ext) and (
+                    RESULTS_ENV in env or any("ShareMemCommBuilder" in a for a in p.cmdline())):
+                return False  # a rank of a launch, or a build, that may hold it
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None:
     """Compile DeepSpeed's CPU comm op once, behind a progress bar; a fast no-op once done.
 
     On CPU every ``deepspeed.init_distributed`` loads ``deepspeed_shm_comm`` (C++, JIT-built on first
-    use into ``TORCH_EXTENSIONS_DIR``, ~1 min on 2 cores) and fails without it. Building it here, into
+    use into ``TORCH_EXTENSIONS_DIR``, ~1 min on 2 cores) and fails without it; a stale build lock
+    is removed first (:func:`clear_stale_build_lock`). Building it here, into
     :func:`cache_dir`, keeps the wait out of a launch's timeout. With CUDA there is no such op.
     ``cpu`` says whether the ranks run on CPU (default: when this process sees no GPU); ranks whose
     GPUs are hidden (``CUDA_VISIBLE_DEVICES=""``) need the op although this process sees one.
@@ -282,7 +340,10 @@ def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None
     ext, v = _extensions_dir(), importlib.metadata.version
     stamp = ext / _SHM_OP / f".built-deepspeed{v('deepspeed')}-torch{v('torch')}"
     cpu = detect().device != "cuda" if cpu is None else cpu
-    if not cpu or sys.platform != "linux" or stamp.exists():
+    if not cpu or sys.platform != "linux":
+        return
+    clear_stale_build_lock()  # a killed run's lock would make every rank wait forever
+    if stamp.exists():
         return
     ext.mkdir(parents=True, exist_ok=True)
     log_path, proc, start = ext / f"{_SHM_OP}.build.log", None, time.monotonic()
