@@ -9,6 +9,9 @@ Subcommands::
     teraflops bench attention [...]     Triton FlashAttention vs SDPA on this machine, as ratios
     teraflops labs build|check|refresh  generate labs/ from solutions/, check they agree, or
                                         (maintainers) re-execute notebooks keeping nbval-checked outputs
+    teraflops cluster up|down|status [--nodes K] [--rate MB/s]
+                                        emulated nodes on this machine (root, Linux): make them,
+                                        remove every leftover (also after a crash), or list them
 
 Exit codes: 0 success; 1 a notebook failed, a check failed or labs are out of sync;
 2 a usage or course error, printed as one line ``error: ...``.
@@ -59,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     labs = sub.add_parser("labs", help="build labs from solutions, or check they are in sync")
     labs.add_argument("action", choices=["build", "check", "refresh"])
+
+    cluster = sub.add_parser("cluster", help="emulated nodes on this machine: up, down (removes leftovers), status")
+    cluster.add_argument("action", choices=["up", "down", "status"])
+    cluster.add_argument("--nodes", type=int, default=2, help="nodes to make with 'up' (default: 2)")
+    cluster.add_argument("--rate", type=float, metavar="MB/s",
+                         help="each node's link rate in MB/s (1e6 bytes/s) for 'up' (default: unshaped)")
     return parser
 
 
@@ -140,7 +149,30 @@ def _cmd_labs(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"run": _cmd_run, "bench": _cmd_bench, "doctor": _cmd_doctor, "grade": _cmd_grade, "labs": _cmd_labs}
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from . import cluster as cl
+
+    if args.action == "down":
+        removed = cl.down()
+        print(f"removed {len(removed)} namespace(s)" + (": " + ", ".join(removed) if removed else "; nothing was left"))
+        return 0
+    if args.action == "status":
+        names = cl.namespaces()
+        print("\n".join(f"{ns}  processes: {len(cl.pids(ns))}" for ns in names) or "no emulated nodes")
+        return 0
+    reason = cl.unavailable()
+    if reason:
+        raise cl.ClusterError(reason + ".")
+    link = cl.Link(rate=None if args.rate is None else args.rate * 1e6)
+    made = cl.Cluster(args.nodes, link, name="cli").up()
+    print(made.describe())
+    print(f"run a command on node i with: ip netns exec {made.node_name(0)[:-1]}<i> <command>; "
+          "remove with: teraflops cluster down")
+    return 0
+
+
+_COMMANDS = {"run": _cmd_run, "bench": _cmd_bench, "doctor": _cmd_doctor, "grade": _cmd_grade, "labs": _cmd_labs,
+             "cluster": _cmd_cluster}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -585,8 +585,12 @@ def default_sizes(p=None, ranks: int | None = None) -> list[int]:
 
 def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: int | None = None, *,
           warmup: int | None = None, min_iters: int | None = None, volume_bytes: int | None = None,
-          timeout: float = 300, verbose: bool = False) -> list[dict]:
+          timeout: float = 300, verbose: bool = False, cluster=None) -> list[dict]:
     """Measure ``collectives`` over message ``sizes`` on real ranks, in one launch; rows for :func:`bandwidth_table`.
+
+    With ``cluster`` (an emulated :class:`~teraflops.cluster.Cluster` that is up) the ranks are gloo
+    CPU ranks spread evenly over its nodes (default one per node), so the collective crosses the
+    shaped links.
 
     Ranks: one per GPU with NCCL when there are at least 2 GPUs (``ranks``, if given, at most that
     many: asking for more raises), else ``ranks`` (default the preset's ``collective_ranks_cpu``) CPU ranks with gloo and one
@@ -625,10 +629,12 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
     if ranks is not None:
         _check_ranks(ranks)
     p, gpus = preset(), detect().gpu_count
-    if gpus >= 2 and ranks is not None and ranks > gpus:
+    if cluster is not None and ranks is None:
+        ranks = cluster.nodes
+    if cluster is None and gpus >= 2 and ranks is not None and ranks > gpus:
         raise CollectiveInputError(f"ranks={ranks} but this machine has {gpus} GPUs (one NCCL rank per GPU). "
                                    f"Hint: ranks <= {gpus}, or ranks=None for one rank per GPU")
-    on_gpus = gpus >= 2
+    on_gpus = gpus >= 2 and cluster is None
     cpu = p if p.device == "cpu" else PRESETS["cpu"]
     hide = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}  # gloo ranks: one GPU cannot host several NCCL ranks
     if on_gpus:
@@ -655,8 +661,8 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
             "--iters", knobs["iters"], "--min-iters", min(knobs["min_iters"], knobs["iters"]),
             "--warmup", knobs["warmup"], "--volume-bytes", knobs["volume_bytes"]]
     start = time.perf_counter()
-    results = launch(WORKER, n, args, timeout=timeout, env=env, verbose=verbose,
-                     desc=f"{', '.join(collectives)} on {n} ranks")
+    results = launch(WORKER, n if cluster is None else cluster.per_node(n), args, timeout=timeout, env=env,
+                     verbose=verbose, cluster=cluster, desc=f"{', '.join(collectives)} on {n} ranks")
     wall = time.perf_counter() - start
     r0 = results[0]
     if r0.get("skipped"):

@@ -96,9 +96,10 @@ class DataParallelRun(RankLaunch):
 
 
 def launch_timed(worker: str, plan: DataParallelPlan, args: list[str], *, timeout: float,
-                 desc: str) -> tuple[list[dict], dict]:
+                 desc: str, cluster=None) -> tuple[list[dict], dict]:
     """Launch ``worker`` on ``plan.ranks`` ranks (:func:`~teraflops.distributed.launch`, with ``plan.env``)
-    and time the launch.
+    and time the launch; with ``cluster`` (an emulated :class:`~teraflops.cluster.Cluster`), the ranks
+    are spread over its nodes.
 
     Returns:
         The ranks' results (one dict per rank, rank 0 first) and the keyword arguments of
@@ -109,7 +110,8 @@ def launch_timed(worker: str, plan: DataParallelPlan, args: list[str], *, timeou
         LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
     """
     before, start = os.getloadavg()[0], time.perf_counter()
-    results = launch(worker, plan.ranks, args, timeout=timeout, env=plan.env, desc=desc)
+    nproc = plan.ranks if cluster is None else cluster.per_node(plan.ranks)
+    results = launch(worker, nproc, args, timeout=timeout, env=plan.env, desc=desc, cluster=cluster)
     r0 = results[0]
     return results, {"params": r0["params"], "ranks": r0["world_size"], "backend": r0["backend"],
                      "config": r0["config"], "load_avg": (before, os.getloadavg()[0]),

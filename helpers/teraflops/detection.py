@@ -27,6 +27,15 @@ as long as its average lateness clears the MAD floor (about 26 % of the median b
 It also applies the statistic to each sliding window of ``window`` steps, as a live monitor would,
 to show *when* a rank stood out; its false-alarm rate (:func:`false_alarm_rate`) is the fraction
 of (window, rank) pairs flagged among ranks nobody slowed, measured on an uninjected run.
+
+:func:`attribute` says what kind of straggler slowed a run, against a healthy run of the same job.
+A slow-compute straggler works longer before the all-reduce: its *busy* time stands out, and the
+statistic above flags it. A slow link (a degraded NIC or cable on one node) leaves every rank's
+busy time alone: a ring all-reduce moves at the pace of its slowest link, and every rank sits in
+it until the end, so all of them wait longer inside the collective, together. What grows is the
+all-reduce's *transfer*, read per step as the smallest wait over ranks (the last rank to arrive
+waits for nobody, so its time in the all-reduce is the transfer; see :mod:`teraflops.stragglers`).
+Which node's link it is, the job cannot say: :mod:`teraflops.link_probe` tests the nodes in pairs.
 """
 
 from __future__ import annotations
@@ -35,11 +44,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import CourseError
 from .tables import table
 
 Z_SCALE = 0.6745  # standard normal 0.75 quantile: MAD / 0.6745 estimates sigma (Iglewicz & Hoaglin 1993)
 THRESHOLD = 3.5  # Iglewicz & Hoaglin's recommended cut-off for the modified z-score
 REL_FLOOR = 0.05  # MAD is at least this fraction of the median
+# attribute(): a run whose median transfer per step is over TRANSFER_RATIO x its healthy run's is
+# communication-bound. Measured on the 2-core CPU machine (3 emulated nodes at 50 MB/s, tiny GPT,
+# 0.47 MB of gradients, gloo): healthy runs of separate launches 18.8-35 ms per step (ratios up to
+# 1.86 between them), node 1's link at 5 MB/s 123-131 ms (3.6-6.8x the healthy run).
+TRANSFER_RATIO = 2.5
 
 
 def _as_matrix(busy_s, name: str = "busy_s") -> np.ndarray:
@@ -151,3 +166,102 @@ def detection_table(rows: list[dict]) -> str:
                    "-" if r["injected_windows"] is None else f"{r['injected_windows']:.0%}",
                    f"{r['false_alarm_rate']:.1%}") for r in rows],
                  ["run", "slowed rank", "flagged", "windows flagged (slowed)", "false alarms"])
+
+
+class TimingError(CourseError, ValueError):
+    """Per-rank timings that :func:`attribute` cannot use; one line with a hint."""
+
+
+@dataclass(frozen=True, eq=False)
+class Attribution:
+    """What :func:`attribute` concluded about a run, against a healthy baseline.
+
+    Attributes:
+        verdict: ``"compute"`` (a rank's busy time stands out), ``"communication"`` (no rank
+            does, and the all-reduce's transfer grew over :data:`TRANSFER_RATIO`×), or ``"none"``.
+        compute_flagged: ranks the detector flags on busy time (:func:`flag_stragglers`).
+        busy_z: float64 ``[ranks]``, their modified z-scores (mean busy time over the steps).
+        transfer_ratio: median per-step transfer (s) of the run over the baseline's (dimensionless).
+        transfer_s, baseline_transfer_s: those two medians, in seconds.
+        reason: one line that says why.
+    """
+
+    verdict: str
+    compute_flagged: tuple[int, ...]
+    busy_z: np.ndarray
+    transfer_ratio: float
+    transfer_s: float
+    baseline_transfer_s: float
+    reason: str
+
+
+def _timings(tl, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(busy, wait)`` ``[steps, ranks]`` seconds of a Timeline-like ``tl``, checked."""
+    if not (hasattr(tl, "busy") and hasattr(tl, "wait")):
+        raise TimingError(f"{name} must be one setting's Timeline (with .busy and .wait), got {type(tl).__name__}. "
+                          "Hint: pass run.sweep[i] or run.kinds[i], not the StragglerRun.")
+    busy, wait = _as_matrix(tl.busy, f"{name}.busy"), _as_matrix(tl.wait, f"{name}.wait")
+    if busy.shape != wait.shape:
+        raise TimingError(f"{name}.busy and {name}.wait differ in shape: {busy.shape} vs {wait.shape}. "
+                          "Hint: both are [steps, ranks] of the same Timeline.")
+    return busy, wait
+
+
+def transfer_s(wait_s) -> np.ndarray:
+    """Per step, the all-reduce's transfer (s, float64 ``[steps]``): the smallest wait over ranks.
+
+    ``wait_s`` is ``[steps, ranks]`` seconds inside the collective; the last rank to arrive waits
+    for nobody, so its wait is the transfer alone (:func:`teraflops.stragglers.baseline_means`).
+    """
+    return _as_matrix(wait_s, "wait_s").min(axis=1)
+
+
+def attribute(timeline, baseline, threshold: float = THRESHOLD, ratio: float = TRANSFER_RATIO) -> Attribution:
+    """Tell a slow-compute straggler from a slow-link one, from per-rank timings.
+
+    Rule: ``"compute"`` if :func:`flag_stragglers` flags any rank on ``timeline.busy`` (modified
+    z-score of each rank's mean busy time above ``threshold``; Iglewicz & Hoaglin, 1993); else
+    ``"communication"`` if the median per-step transfer (:func:`transfer_s`) of ``timeline`` is over
+    ``ratio`` × that of ``baseline``; else ``"none"``. The default, :data:`TRANSFER_RATIO` = 2.5, sits
+    above the spread of healthy runs measured here (up to 1.86× between two launches on a loaded
+    2-core machine) and below what a 10×-slower link on one of 3 nodes gives (3.6-6.8×: the
+    transfer was 123-131 ms, as a ring all-reduce of 0.47 MB predicts, ``2 (n - 1) / n`` × 0.47 MB
+    at 5 MB/s = 126 ms, against a healthy 19-35 ms, of which only 12.6 ms is bandwidth). So it
+    catches a link slow enough to make the all-reduce 2.5× slower, not a slightly degraded one. A run with
+    both a slow rank and a slow link reads ``"compute"``: fix that first, then compare again.
+
+    Args:
+        timeline: the run to explain, a :class:`teraflops.stragglers.Timeline` (or any object with
+            ``busy`` and ``wait``, float ``[steps, ranks]`` seconds, at least 3 ranks).
+        baseline: the same job with nothing slowed (e.g. the sweep's 0 ms setting on healthy links),
+            the same number of ranks.
+        threshold: the detector's cut-off. ratio: the transfer growth that counts as communication.
+
+    Raises:
+        TimingError: not Timelines, shapes that differ in ranks, fewer than 3 ranks, bad times,
+            or a baseline whose transfer is 0.
+    """
+    busy, wait = _timings(timeline, "timeline")
+    _, base_wait = _timings(baseline, "baseline")
+    if base_wait.shape[1] != wait.shape[1]:
+        raise TimingError(f"timeline has {wait.shape[1]} ranks but baseline has {base_wait.shape[1]}. "
+                          "Hint: the baseline is the same job (same ranks) with nothing slowed.")
+    t, t0 = float(np.median(transfer_s(wait))), float(np.median(transfer_s(base_wait)))
+    if t0 <= 0:
+        raise TimingError("baseline's transfer (smallest wait per step) is 0 s, so no ratio can be taken. "
+                          "Hint: pass a baseline whose wait holds the time inside the all-reduce.")
+    d = detect(busy, threshold=threshold)
+    r = t / t0
+    if d.flagged:
+        verdict = "compute"
+        reason = (f"rank(s) {', '.join(map(str, d.flagged))} busy for longer than the others "
+                  f"(modified z {max(d.run_z[list(d.flagged)]):.1f} > {threshold:g})")
+    elif r > ratio:
+        verdict = "communication"
+        reason = (f"no rank stands out on busy time (max modified z {d.run_z.max():.1f}), but the all-reduce's "
+                  f"transfer grew {r:.1f}x ({t * 1e3:.3g} ms vs {t0 * 1e3:.3g} ms per step)")
+    else:
+        verdict = "none"
+        reason = (f"no rank stands out on busy time (max modified z {d.run_z.max():.1f}) and the transfer is "
+                  f"{r:.2f}x the baseline's (<= {ratio:g}x)")
+    return Attribution(verdict, d.flagged, d.run_z, r, t, t0, reason)

@@ -96,13 +96,23 @@ def port_in_use(port: int) -> bool:
 
 def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str = "torchrun",
            timeout: float = 120, env: dict | None = None, launcher_args: Sequence[str] = (),
-           desc: str | None = None, verbose: bool = False, port: int | None = None) -> list[dict]:
+           desc: str | None = None, verbose: bool = False, port: int | None = None,
+           cluster=None, deepspeed: bool = False) -> list[dict]:
     """Run ``python -m module *args`` on ``nproc`` local ranks; return their results, by rank.
 
     ``launcher`` is ``"torchrun"`` or ``"deepspeed"``; ``launcher_args`` go to it (torchrun ``--rdzv-*``
     options get ``--rdzv-endpoint 127.0.0.1:port`` unless they name one). ``timeout`` (s) covers the
     whole launch. Ranks get ``OMP_NUM_THREADS = cores // nproc``, ``TORCH_EXTENSIONS_DIR`` under
     :func:`cache_dir` unless set, then ``env``. ``verbose`` prints their output as it comes.
+
+    ``cluster`` (a :class:`teraflops.cluster.Cluster` that is up) runs it multi-node, as on a real
+    cluster: one torchrun agent per emulated node (``--nnodes K --nproc-per-node nproc``, c10d
+    rendezvous on node 0's address), ``K·nproc`` ranks in all, talking over the nodes' shaped links
+    (gloo and NCCL bound to the node's ``eth0``; ``NCCL_HOSTID`` per node so NCCL does not take a
+    same-host shortcut). Each result then carries ``"node"``, the node its rank ran on. Torchrun only.
+
+    ``deepspeed=True`` says torchrun's ranks call ``deepspeed.init_distributed`` (the DeepSpeed
+    launcher implies it): its CPU op is built first (:func:`prepare_deepspeed_ops`).
 
     Raises:
         LaunchFailed: a rank failed or wrote no result, or ``timeout`` passed.
@@ -111,43 +121,63 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
 
     if launcher not in ("torchrun", "deepspeed"):
         raise ValueError(f"launcher must be 'torchrun' or 'deepspeed', got {launcher!r}")
+    if cluster is not None and (launcher != "torchrun" or not getattr(cluster, "up_", False)):
+        raise CourseError("a multi-node launch needs launcher='torchrun' and a cluster that is up. "
+                          "Hint: with Cluster(2) as cl: launch(..., cluster=cl); DeepSpeed initialises inside torchrun ranks.")
     fault = parse_fault({**os.environ, **(env or {})}.get(FAULT_ENV))  # a malformed spec fails here, not in a rank
-    if fault is not None and fault.rank >= nproc:
-        raise ValueError(f"{FAULT_ENV} names rank {fault.rank}, but the launch has ranks 0-{nproc - 1}")
-    if launcher == "deepspeed":  # before anything that needs cleaning up
+    if launcher == "deepspeed" or deepspeed:  # before anything that needs cleaning up
         prepare_deepspeed_ops(cpu=True if (env or {}).get("CUDA_VISIBLE_DEVICES") == "" else None)
+    nodes = 1 if cluster is None else cluster.nodes
+    world = nproc * nodes
+    if fault is not None and fault.rank >= world:
+        raise ValueError(f"{FAULT_ENV} names rank {fault.rank}, but the launch has ranks 0-{world - 1}")
     port, results = port or free_port(), Path(tempfile.mkdtemp(prefix="teraflops-launch-"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     if launcher == "deepspeed":
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(port), "--no_local_rank"]
+    elif cluster is not None:
+        cmd += ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.address(0)}:{port}",
+                "--rdzv-id", results.name]
     elif any(a.startswith("--rdzv") for a in launcher_args):
         cmd += [] if any("endpoint" in a for a in launcher_args) else ["--rdzv-endpoint", f"127.0.0.1:{port}"]
     else:
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     cmd += [*launcher_args, str(_WRAPPER), module, *map(str, args)]
     child_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(_extensions_dir()), RESULTS_ENV: str(results),
-                 "OMP_NUM_THREADS": str(max(1, detect().cpu_cores // nproc)), "PYTHONUNBUFFERED": "1",
+                 "OMP_NUM_THREADS": str(max(1, detect().cpu_cores // world)), "PYTHONUNBUFFERED": "1",
                  "PYTHONFAULTHANDLER": "1", **{k: str(v) for k, v in (env or {}).items()}}
-    proc, keep = None, False  # the results directory is kept for a LaunchFailed, which names it
+    procs, keep = [], False  # the results directory is kept for a LaunchFailed, which names it
     try:
-        with open(results / "launcher.log", "wb") as log:
-            proc = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        code = _wait(proc, results, timeout, desc or module.rsplit(".", 1)[-1], verbose)
-        out = [_read_json(results / f"rank{r}.json") for r in range(nproc)]
+        for node in range(nodes):
+            node_env = child_env if cluster is None else {**child_env, **_node_env(cluster, node)}
+            prefix = [] if cluster is None else cluster.prefix(node)
+            # torch finds the rendezvous host and a node's address by hostname, which a namespace shares
+            # with the machine: say both
+            host = [] if cluster is None else ["--rdzv-conf", f"is_host={int(node == 0)}",
+                                               "--local-addr", cluster.address(node)]
+            name = "launcher.log" if node == 0 else f"launcher{node}.log"
+            with open(results / name, "wb") as log:
+                procs.append(subprocess.Popen(prefix + cmd[:3] + host + cmd[3:], env=node_env, stdin=subprocess.DEVNULL, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        code = _wait(procs, results, timeout, desc or module.rsplit(".", 1)[-1], verbose)
+        out = [_read_json(results / f"rank{r}.json") for r in range(world)]
         if code == 0 and None not in out:
+            if cluster is not None:
+                for r, result in enumerate(out):
+                    result["node"] = (_read_json(results / f"rank{r}.exit") or {}).get("node")
             return out
         keep = True
-        rank, why = _diagnose(results, nproc, code, timeout, launcher, child_env.get(FAULT_ENV))
+        rank, why = _diagnose(results, world, code, timeout, launcher, child_env.get(FAULT_ENV))
     finally:  # also on KeyboardInterrupt: nothing of this launch may outlive the call
         try:
-            _stop_uninterrupted(proc, results)
+            _stop_uninterrupted(procs, results)
             deadline = time.monotonic() + 10
-            while port_in_use(port) and time.monotonic() < deadline:
+            while cluster is None and port_in_use(port) and time.monotonic() < deadline:
                 time.sleep(0.1)
             if launcher == "deepspeed":
                 remove_shm_buffers(port)
+            if launcher == "deepspeed" or deepspeed:
                 clear_stale_build_lock()
         finally:  # a second Ctrl-C cuts the wait for the port short, not the clean-up of the folder
             if not keep:
@@ -174,14 +204,29 @@ def remove_shm_buffers(port: int, addr: str = "127.0.0.1") -> None:
         path.unlink(missing_ok=True)
 
 
-def _wait(proc, results: Path, timeout: float, desc: str, verbose: bool) -> int | None:
-    """Wait for the launcher behind a progress bar: its exit code, or None after ``timeout`` s."""
+def _node_env(cluster, node: int) -> dict:
+    """What a rank on emulated node ``node`` needs: its node, and gloo and NCCL on the node's link."""
+    from .cluster import IFNAME
+
+    return {"TERAFLOPS_NODE": str(node), "GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME,
+            "NCCL_HOSTID": cluster.node_name(node), "NCCL_IB_DISABLE": "1"}
+
+
+def _launchers_code(procs) -> int | None:
+    """The launchers' exit code: the first non-zero one as soon as any fails, 0 when all are done."""
+    codes = [p.poll() for p in procs]
+    failed = [c for c in codes if c not in (None, 0)]
+    return failed[0] if failed else (0 if None not in codes else None)
+
+
+def _wait(procs, results: Path, timeout: float, desc: str, verbose: bool) -> int | None:
+    """Wait for the launchers behind a progress bar: their exit code, or None after ``timeout`` s."""
     from tqdm.auto import tqdm
 
     start, offsets, shown = time.monotonic(), {}, None
     with tqdm(desc=desc, unit="step") as bar:
         while True:
-            code, progress = proc.poll(), _read_json(results / "progress.json")
+            code, progress = _launchers_code(procs), _read_json(results / "progress.json")
             if progress:
                 bar.total, bar.n = progress["total"], progress["done"]
             if shown != (bar.n, int(time.monotonic() - start)):  # redraw on progress and every second
@@ -219,7 +264,8 @@ def _diagnose(results: Path, nproc: int, code: int | None, timeout: float, launc
         rank, what = missing[0], f"rank {missing[0]} exited without a result (did it call write_result?)"
     else:
         rank, what = None, f"the {launcher} launcher exited with code {code}"
-    line = _last_line(results / (f"rank{rank}.err" if rank is not None else "launcher.log"))
+    logs = [f"rank{rank}.err"] if rank is not None else sorted(p.name for p in results.glob("launcher*.log"))
+    line = next((found for found in map(_last_line, (results / name for name in logs)) if found), "")
     others = [r for r, e in enumerate(exits) if r != rank and (e is None or e["returncode"] in _VICTIMS)]
     if rc == -signal.SIGKILL:
         hint = "SIGKILL usually comes from the out-of-memory killer (see `dmesg`)"
@@ -245,16 +291,17 @@ def _last_line(path: Path) -> str:
     return found.strip()[:300]
 
 
-def _stop_uninterrupted(proc, results: Path | None) -> None:
-    """:func:`_stop`, finished even if more interrupts arrive (an impatient second Ctrl-C must not
-    leave the ranks running); a KeyboardInterrupt that came meanwhile is raised afterwards."""
+def _stop_uninterrupted(procs, results: Path | None) -> None:
+    """:func:`_stop` for each launcher, finished even if more interrupts arrive (an impatient second
+    Ctrl-C must not leave the ranks running); a KeyboardInterrupt that came meanwhile is raised afterwards."""
     interrupted = False
-    if proc is not None:
+    for proc in procs:
         with suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)  # first, before anything slow
     while True:
         try:
-            _stop(proc, results)
+            for proc in procs:
+                _stop(proc, results)
             break
         except KeyboardInterrupt:
             interrupted = True
@@ -407,7 +454,10 @@ def init_worker(timeout_s: float = 30, *, deepspeed: bool = False) -> Worker:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, m.cpu_cores // local_world))
+        threads = m.cpu_cores // local_world
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # launch's cores // all ranks: emulated nodes share the cores
+            threads = min(threads, int(os.environ["OMP_NUM_THREADS"]))
+        torch.set_num_threads(max(1, threads))
     if not dist.is_initialized():
         if deepspeed:
             import deepspeed as ds

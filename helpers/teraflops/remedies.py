@@ -132,7 +132,7 @@ def worker_args(plan: DataParallelPlan, settings=SETTINGS, *, micro_batches: int
 
 def run(settings=SETTINGS, *, micro_batches: int | None = None, accum: int | None = None,
         powersgd_rank: int | None = None, powersgd_start: int | None = None, plan: DataParallelPlan | None = None,
-        timeout: float = 300) -> RemediesRun:
+        timeout: float = 300, cluster=None) -> RemediesRun:
     """Train every setting in one launch and measure it.
 
     Args:
@@ -146,6 +146,7 @@ def run(settings=SETTINGS, *, micro_batches: int | None = None, accum: int | Non
         plan: ranks and sizes (default :func:`~teraflops.sizing.data_parallel_plan` with the
             preset's ``remedy_ranks_cpu`` CPU ranks).
         timeout: seconds for the whole launch.
+        cluster: an emulated :class:`~teraflops.cluster.Cluster` (up) to spread the ranks over its nodes.
 
     Raises:
         RemediesError: bad settings (see :func:`worker_args`), before anything is launched.
@@ -156,7 +157,8 @@ def run(settings=SETTINGS, *, micro_batches: int | None = None, accum: int | Non
         plan = data_parallel_plan(base.preset, ranks_cpu=base.preset.remedy_ranks_cpu)
     args = worker_args(plan, settings, micro_batches=micro_batches, accum=accum, powersgd_rank=powersgd_rank,
                        powersgd_start=powersgd_start)
-    results, launched = launch_timed(WORKER, plan, args, timeout=timeout, desc="remedies: " + ", ".join(settings))
+    results, launched = launch_timed(WORKER, plan, args, timeout=timeout, desc="remedies: " + ", ".join(settings),
+                                     cluster=cluster)
     return RemediesRun(remedy_rows(results), **launched)
 
 

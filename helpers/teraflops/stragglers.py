@@ -308,7 +308,7 @@ def worker_args(plan: DataParallelPlan, *, delays_ms=None, steps=None, experimen
 
 
 def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None = None, experiments=EXPERIMENTS,
-        *, local_ks=(LOCAL_K,), timeout: float = 300) -> StragglerRun:
+        *, local_ks=(LOCAL_K,), timeout: float = 300, cluster=None) -> StragglerRun:
     """Run the chosen experiments in one launch (each launch costs ~10 s of start-up on CPU).
 
     Args:
@@ -320,6 +320,7 @@ def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None 
         experiments: any of ``"sweep"``, ``"kinds"``, ``"rebalance"``, ``"localsgd"``.
         local_ks: the k values of local SGD (steps between parameter averages).
         timeout: seconds for the whole launch.
+        cluster: an emulated :class:`~teraflops.cluster.Cluster` (up) to spread the ranks over its nodes.
 
     Raises:
         ValueError: an unknown experiment, a negative delay, steps or k below 1.
@@ -336,9 +337,10 @@ def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None 
         p = preset()
         plan = data_parallel_plan(p, ranks_cpu=p.straggler_ranks_cpu)
     before, start = os.getloadavg()[0], time.perf_counter()
-    results = launch(WORKER, plan.ranks, worker_args(plan, delays_ms=delays_ms, steps=steps, experiments=experiments,
-                                                     local_ks=local_ks),
-                     timeout=timeout, env=plan.env, desc="stragglers: " + ", ".join(experiments))
+    nproc = plan.ranks if cluster is None else cluster.per_node(plan.ranks)
+    results = launch(WORKER, nproc, worker_args(plan, delays_ms=delays_ms, steps=steps, experiments=experiments,
+                                                local_ks=local_ks),
+                     timeout=timeout, env=plan.env, desc="stragglers: " + ", ".join(experiments), cluster=cluster)
     r0, tl = results[0], {key: timelines(results, key) for key in EXPERIMENTS}
     return StragglerRun(tl["sweep"], tl["kinds"], rebalance_rows(tl["rebalance"], r0.get("calibration_speeds")),
                         local_sgd_rows(tl["localsgd"], r0["params"]), r0["world_size"], r0["backend"], r0["params"],

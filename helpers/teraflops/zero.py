@@ -106,11 +106,13 @@ class StageRun:
 
 
 def run_zero(stages=(0, 1, 2, 3), plan=None, steps: int | None = None, timeout: float = 600,
-             env: dict | None = None) -> list[StageRun]:
+             env: dict | None = None, cluster=None) -> list[StageRun]:
     """Train the preset's GPT under DeepSpeed at each of ``stages`` (one launch, stages in turn).
 
     ``plan`` is a :class:`~teraflops.sizing.DataParallelPlan` (default: this machine's); ``env``
-    goes to the ranks (e.g. ``TERAFLOPS_FAULT``). Raises
+    goes to the ranks (e.g. ``TERAFLOPS_FAULT``). With ``cluster`` (an emulated
+    :class:`~teraflops.cluster.Cluster` that is up) the ``plan.ranks`` ranks are spread over its nodes
+    and started by torchrun, one agent per node, DeepSpeed initialising inside them. Raises
     :class:`~teraflops.distributed.LaunchFailed` (one line) if a rank fails, hangs or the launch
     passes ``timeout`` seconds; no process or port is left behind.
     """
@@ -124,7 +126,9 @@ def run_zero(stages=(0, 1, 2, 3), plan=None, steps: int | None = None, timeout: 
     args = ["--stages", ",".join(map(str, stages)), "--steps", steps or p.zero_steps,
             "--micro-batch", p.dp_micro_batch, "--vocab", p.gpt_vocab, "--d-model", p.gpt_d_model,
             "--layers", p.gpt_layers, "--heads", p.gpt_heads, "--seq-len", p.gpt_seq_len]
-    ranks = launch("teraflops.workers.zero_train", plan.ranks, args, launcher="deepspeed", timeout=timeout,
+    spread = {} if cluster is None else {"cluster": cluster, "launcher": "torchrun", "deepspeed": True}
+    ranks = launch("teraflops.workers.zero_train", plan.ranks if cluster is None else cluster.per_node(plan.ranks),
+                   args, **{"launcher": "deepspeed", **spread}, timeout=timeout,
                    env={**plan.env, **(env or {})}, desc="ZeRO stages " + ",".join(map(str, stages)))
     def as_logged(comms):  # JSON made the message sizes strings; DeepSpeed keys them by int
         return {op: {int(size): entry for size, entry in sizes.items()} for op, sizes in comms.items()}

@@ -2,7 +2,8 @@
 
 Runs ``python -m MODULE ARGS`` with its stdout and stderr appended to ``rank{RANK}.out`` and
 ``rank{RANK}.err`` in ``$TERAFLOPS_RESULTS_DIR``, then records how it ended in ``rank{RANK}.exit``
-(JSON: ``returncode``, negative for a signal as in :mod:`subprocess`, and ``time``, Unix seconds),
+(JSON: ``returncode``, negative for a signal as in :mod:`subprocess`, ``time``, Unix seconds, and
+``node``, the emulated node it ran on, 0 outside one),
 so the notebook can name the rank that failed first, even one killed by SIGKILL. SIGTERM and
 SIGINT are passed on to the rank; the wrapper then ends the way the rank did.
 
@@ -26,7 +27,8 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, lambda s, _frame: child.send_signal(s))
     code = child.wait()
     with open(base + ".exit.tmp", "w") as f:
-        json.dump({"rank": int(rank), "returncode": code, "time": time.time()}, f)
+        json.dump({"rank": int(rank), "returncode": code, "time": time.time(),
+                   "node": int(os.environ.get("TERAFLOPS_NODE", "0"))}, f)
     os.replace(base + ".exit.tmp", base + ".exit")
     if code < 0:  # die of the same signal, so the launcher reports what happened to the rank
         if -code not in (signal.SIGKILL, signal.SIGSTOP):  # the two signals without a handler
