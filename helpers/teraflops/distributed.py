@@ -102,7 +102,7 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
 
     ``launcher`` is ``"torchrun"`` or ``"deepspeed"``; ``launcher_args`` go to it (torchrun ``--rdzv-*``
     options get ``--rdzv-endpoint 127.0.0.1:port`` unless they name one). ``timeout`` (s) covers the
-    whole launch. Ranks get ``OMP_NUM_THREADS = cores // nproc``, ``TORCH_EXTENSIONS_DIR`` under
+    whole launch. Ranks get ``OMP_NUM_THREADS = cores // ranks``, ``TORCH_EXTENSIONS_DIR`` under
     :func:`cache_dir` unless set, then ``env``. ``verbose`` prints their output as it comes.
 
     ``cluster`` (a :class:`teraflops.cluster.Cluster` that is up) runs it multi-node, as on a real
@@ -143,22 +143,21 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
         cmd += [] if any("endpoint" in a for a in launcher_args) else ["--rdzv-endpoint", f"127.0.0.1:{port}"]
     else:
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-    cmd += [*launcher_args, str(_WRAPPER), module, *map(str, args)]
+    tail = [*launcher_args, str(_WRAPPER), module, *map(str, args)]
     child_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(_extensions_dir()), RESULTS_ENV: str(results),
                  "OMP_NUM_THREADS": str(max(1, detect().cpu_cores // world)), "PYTHONUNBUFFERED": "1",
                  "PYTHONFAULTHANDLER": "1", **{k: str(v) for k, v in (env or {}).items()}}
     procs, keep = [], False  # the results directory is kept for a LaunchFailed, which names it
     try:
         for node in range(nodes):
-            node_env = child_env if cluster is None else {**child_env, **_node_env(cluster, node)}
-            prefix = [] if cluster is None else cluster.prefix(node)
-            # torch finds the rendezvous host and a node's address by hostname, which a namespace shares
-            # with the machine: say both
-            host = [] if cluster is None else ["--rdzv-conf", f"is_host={int(node == 0)}",
-                                               "--local-addr", cluster.address(node)]
-            name = "launcher.log" if node == 0 else f"launcher{node}.log"
-            with open(results / name, "wb") as log:
-                procs.append(subprocess.Popen(prefix + cmd[:3] + host + cmd[3:], env=node_env, stdin=subprocess.DEVNULL, stdout=log,
+            node_cmd, node_env = cmd + tail, child_env
+            if cluster is not None:  # torch finds the rendezvous host and a node's address by hostname,
+                # which a namespace shares with the machine: say both
+                node_cmd = [*cluster.prefix(node), *cmd, "--rdzv-conf", f"is_host={int(node == 0)}",
+                            "--local-addr", cluster.address(node), *tail]
+                node_env = {**child_env, **_node_env(cluster, node)}
+            with open(results / ("launcher.log" if node == 0 else f"launcher{node}.log"), "wb") as log:
+                procs.append(subprocess.Popen(node_cmd, env=node_env, stdin=subprocess.DEVNULL, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))
         code = _wait(procs, results, timeout, desc or module.rsplit(".", 1)[-1], verbose)
         out = [_read_json(results / f"rank{r}.json") for r in range(world)]
