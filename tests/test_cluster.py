@@ -74,6 +74,27 @@ def test_links_per_node_names_and_ranks_per_node():
         c.set_link(3, rate=1e6)
 
 
+def test_default_names_differ_and_a_cluster_that_is_down_runs_nothing():
+    a, b = Cluster(1), Cluster(1)
+    assert a.name != b.name
+    with pytest.raises(ClusterError, match="not up"):
+        a.run(0, ["true"])
+
+
+def test_down_reports_only_what_it_removed(monkeypatch):
+    monkeypatch.setattr(cl, "namespaces", lambda: ["teraflops-x-node0"])  # as if `ip netns del` failed
+    monkeypatch.setattr(cl, "pids", lambda ns: [])
+    monkeypatch.setattr(cl, "_ip", lambda *a, **k: None)
+    assert cl.down() == []
+
+
+def test_the_cli_rate_is_in_mb_per_s(capsys):
+    from teraflops.cli import main
+
+    assert main(["cluster", "up", "--rate", "25e6"]) == 2
+    assert "MB/s" in capsys.readouterr().err
+
+
 def test_unavailable_says_why_in_one_line(monkeypatch):
     monkeypatch.setattr(cl.os, "geteuid", lambda: 1000)
     assert "root" in cl.unavailable()
@@ -118,6 +139,19 @@ def test_nodes_see_only_their_subnet_and_go_away():
         assert "tbf" in c.run(1, ["tc", "qdisc", "show", "dev", "eth0"]).stdout
         c.set_link(1, rate=5e6)
         assert "40Mbit" in c.run(1, ["tc", "qdisc", "show", "dev", "eth0"]).stdout
+        for bad in (lambda: c.set_link(1, "fast"), lambda: c.set_link(1, 5e6), lambda: c.set_link(1, bogus=1),
+                    lambda: c.set_link(1, Link(), rate=1e6), lambda: c.set_link(1, latency=1e-3 if "netem" not in cl.qdiscs() else 99)):
+            with pytest.raises(ClusterError, match="Hint"):
+                bad()
+            assert "40Mbit" in c.run(1, ["tc", "qdisc", "show", "dev", "eth0"]).stdout  # still shaped as it was
+            assert c.links[1].rate == 5e6
+        sleeper = subprocess.Popen(c.prefix(0) + ["sleep", "60"])
+        try:
+            with pytest.raises(ClusterError, match="is up with processes"):
+                Cluster(2, name="t2").up()  # would have taken over a cluster at work
+        finally:
+            sleeper.kill()
+            sleeper.wait()
     assert not [ns for ns in cl.namespaces() if ns.startswith("teraflops-t2-")]
 
 
@@ -206,5 +240,6 @@ def test_scaled_fabrics_keep_their_ratios_and_tables_read():
     assert "fitted busbw (MB/s)" in text and "0.96" in text
     text = fabrics.hierarchy_table([{"level": "intra", "ranks": 2, "nodes": 1, "peak_busbw": 500e6}], 50e6)
     assert "× link rate" in text and "10" in text
-    with pytest.raises(ValueError, match="2 nodes"):
-        fabrics.hierarchy(Cluster(1))
+    for nodes in (1, 3):
+        with pytest.raises(ValueError, match="2 nodes"):
+            fabrics.hierarchy(Cluster(nodes))

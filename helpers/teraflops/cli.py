@@ -153,18 +153,24 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     from . import cluster as cl
 
     if args.action == "down":
+        found = cl.namespaces()
         removed = cl.down()
-        print(f"removed {len(removed)} namespace(s)" + (": " + ", ".join(removed) if removed else "; nothing was left"))
+        print(f"removed {len(removed)} namespace(s)" + (": " + ", ".join(removed) if removed else ""))
+        left = [ns for ns in found if ns not in removed]
+        if left:
+            raise cl.ClusterError(f"could not remove {', '.join(left)}. Hint: removing namespaces needs root (sudo).")
         return 0
     if args.action == "status":
         names = cl.namespaces()
         print("\n".join(f"{ns}  processes: {len(cl.pids(ns))}" for ns in names) or "no emulated nodes")
         return 0
-    reason = cl.unavailable()
-    if reason:
-        raise cl.ClusterError(reason + ".")
-    link = cl.Link(rate=None if args.rate is None else args.rate * 1e6)
-    made = cl.Cluster(args.nodes, link, name="cli").up()
+    if args.rate is not None and not 0.01 <= args.rate <= cl.MAX_RATE / 1e6:
+        raise cl.ClusterError(f"--rate is in MB/s (1e6 bytes/s), between 0.01 and {cl.MAX_RATE / 1e6:g}; got {args.rate:g}. "
+                              "Hint: --rate 25 makes 25 MB/s = 200 Mbit/s links.")
+    made = cl.Cluster(args.nodes, cl.Link(rate=None if args.rate is None else args.rate * 1e6), name="cli")
+    if made.namespaces():
+        raise cl.ClusterError("the command line's cluster is already up. Hint: `teraflops cluster down` first.")
+    made.up()
     print(made.describe())
     print(f"run a command on node i with: ip netns exec {made.node_name(0)[:-1]}<i> <command>; "
           "remove with: teraflops cluster down")

@@ -30,7 +30,9 @@ Measured here (2-core CPU machine, root): a 200 Mbit/s tbf link between two name
 
 from __future__ import annotations
 
+import itertools
 import math
+import numbers
 import os
 import shutil
 import signal
@@ -45,6 +47,8 @@ PREFIX = "teraflops-"  # every namespace this module makes: teraflops-<name>-swi
 SUBNET = "10.213.0"  # node i is 10.213.0.(i+1)/24 on its cluster's own bridge; nothing routes in or out
 IFNAME = "eth0"  # a node's interface (each namespace has its own)
 MAX_NODES = 200
+MAX_RATE = 100e9  # bytes/s; tbf's rate and bucket are 32-bit counters in the kernel's netlink message
+_COUNTER = itertools.count()
 
 
 class ClusterError(CourseError, RuntimeError):
@@ -68,12 +72,12 @@ class Link:
     def __post_init__(self):
         for name in ("latency", "loss") + (("rate",) if self.rate is not None else ()):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ClusterError(f"Link {name} must be a finite number, got {value!r}. "
                                    "Hint: rate in bytes/s (25e6 = 200 Mbit/s), latency in seconds (1e-3 = 1 ms).")
-        if self.rate is not None and self.rate < 1e4:
-            raise ClusterError(f"Link rate {self.rate!r} B/s is below 10 kB/s (or not positive). "
-                               "Hint: rate is in bytes/s: 25e6 is 25 MB/s = 200 Mbit/s.")
+        if self.rate is not None and not 1e4 <= self.rate <= MAX_RATE:
+            raise ClusterError(f"Link rate {self.rate!r} B/s is outside [10 kB/s, {MAX_RATE / 1e9:g} GB/s]. "
+                               "Hint: rate is in bytes/s: 25e6 is 25 MB/s = 200 Mbit/s; None leaves a link unshaped.")
         if not 0 <= self.latency <= 10:
             raise ClusterError(f"Link latency {self.latency!r} s is outside [0, 10] s. Hint: latency is in seconds: 1e-3 is 1 ms.")
         if not 0 <= self.loss < 1:
@@ -173,7 +177,7 @@ def _tc(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if check and done.returncode != 0:
         raise ClusterError(f"`tc {' '.join(args)}` in {ns} failed: {done.stderr.strip()}. "
-                           "Hint: tbf and netem need the kernel's sch_tbf and sch_netem modules.")
+                           "Hint: the link's settings may be out of tc's range; `teraflops cluster down` removes the nodes.")
     return done
 
 
@@ -195,9 +199,11 @@ def pids(ns: str) -> list[int]:
 def down(grace: float = 3.0, only: list[str] | None = None) -> list[str]:
     """Remove every namespace of the course (or ``only`` these), after stopping the processes in it.
 
+    Returns the names actually removed (removing needs root: one that is still there is left out).
+
     SIGTERM, then SIGKILL after ``grace`` s, to every process in a ``teraflops-*`` namespace; then
     ``ip netns del`` (which removes the veth pairs and the bridge inside). Safe to call at any time,
-    also when nothing is left: ``teraflops cluster down``. Returns the names removed.
+    also when nothing is left: ``teraflops cluster down``.
     """
     found = namespaces() if only is None else list(only)
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -215,7 +221,21 @@ def down(grace: float = 3.0, only: list[str] | None = None) -> list[str]:
             break
     for ns in found:
         _ip("netns", "del", ns, check=False)
-    return found
+    left = set(namespaces())
+    return [ns for ns in found if ns not in left]
+
+
+def _down_uninterrupted(names: list[str]) -> None:
+    """:func:`down` of ``names``, finished even if more Ctrl-Cs arrive; one that came is raised afterwards."""
+    interrupted = False
+    while True:
+        try:
+            down(only=names)
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 def _alive(pid: int) -> bool:
@@ -242,8 +262,8 @@ class Cluster:
     Args:
         nodes: how many nodes (1 ≤ nodes ≤ 200).
         link: every node's link (one :class:`Link`), or one per node (a list).
-        name: the cluster's part of its namespaces' names (default: this process's id), so that
-            clusters of different processes do not meet; each has its own bridge and subnet.
+        name: the cluster's part of its namespaces' names (default: unique to this process and
+            cluster), so that clusters do not meet; each has its own bridge (the same subnet on each).
 
     Raises:
         ClusterError: the machine cannot host it (:func:`unavailable`), bad arguments, or an
@@ -252,14 +272,14 @@ class Cluster:
 
     nodes: int
     link: Link | list[Link] = field(default_factory=Link)
-    name: str = field(default_factory=lambda: str(os.getpid()))
+    name: str = field(default_factory=lambda: f"{os.getpid()}c{next(_COUNTER)}")
     links: list[Link] = field(init=False, default_factory=list)
     up_: bool = field(init=False, default=False)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isalnum() or len(self.name) > 20:
             raise ClusterError(f"name must be 1-20 letters or digits, got {self.name!r}. Hint: Cluster(2, name='demo').")
-        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, numbers.Integral) or not 1 <= self.nodes <= MAX_NODES:
             raise ClusterError(f"nodes must be an int in [1, {MAX_NODES}], got {self.nodes!r}. Hint: Cluster(2) makes two nodes.")
         links = self.link if isinstance(self.link, (list, tuple)) else [self.link] * self.nodes
         if len(links) != self.nodes or not all(isinstance(x, Link) for x in links):
@@ -291,7 +311,11 @@ class Cluster:
         reason = unavailable()
         if reason:
             raise ClusterError(reason + ".")
-        self.down()  # leftovers of a cluster of the same name
+        mine = self.namespaces()
+        if any(pids(ns) for ns in mine):
+            raise ClusterError(f"a cluster named {self.name!r} is up with processes running on it. "
+                               "Hint: take that one down first (Cluster.down(), or `teraflops cluster down`), or use another name.")
+        down(only=mine)  # leftovers of a crashed cluster of the same name, idle
         try:
             _ip("netns", "add", self.switch)
             _ip("link", "add", "br0", "type", "bridge", ns=self.switch)
@@ -307,14 +331,17 @@ class Cluster:
                 self._shape(i, self.links[i])
             self.up_ = True
         except BaseException:
-            self.down()
+            _down_uninterrupted(self.namespaces())  # a second Ctrl-C must not leave half a cluster
+            self.up_ = False
             raise
         return self
 
     def _shape(self, i: int, link: Link) -> None:
-        for ns, dev in ((self.node_name(i), IFNAME), (self.switch, f"port{i}")):
+        """Give both ends of node ``i``'s link ``link``'s egress; every command is built (and checked) first."""
+        plan = [(ns, link.tc_commands(dev), dev) for ns, dev in ((self.node_name(i), IFNAME), (self.switch, f"port{i}"))]
+        for ns, commands, dev in plan:
             _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)  # none yet is fine
-            for args in link.tc_commands(dev):
+            for args in commands:
                 _tc(ns, *args)
 
     def set_link(self, i: int, link: Link | None = None, **changes) -> Link:
@@ -324,6 +351,10 @@ class Cluster:
         Returns the link now in force.
         """
         self._check_node(i)
+        unknown = set(changes) - {"rate", "latency", "loss"}
+        if unknown or (link is not None and changes) or (link is not None and not isinstance(link, Link)):
+            raise ClusterError(f"set_link takes a Link or some of rate=, latency=, loss=; got {link!r} and {changes}. "
+                               "Hint: cl.set_link(1, rate=5e6) or cl.set_link(1, Link(rate=5e6)).")
         new = link if link is not None else replace(self.links[i], **changes)
         if self.up_:
             self._shape(i, new)
@@ -344,6 +375,8 @@ class Cluster:
     def prefix(self, i: int) -> list[str]:
         """The argument list that runs a command on node ``i``: ``["ip", "netns", "exec", name]``."""
         self._check_node(i)
+        if not self.up_:
+            raise ClusterError(f"cluster {self.name!r} is not up. Hint: with Cluster(2) as cl: ..., or cl.up().")
         return ["ip", "netns", "exec", self.node_name(i)]
 
     def run(self, i: int, cmd: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
@@ -351,8 +384,9 @@ class Cluster:
         return subprocess.run(self.prefix(i) + list(cmd), capture_output=True, text=True, timeout=timeout, **kwargs)
 
     def down(self) -> None:
-        """Stop every process on the nodes and remove them, the switch and the links."""
-        down(only=self.namespaces())
+        """Stop every process on the nodes and remove them, the switch and the links (also through a
+        second Ctrl-C)."""
+        _down_uninterrupted(self.namespaces())
         self.up_ = False
 
     def describe(self) -> str:

@@ -63,9 +63,9 @@ def _as_matrix(busy_s, name: str = "busy_s") -> np.ndarray:
         x = x[None, :]
     if x.ndim != 2 or x.shape[1] < 3 or x.shape[0] < 1:
         raise ValueError(f"{name} must be [steps, ranks] seconds with at least 3 ranks (a median needs a majority), "
-                         f"got shape {tuple(np.shape(busy_s))}")
+                         f"got shape {tuple(np.shape(busy_s))}. Hint: one column per rank, one row per step.")
     if not np.isfinite(x).all() or (x < 0).any():
-        raise ValueError(f"{name} must hold finite times >= 0 s; hint: pass busy time = step time - wait time")
+        raise ValueError(f"{name} must hold finite times >= 0 s. Hint: pass busy time = step time - wait time.")
     return x
 
 

@@ -8,7 +8,8 @@ fits the alpha-beta model, and compares the fitted bandwidth with the configured
 measures the two levels side by side (:func:`hierarchy`).
 
 Scaling keeps the ratios between fabrics and lets a 2-core machine drive every link to saturation:
-gloo between two local processes moves ~1 GB/s, far above the scaled links. What scaling cannot
+gloo between two local processes moves 0.3-0.6 GB/s (measured: :func:`hierarchy`), far above the
+scaled links. What scaling cannot
 keep is latency: on the course's CPU machines the kernel has no netem qdisc, so links add no
 delay (:func:`teraflops.cluster.qdiscs`) and the fitted α is the software's (gloo, TCP, the
 scheduler), not a fabric's.
@@ -47,22 +48,26 @@ def fabric_sweep(cluster, fabrics=FABRICS, sizes=SIZES, scale: float = SCALE, **
         sweep_kwargs: to :func:`~teraflops.collectives.sweep` (iters, warmup, ...), over :data:`SWEEP`.
 
     Returns:
-        One dict per fabric: ``fabric``, ``published`` and ``configured`` (bytes/s per direction),
+        One dict per fabric (the links are set back as they were afterwards): ``fabric``, ``published`` and ``configured`` (bytes/s per direction),
         ``fit`` (:class:`~teraflops.collectives.AlphaBeta` of the all-reduce times), ``busbw_fit``
         (the fit's bandwidth × nccl-tests' all-reduce bus factor, bytes/s), ``ratio``
         (``busbw_fit / configured``), ``rows`` (the sweep's rows). A ring all-reduce moves
         ``2(n−1)/n · S`` bytes through every rank's link each way, so its busbw tends to the link rate.
     """
-    out = []
-    for link in fabrics:
-        rate = scaled_rate(link, scale)
-        for i in range(cluster.nodes):
-            cluster.set_link(i, rate=rate)
-        rows = sweep(("all_reduce",), sizes=list(sizes), cluster=cluster, **{**SWEEP, **sweep_kwargs})
-        fit = fit_rows(rows)
-        busbw = fit.bandwidth * BUS_FACTOR["all_reduce"](rows[0]["ranks"])
-        out.append({"fabric": link.name, "published": link.bandwidth, "configured": rate, "fit": fit,
-                    "busbw_fit": busbw, "ratio": busbw / rate, "rows": rows})
+    out, before = [], list(cluster.links)
+    try:
+        for link in fabrics:
+            rate = scaled_rate(link, scale)
+            for i in range(cluster.nodes):
+                cluster.set_link(i, rate=rate)
+            rows = sweep(("all_reduce",), sizes=list(sizes), cluster=cluster, **{**SWEEP, **sweep_kwargs})
+            fit = fit_rows(rows)
+            busbw = fit.bandwidth * BUS_FACTOR["all_reduce"](rows[0]["ranks"])
+            out.append({"fabric": link.name, "published": link.bandwidth, "configured": rate, "fit": fit,
+                        "busbw_fit": busbw, "ratio": busbw / rate, "rows": rows})
+    finally:  # the links as they were
+        for i, link in enumerate(before):
+            cluster.set_link(i, link)
     return out
 
 
@@ -87,14 +92,14 @@ def hierarchy(cluster, sizes=SIZES[-4:], **sweep_kwargs) -> list[dict]:
     """
     from .cluster import Cluster
 
-    if cluster.nodes < 2:
-        raise ValueError("hierarchy() needs a cluster of at least 2 nodes. Hint: Cluster(2)")
+    if cluster.nodes != 2:
+        raise ValueError(f"hierarchy() needs a cluster of 2 nodes, got {cluster.nodes}. Hint: Cluster(2)")
 
     def level(name: str, where, ranks: int) -> dict:
         rows = sweep(("all_reduce",), sizes=list(sizes), ranks=ranks, cluster=where, **{**SWEEP, **sweep_kwargs})
         return {"level": name, "ranks": ranks, "nodes": where.nodes, "peak_busbw": max(r["busbw"] for r in rows)}
 
-    with Cluster(1, cluster.links[:1], name=f"{cluster.name}x") as one:
+    with Cluster(1, cluster.links[:1]) as one:
         out = [level("intra-node (loopback)", one, 2)]
     return out + [level("inter-node (links)", cluster, 2), level("2 nodes × 2 ranks (ring)", cluster, 4)]
 

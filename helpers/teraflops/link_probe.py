@@ -36,6 +36,7 @@ slow link.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +47,7 @@ from .errors import CourseError
 from .tables import table
 
 WORKER = "teraflops.workers.link_probe"
-NBYTES = 1 << 20  # bytes each way per round trip: 42 ms at 50 MB/s; 16x the tbf bucket (64 KiB)
+NBYTES = 1 << 20  # bytes each way per round trip: 42 ms at 50 MB/s; 10x the tbf bucket at 50 MB/s (100 kB)
 REPEATS = 5  # timed round trips per node and peer
 MIN_NODES = 3
 
@@ -137,7 +138,7 @@ def probe(cluster, nbytes: int | None = None, repeats: int | None = None, timeou
     Args:
         cluster: an emulated :class:`~teraflops.cluster.Cluster` that is up, with at least 3 nodes.
         nbytes: bytes sent each way per round trip (default :data:`NBYTES`, 1 MiB; rounded down to
-            whole float32). Keep it well above the link's burst (64 KiB) so that the rate, not the
+            whole float32). Keep it well above the link's burst (max(64 KiB, 2 ms of traffic)) so that the rate, not the
             bucket, sets the time: at ``r`` bytes/s a round trip takes about ``2 nbytes / r`` s.
         repeats: timed round trips per node and peer (default :data:`REPEATS`).
         timeout: seconds for the whole launch (start-up ~10 s on CPU, then ``nodes (nodes - 1) / 2``
@@ -148,12 +149,13 @@ def probe(cluster, nbytes: int | None = None, repeats: int | None = None, timeou
         LaunchFailed: a rank crashed or the launch took over ``timeout`` s.
     """
     nodes = getattr(cluster, "nodes", None)
-    if not isinstance(nodes, int) or nodes < MIN_NODES:
+    if not isinstance(nodes, numbers.Integral) or nodes < MIN_NODES:
         raise LinkProbeError(f"localising a slow link needs at least {MIN_NODES} nodes, got {nodes!r}: with 2, "
                              "the one pair's time belongs to both links. Hint: Cluster(3, Link(rate=50e6)).")
-    nbytes, repeats = NBYTES if nbytes is None else int(nbytes), REPEATS if repeats is None else int(repeats)
-    if nbytes < 4 or repeats < 1:
-        raise LinkProbeError(f"need nbytes >= 4 and repeats >= 1, got {nbytes} and {repeats}. "
+    nbytes, repeats = NBYTES if nbytes is None else nbytes, REPEATS if repeats is None else repeats
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in (nbytes, repeats)) \
+            or nbytes < 4 or repeats < 1:
+        raise LinkProbeError(f"need integers nbytes >= 4 and repeats >= 1, got {nbytes!r} and {repeats!r}. "
                              "Hint: nbytes is bytes each way per round trip, e.g. 1 << 20.")
     args = ["--bytes", str(nbytes), "--repeats", str(repeats), "--timeout", str(timeout)]
     return from_results(launch(WORKER, 1, args, timeout=timeout, cluster=cluster,
