@@ -82,6 +82,9 @@ def test_run_writes_outputs_and_reports_failures(cli_run):
     assert rows["02_broken"].split()[1] == "FAILED"
     assert "cell 2: ZeroDivisionError: broken on purpose" in rows["02_broken"]
     assert str(build.resolve()) in out
+    card = (build / "report_card.html").read_text()  # the run ends with the report card
+    assert f"report card: {build / 'report_card.html'}" in out
+    assert "01_tiny" in card and "The answer" in card and "42 x" in card and "failed: cell 2" in card
 
 
 def test_run_units_results_and_env_restored(tiny_course, tmp_path, monkeypatch):

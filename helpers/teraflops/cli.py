@@ -3,7 +3,8 @@
 Subcommands::
 
     teraflops run [UNIT ...] [--out build] [--no-html] [--timeout S]
-                                        execute lecture notebooks, print the summary table
+                                        execute lecture notebooks, print the summary table, write
+                                        the report card (build/report_card.html)
     teraflops doctor                    versions, devices, compilers and what is skipped here
     teraflops grade NOTEBOOK            check a lab notebook's exercises
     teraflops bench attention [...]     Triton FlashAttention vs SDPA on this machine, as ratios
@@ -12,6 +13,9 @@ Subcommands::
     teraflops cluster up|down|status [--nodes K] [--rate MB/s]
                                         emulated nodes on this machine (root, Linux): make them,
                                         remove every leftover (also after a crash), or list them
+    teraflops triage TRACE [--waits WAITS.json] [--peak-flops F --bandwidth B] [--launch-floor S]
+                                        compute-, memory-, overhead- or communication-bound, or
+                                        waiting on a straggler? from a torch.profiler trace
 
 Exit codes: 0 success; 1 a notebook failed, a check failed or labs are out of sync;
 2 a usage or course error, printed as one line ``error: ...``.
@@ -68,7 +72,37 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--nodes", type=int, default=2, help="nodes to make with 'up' (default: 2)")
     cluster.add_argument("--rate", type=float, metavar="MB/s",
                          help="each node's link rate in MB/s (1e6 bytes/s) for 'up' (default: unshaped)")
+
+    triage = sub.add_parser("triage", help="is a profiled step compute-, memory-, overhead- or communication-bound?")
+    triage.add_argument("trace", type=Path, metavar="TRACE",
+                        help="Chrome trace of torch.profiler with record_shapes=True (.json or .json.gz)")
+    triage.add_argument("--waits", type=Path, metavar="WAITS.json",
+                        help="seconds each rank spent in the step's collectives: [ranks] or [steps][ranks]")
+    triage.add_argument("--peak-flops", type=float, metavar="F", help="FLOP/s, with --bandwidth (default: measured here)")
+    triage.add_argument("--bandwidth", type=float, metavar="B", help="bytes/s, with --peak-flops")
+    triage.add_argument("--launch-floor", type=float, metavar="S", help="seconds per op (default: measured here)")
     return parser
+
+
+def _cmd_triage(args: argparse.Namespace) -> int:
+    """Verdict, evidence and where to act for one profiled step (teraflops.triage)."""
+    from .triage import TriageError, triage
+
+    given = [x for x in (args.peak_flops, args.bandwidth, args.launch_floor) if x is not None]
+    if (args.peak_flops is None) != (args.bandwidth is None) or any(not x > 0 for x in given):
+        raise TriageError("--peak-flops and --bandwidth go together, and they and --launch-floor must be > 0. "
+                          "Hint: e.g. --peak-flops 989.5e12 --bandwidth 3.35e12 for an H100 SXM, or neither")
+    ceilings = None
+    if args.peak_flops is not None:
+        import torch
+
+        from .ceilings import Ceilings
+
+        ceilings = Ceilings(args.peak_flops, args.bandwidth, torch.float32, "given", 0, 0)
+    result = triage(args.trace, waits=args.waits, ceilings=ceilings, launch_floor=args.launch_floor)
+    print(result.summary())
+    print(result.table())
+    return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -78,6 +112,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     results = run_units(args.units or None, out_dir=args.out, timeout_per_cell=args.timeout,
                         html=not args.no_html)
     print(format_summary(detect(), results))
+    if results:
+        from . import report_card
+
+        print(f"report card: {report_card.write(detect(), results, args.out)}")
     return 0 if all(r.ok for r in results) else 1
 
 
@@ -178,7 +216,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"run": _cmd_run, "bench": _cmd_bench, "doctor": _cmd_doctor, "grade": _cmd_grade, "labs": _cmd_labs,
-             "cluster": _cmd_cluster}
+             "cluster": _cmd_cluster, "triage": _cmd_triage}
 
 
 def main(argv: list[str] | None = None) -> int:

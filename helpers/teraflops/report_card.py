@@ -1,0 +1,108 @@
+"""The report card: one HTML page at the end of ``teraflops run`` that a reader takes in at a glance.
+
+It holds the machine (:meth:`teraflops.machine.Machine.summary`), then one section per notebook
+that ran: its status and time, its headline numbers (what the notebook recorded with
+:func:`teraflops.report.record`) and its headline figure, embedded. The figure is the first PNG
+output of the cell whose metadata tags include ``"headline"``, else the notebook's first PNG.
+
+Reference results measured on a real GPU, where the package ships them
+(``helpers/teraflops/reference/<gpu>.json``: ``{"gpu": name, "teraflops": version, "notebooks":
+{notebook: {key: {"value", "unit", "label"}}}}``), appear beside the learner's numbers, labelled
+with the GPU they came from. They are only ever the output of the course's own ``teraflops run``
+on that GPU; the page says so when there are none.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from .runner import NotebookResult, format_value
+
+REFERENCE_DIR = Path(__file__).with_name("reference")
+HEADLINE_TAG = "headline"
+
+_STYLE = """body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}
+h1{font-size:1.6rem}h2{font-size:1.2rem;margin-top:2rem;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;margin:.5rem 0}td,th{padding:.2rem .8rem;text-align:left}
+td.num{text-align:right;font-variant-numeric:tabular-nums}.fail{color:#b00}.ok{color:#070}
+img{max-width:100%;border:1px solid #eee;margin-top:.5rem}.note{color:#666;font-size:.9rem}"""
+
+
+def load_references(directory: Path = REFERENCE_DIR) -> list[dict]:
+    """Reference results shipped with the package (``[]`` when none); malformed files are skipped."""
+    refs = []
+    for path in sorted(Path(directory).glob("*.json")) if Path(directory).is_dir() else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("notebooks"), dict) and data.get("gpu"):
+            refs.append(data)
+    return refs
+
+
+def headline_figure(executed: Path | None) -> str | None:
+    """The base64 PNG of an executed notebook's headline figure (see the module docstring), or None."""
+    import nbformat
+
+    if executed is None or not Path(executed).exists():
+        return None
+    cells = [c for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code"]
+    tagged = [c for c in cells if HEADLINE_TAG in c.get("metadata", {}).get("tags", [])]
+    for cell in tagged + cells:
+        for out in cell.get("outputs", []):
+            png = out.get("data", {}).get("image/png")
+            if png:
+                return png if isinstance(png, str) else "".join(png)
+    return None
+
+
+def _row(entry: dict, refs: list[tuple[str, dict | None]]) -> str:
+    unit = html.escape(entry.get("unit", ""))
+    cells = [f"<td>{html.escape(str(entry.get('label', '')))}</td>",
+             f"<td class='num'>{format_value(entry['value'])} {unit}</td>"]
+    for _, ref in refs:
+        cells.append(f"<td class='num'>{format_value(ref['value'])} {html.escape(ref.get('unit', ''))}</td>"
+                     if ref else "<td class='num'>–</td>")
+    return "<tr>" + "".join(cells) + "</tr>"
+
+
+def render(machine, results: list[NotebookResult], references: list[dict] | None = None) -> str:
+    """The report card's HTML for ``results`` of ``teraflops run`` on ``machine``."""
+    references = load_references() if references is None else references
+    passed = sum(r.ok for r in results)
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>Tensors to Teraflops: report card</title>",
+             f"<style>{_STYLE}</style></head><body><h1>Tensors to Teraflops: report card</h1>",
+             f"<p><b>Machine:</b> {html.escape(machine.summary())}<br>",
+             f"<b>Notebooks:</b> {passed}/{len(results)} ran without error, "
+             f"{sum(r.seconds for r in results):.0f} s in all.</p>"]
+    if not references:
+        parts.append("<p class='note'>No reference results from a real GPU ship with this version of the course, "
+                     "so there is nothing to set your numbers beside.</p>")
+    for r in results:
+        status = "<span class='ok'>ok</span>" if r.ok else f"<span class='fail'>failed: {html.escape(str(r.error))}</span>"
+        parts.append(f"<h2>{html.escape(r.name)}</h2><p>{status} · {r.seconds:.0f} s</p>")
+        if r.headline:
+            refs = [(ref["gpu"], ref["notebooks"].get(r.name, {})) for ref in references]
+            head = "<tr><th>headline</th><th>this machine</th>" + "".join(
+                f"<th>reference: {html.escape(gpu)}</th>" for gpu, _ in refs) + "</tr>"
+            body = "".join(_row(e, [(gpu, entries.get(key)) for gpu, entries in refs]) for key, e in r.headline.items())
+            parts.append(f"<table>{head}{body}</table>")
+        png = headline_figure(r.executed)
+        if png:
+            parts.append(f"<img alt='headline figure of {html.escape(r.name)}' src='data:image/png;base64,{png}'>")
+        if r.html:
+            parts.append(f"<p class='note'>The whole notebook: <a href='{html.escape(Path(r.html).name)}'>"
+                         f"{html.escape(Path(r.html).name)}</a></p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write(machine, results: list[NotebookResult], out_dir: Path | str, references: list[dict] | None = None) -> Path:
+    """Write :func:`render` to ``<out_dir>/report_card.html`` and return its path."""
+    path = Path(out_dir) / "report_card.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(machine, results, references))
+    return path

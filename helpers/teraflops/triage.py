@@ -1,0 +1,439 @@
+"""Triage a workload from its profile: compute-, memory-, overhead- or communication-bound, or waiting?
+
+The course's diagnosis in one call. :func:`triage` reads a Chrome trace written by
+``torch.profiler.profile(record_shapes=True).export_chrome_trace(path)`` (:func:`record` writes one)
+and splits the step's wall time into five categories:
+
+* **compute** / **memory** / **overhead**: each operator's self time goes to the verdict of
+  :func:`teraflops.profiling.classify` for one call of it: its roofline ideal time
+  ``max(FLOPs / peak, bytes / bandwidth)`` against the launch floor (Williams, Waterman & Patterson,
+  "Roofline", CACM 52(4), 2009). Time in which no operator runs (Python, dispatcher, a GPU waiting
+  for launches) is **overhead** too.
+* **communication**: time in collectives (gloo/NCCL ranges, ``c10d::`` ops, ``record_param_comms``,
+  NCCL kernels) while no other operator runs, i.e. *exposed* communication; overlapped
+  communication costs nothing.
+* **waiting**: with per-rank wait times, the part of that collective time spent waiting for a
+  straggler. The straggler is the rank that waits *least* (it arrives last, everyone else waits for
+  it), found with the modified z-score of :mod:`teraflops.detection` (Iglewicz & Hoaglin 1993).
+  The waits split the traced rank's own collective time: profile one step of a rank other than the
+  straggler (the trace's ``distributedInfo`` names the rank that wrote it).
+
+The verdict is the category with the largest share; ``act_on`` names the units that fix it.
+
+Self time: on one thread, operator events nest by time containment; an event's self time is the
+time when it is the innermost event running, so ``aten::matmul`` and its ``aten::mm`` are not
+counted twice. FLOPs and bytes are "self" in the same way: an operator's own estimate from its
+``Input Dims`` / ``Input type`` minus its children's (floored at 0), so a wrapper that delegates its
+work has none. FLOPs follow ``torch.utils.flop_counter`` (matmul family, SDPA kernels; elementwise
+ops count 0); bytes are the minimum traffic as in :mod:`teraflops.roofline`: tensor inputs plus an
+output estimate (matmul ``M·N``; SDPA the query's shape; elementwise and reductions the largest
+input; in-place ops (``add_``) the first input, which ``copy_``, ``fill_``… only write). Views and
+allocations move no bytes. A ``TensorList`` input has no dtype in the trace: 4 bytes per element is assumed.
+
+On a GPU trace (events with ``cat == "kernel"``) the device timeline is used instead: each kernel's
+time goes to the operator that launched it (its ``External id``), idle device time is overhead, and
+kernels of no operator are classified by name (``gemm``/``flash``/… compute, NCCL communication,
+others memory). Units: seconds, FLOP, bytes (GB = 1e9).
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .ceilings import Ceilings
+from .errors import CourseError
+from .profiling import _METADATA_OPS, classify
+from .tables import fmt_seconds, table
+
+CATEGORIES = ("compute", "memory", "overhead", "communication", "waiting")
+VERDICTS = {"compute": "compute-bound", "memory": "memory-bound", "overhead": "overhead-bound",
+            "communication": "communication-bound", "waiting": "waiting (straggler)"}
+ACT_ON = {"compute": "Unit 1 (model definition: kernels, precision) and Unit 4 (quantization)",
+          "memory": "Unit 1 (FlashAttention/fusion) and Unit 4 (torch.compile fusion)",
+          "overhead": "Unit 4 (torch.compile, CUDA graphs, batching)",
+          "communication": "Unit 5 (communicate less, less often) and Unit 2 (ZeRO stage)",
+          "waiting": "Unit 3 (stragglers)"}
+_FROM_CLASSIFY = {"math": "compute", "memory": "memory", "framework overhead": "overhead"}
+# Chrome-trace dtype names (c10's type names as the profiler prints them) -> bytes per element
+DTYPE_BYTES = {"double": 8, "float": 4, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
+               "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
+               "c10::complex<double>": 16, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1, "TensorList": 4}
+_COLLECTIVE = re.compile(r"^(gloo|nccl):|^c10d::|record_param_comms|all_?reduce|all_?gather"
+                         r"|reduce_?scatter|broadcast|all_?to_?all|barrier", re.IGNORECASE)
+_GEMM_KERNEL = re.compile(r"gemm|matmul|mma|cutlass|flash|attention|triton_tem", re.IGNORECASE)
+_WRITE_ONLY = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_"}
+_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg", "to", "contiguous"}
+_SDPA = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+_SDPA_BLHD = {"_flash_attention_forward", "_efficient_attention_forward"}  # (batch, seq, heads, dim)
+
+
+class TriageError(CourseError, ValueError):
+    """A trace or wait times that :func:`triage` cannot read; one line with a hint."""
+
+
+def is_collective(name: str, cat: str = "cpu_op") -> bool:
+    """Whether a trace event is communication: ``gloo:all_reduce``, ``nccl:all_reduce``,
+    ``c10d::allreduce_``, ``record_param_comms``; never an ``aten::`` op. A GPU kernel (``cat``
+    ``"kernel"``) only when it is NCCL's (``ncclDevKernel_AllReduce_…``)."""
+    if cat == "kernel":
+        return name.lower().startswith("nccl")
+    return not name.startswith("aten::") and bool(_COLLECTIVE.search(name))
+
+
+def _tensors(args: dict) -> list[tuple[tuple, int]]:
+    """``(shape, bytes per element)`` of each tensor input of an op event (scalars dropped)."""
+    out = []
+    for d, t in zip(args.get("Input Dims", []), args.get("Input type", [])):
+        if t in DTYPE_BYTES and isinstance(d, list):
+            out += [(tuple(int(x) for x in shape), DTYPE_BYTES[t]) for shape in (d if t == "TensorList" else [d])]
+    return out
+
+
+def op_cost(name: str, args: dict) -> tuple[float, float]:
+    """``(FLOPs, bytes)`` of one call of operator ``name`` (e.g. ``"aten::mm"``) from its trace event's
+    ``args`` (``Input Dims``, ``Input type``), before children are subtracted; see the module docstring.
+    Raises ``ValueError``, ``TypeError``, ``IndexError`` or ``AssertionError`` on shapes that do not fit."""
+    from torch.utils import flop_counter as fc
+
+    op = name.split("::")[-1]
+    ts = _tensors(args)
+    s = [shape for shape, _ in ts]
+    if op in _METADATA_OPS or op in _NO_TRAFFIC or not ts:
+        return 0.0, 0.0
+    big = max(ts, key=lambda t: math.prod(t[0]))  # elementwise ops and reductions: the largest input
+    flops, out, out_size = 0, math.prod(big[0]), big[1]
+    if op in ("mm", "addmm", "bmm", "baddbmm"):
+        a, b = s[op.startswith(("addmm", "baddbmm")):][:2]  # addmm(bias, a, b)
+        flops = (fc.mm_flop if len(a) == 2 else fc.bmm_flop)(a, b)
+        out, out_size = math.prod(a[:-1]) * b[-1], ts[0][1]
+    elif op in ("matmul", "linear") and len(s) >= 2:  # counted when they are leaves (else children do it)
+        a, b = s[0], (s[1] if op == "matmul" else s[1][::-1])  # linear: weight [N, K]
+        batch = math.prod(np.broadcast_shapes(a[:-2], b[:-2])) if op == "matmul" else math.prod(a[:-2])
+        m, n = (a[-2] if len(a) > 1 else 1), (b[-1] if len(b) > 1 else 1)
+        flops, out, out_size = 2 * batch * m * n * a[-1], batch * m * n, ts[0][1]
+    elif op in _SDPA or op in _SDPA_BLHD:
+        q, k, v = (tuple(x[i] for i in (0, 2, 1, 3)) if op in _SDPA_BLHD else x for x in s[:3])
+        flops, out, out_size = fc.sdpa_flop_count(q, k, v), math.prod(q[:-1]) * v[-1], ts[0][1]
+    elif op.endswith("_"):  # in place: the first input is also the output, read and written...
+        out, out_size = (0 if op in _WRITE_ONLY else math.prod(s[0])), ts[0][1]  # ...or only written (copy_)
+    return float(flops), float(sum(math.prod(x) * b for x, b in ts) + out * out_size)
+
+
+@functools.lru_cache(maxsize=None)
+def measured_ceilings() -> Ceilings:
+    """This machine's ceilings, :func:`teraflops.ceilings.measure_ceilings` at the preset's probe
+    sizes (a few seconds), measured once per process."""
+    from .ceilings import measure_ceilings
+
+    return measure_ceilings()
+
+
+@functools.lru_cache(maxsize=None)
+def measured_launch_floor() -> float:
+    """This machine's launch floor in seconds, measured once per process: the median time of a
+    1-element ``torch.add`` (the smallest point of Unit 1's :func:`teraflops.launch.op_time_vs_size`
+    sweep). Measured rather than read from the trace: a trace's shortest events are dispatcher-only
+    ops (a view, ~0.1 µs), far below what an op that launches work costs."""
+    from .launch import launch_floor, op_time_vs_size
+    from .machine import detect
+
+    return launch_floor(op_time_vs_size([1], detect().device, min_run_time=0.05))
+
+
+def record(fn: Callable[[], object], path, warmup: int = 2) -> Path:
+    """Call ``fn()`` ``warmup`` times, profile one more call with ``torch.profiler`` (CPU, plus CUDA
+    when there is a GPU; ``record_shapes=True``) and write its Chrome trace to ``path``; returns it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, record_shapes=True) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    return Path(path)
+
+
+def load_trace(trace) -> tuple[list[dict], int | None]:
+    """The complete events (``ph == "X"``) of a Chrome trace, and the rank that wrote it (the trace's
+    ``distributedInfo``, ``None`` if absent). ``trace``: a path (``.json`` or ``.json.gz``), a loaded
+    dict with ``traceEvents``, or a bare list of events. Raises :class:`TriageError`."""
+    hint = "Hint: write one with teraflops.triage.record(fn, path) or prof.export_chrome_trace(path)"
+    if isinstance(trace, (str, Path)):
+        p = Path(trace)
+        try:
+            with (gzip.open(p, "rt") if p.suffix == ".gz" else open(p)) as f:
+                trace = json.load(f)
+        except FileNotFoundError:
+            raise TriageError(f"trace file not found: {p}. {hint}") from None
+        except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError, gzip errors
+            raise TriageError(f"{p} is not a JSON trace ({' '.join(str(e).split())[:80]}). {hint}") from None
+    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events, list):
+        raise TriageError(f"a Chrome trace is a dict with a 'traceEvents' list, got {type(trace).__name__}"
+                          f"{' without traceEvents' if isinstance(trace, dict) else ''}. {hint}")
+    out = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+    for e in out:
+        if not (isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0
+                and isinstance(e.get("name"), str)):
+            raise TriageError(f"malformed trace event {str(e)[:60]}: needs a name and numbers ts, dur >= 0 (µs). {hint}")
+    if not any(e.get("cat") == "cpu_op" for e in out):
+        raise TriageError(f"the trace has no operator events (cat 'cpu_op'; {len(out)} complete events). {hint}")
+    info = trace.get("distributedInfo") if isinstance(trace, dict) else None
+    return out, info.get("rank") if isinstance(info, dict) else None
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One contributor: an operator name and category, over all its calls in the trace.
+
+    ``seconds``: its attributed time; ``share``: of the step; ``flops``, ``nbytes``: self FLOPs and
+    bytes of all calls; ``intensity``: FLOP/byte; ``of_roof``: roofline ideal time / measured time,
+    i.e. achieved FLOP/s / peak (compute) or bytes/s / bandwidth (memory); NaN for collectives and idle.
+    """
+
+    name: str
+    category: str
+    calls: int
+    seconds: float
+    share: float
+    flops: float
+    nbytes: float
+    intensity: float
+    of_roof: float
+
+
+@dataclass(frozen=True)
+class Triage:
+    """What :func:`triage` found. ``shares``: fraction of the step per category of :data:`CATEGORIES`
+    (sum 1); ``step_s``: the step's wall time (s); ``stragglers``: ranks flagged from the waits."""
+
+    verdict: str
+    shares: dict
+    evidence: tuple
+    act_on: str
+    step_s: float
+    ceilings: Ceilings
+    launch_floor: float
+    stragglers: tuple = ()
+    note: str = ""
+
+    def summary(self) -> str:
+        """One paragraph: verdict, shares, top contributor and where to act."""
+        parts = ", ".join(f"{k} {v:.0%}" for k, v in sorted(self.shares.items(), key=lambda kv: -kv[1]) if v >= 0.005)
+        c, top = self.ceilings, self.evidence[0] if self.evidence else None
+        lead = (f" Top contributor: {top.name} ({top.category}), {top.share:.0%} of the step"
+                + (f", {top.intensity:.3g} FLOP/byte at {top.of_roof:.0%} of its roof." if top.of_roof == top.of_roof
+                   else ".")) if top else ""
+        return (f"Verdict: {self.verdict} ({parts}) over a {fmt_seconds(self.step_s)} step, against peak "
+                f"{c.peak_flops / 1e9:.3g} GFLOP/s, bandwidth {c.bandwidth / 1e9:.3g} GB/s (ridge "
+                f"{c.ridge_point:.3g} FLOP/byte), launch floor {fmt_seconds(self.launch_floor)}.{lead}"
+                f"{' ' + self.note if self.note else ''} Act on: {self.act_on}.")
+
+    def table(self) -> str:
+        """The evidence as a table (``teraflops.tables.table``)."""
+        return table([(e.name, e.category, e.calls, fmt_seconds(e.seconds), f"{e.share:.0%}", e.flops / 1e9,
+                       e.nbytes / 1e6, e.intensity, "-" if e.of_roof != e.of_roof else f"{e.of_roof:.0%}")
+                      for e in self.evidence],
+                     ["operator", "category", "calls", "time", "share", "GFLOP", "MB", "FLOP/byte", "of roof"])
+
+
+def _waits(waits) -> np.ndarray:
+    """Wait times as float64 ``[steps, ranks]`` seconds from a list per rank, a list of such lists
+    (one per step), a dict rank -> seconds (or -> list per step), or a JSON file of one of these."""
+    hint = "Hint: seconds each rank spent inside the collective, e.g. [0.21, 0.2, 0.01, 0.22] for 4 ranks"
+    try:
+        if isinstance(waits, (str, Path)):
+            waits = json.loads(Path(waits).read_text())
+        if isinstance(waits, dict):
+            waits = np.asarray([waits[k] for k in sorted(waits, key=int)], dtype=np.float64).T
+        w = np.asarray(waits, dtype=np.float64)
+    except (OSError, ValueError, TypeError) as e:
+        raise TriageError(f"cannot read the waits ({' '.join(str(e).split())[:80]}). {hint}") from None
+    w = w[None, :] if w.ndim == 1 else w
+    if w.ndim != 2 or w.shape[1] < 3 or w.shape[0] < 1:
+        raise TriageError(f"waits must be [ranks] or [steps, ranks] seconds with at least 3 ranks (a median needs "
+                          f"a majority), got shape {w.shape}. {hint}")
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise TriageError(f"waits must be finite seconds >= 0, got {w.min():g}. {hint}")
+    return w
+
+
+def _pieces(events: list[dict]) -> tuple[list, dict]:
+    """Innermost-event pieces per thread, ``(start, end, event index)`` in µs (children clipped to
+    their parent), and each event's parent index (``None`` at top level)."""
+    threads: dict = {}
+    for i, e in enumerate(events):
+        threads.setdefault((e.get("pid"), e.get("tid")), []).append(i)
+    pieces, parent = [], {}
+    for idx in threads.values():
+        idx.sort(key=lambda i: (events[i]["ts"], -events[i]["dur"]))
+        stack, cursor = [], 0.0  # (index, end); cursor: where the running piece began
+        for i in idx + [None]:
+            t = math.inf if i is None else events[i]["ts"]
+            while stack and stack[-1][1] <= t:
+                j, end = stack.pop()
+                pieces.append((cursor, end, j))
+                cursor = end
+            if i is None:
+                break
+            if stack:
+                pieces.append((cursor, t, stack[-1][0]))
+            parent[i] = stack[-1][0] if stack else None
+            stack.append((i, min(t + events[i]["dur"], stack[-1][1] if stack else math.inf)))
+            cursor = t
+    return [p for p in pieces if p[1] > p[0]], parent
+
+
+def _seconds(intervals, seg, weight, mask) -> np.ndarray:
+    """Seconds of each ``(start, end, key)`` interval (µs) over the segments between the sorted
+    boundaries ``seg`` where ``mask`` holds, a segment shared equally by the ``weight`` intervals in it."""
+    per = np.where(mask, np.diff(seg) / np.maximum(weight, 1), 0.0)
+    cum = np.concatenate([[0.0], np.cumsum(per)])
+    ends = np.searchsorted(seg, [[s, e] for s, e, _ in intervals]).reshape(-1, 2)
+    return (cum[ends[:, 1]] - cum[ends[:, 0]]) * 1e-6
+
+
+def _count(intervals, seg) -> np.ndarray:
+    """How many intervals run in each segment between the boundaries ``seg``."""
+    d = np.zeros(len(seg))
+    ends = np.searchsorted(seg, [[s, e] for s, e, _ in intervals]).reshape(-1, 2)
+    np.add.at(d, ends[:, 0], 1)
+    np.add.at(d, ends[:, 1], -1)
+    return np.cumsum(d)[:-1]
+
+
+def _labels(ops, parent, c: Ceilings, floor: float) -> dict:
+    """Op index -> ``(name, category, self FLOPs, self bytes)``; category from one call's roofline."""
+    cost = {}
+    for i, e in enumerate(ops):
+        try:
+            cost[i] = op_cost(e["name"], e.get("args") or {})
+        except (ValueError, TypeError, AssertionError, IndexError) as err:
+            raise TriageError(f"{e['name']} has Input Dims that do not fit it ({' '.join(str(err).split())[:60]}). "
+                              "Hint: a trace from torch.profiler with record_shapes=True, unedited") from None
+    own = {i: list(x) for i, x in cost.items()}
+    for i, p in parent.items():
+        if p is not None:
+            own[p] = [own[p][0] - cost[i][0], own[p][1] - cost[i][1]]
+    out = {}
+    for i, e in enumerate(ops):
+        f, b = max(own[i][0], 0.0), max(own[i][1], 0.0)
+        out[i] = (e["name"], _FROM_CLASSIFY[classify(f, b, c.peak_flops, c.bandwidth, floor)], f, b)
+    return out
+
+
+def _straggler_split(waits, shares: dict, rank: int | None) -> tuple[tuple, str]:
+    """Move the waited part of the communication share to ``"waiting"`` when some rank waits least
+    (modified z of the ranks' mean waits, low side, over :data:`teraflops.detection.THRESHOLD`).
+
+    Per step the last rank to arrive waits only for the transfer, ``min`` over ranks; the rest of a
+    rank's wait is waiting for it. The fraction moved is the traced rank's (``rank``, from the
+    trace's ``distributedInfo``), or the mean over ranks when the trace does not say."""
+    from .detection import THRESHOLD, modified_z
+
+    w = _waits(waits)
+    if shares["communication"] == 0:
+        raise TriageError("waits were given but the trace has no exposed time in collectives. Hint: profile a "
+                          "step that includes its all-reduce (e.g. a whole DDP step)")
+    low_z = -modified_z(w.mean(axis=0))  # positive: the rank waits less than the median rank
+    flagged = tuple(int(r) for r in np.flatnonzero(low_z > THRESHOLD))
+    if not flagged:
+        return (), f"No rank stands out in the waits (largest modified z {low_z.max():.1f} <= {THRESHOLD:g})."
+    known = isinstance(rank, int) and 0 <= rank < w.shape[1]
+    cols, who = ([rank], f"rank {rank}'s") if known else (slice(None), "the ranks'")
+    excess = w - w.min(axis=1, keepdims=True)
+    waited = float(excess[:, cols].mean() / max(w[:, cols].mean(), 1e-12))
+    shares["waiting"] = shares["communication"] * waited
+    shares["communication"] -= shares["waiting"]
+    own = (f" This trace is rank {rank}'s, the straggler itself: its breakdown shows why it is late; profile "
+           "another rank to see the waiting.") if rank in flagged else ""
+    return flagged, (f"Rank(s) {', '.join(map(str, flagged))} wait least (modified z {low_z.max():.1f} > "
+                     f"{THRESHOLD:g}): they arrive last, and {waited:.0%} of {who} time in collectives is "
+                     f"waiting for them.{own}")
+
+
+def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: float | None = None,
+           top: int = 6) -> Triage:
+    """Attribute a profiled step's time; return the verdict, the evidence and where to act.
+
+    Args:
+        trace: a Chrome trace of ``torch.profiler`` with ``record_shapes=True``: a path (``.json``,
+            ``.json.gz``) or the loaded dict (:func:`load_trace`).
+        waits: optional seconds each rank spent inside the step's collectives: ``[ranks]`` or
+            ``[steps, ranks]`` (at least 3 ranks), a dict rank -> seconds, or a JSON file of these.
+        ceilings: peak FLOP/s and bandwidth (bytes/s); default this machine's (:func:`measured_ceilings`).
+        launch_floor: seconds of the cheapest op; default this machine's (:func:`measured_launch_floor`).
+            Pass both for a trace recorded on another machine.
+        top: evidence rows kept, largest time first.
+
+    Raises:
+        TriageError: an unreadable or empty trace, bad waits, or waits with no collective in the trace.
+    """
+    events, rank = load_trace(trace)
+    ceilings = measured_ceilings() if ceilings is None else ceilings
+    launch_floor = measured_launch_floor() if launch_floor is None else launch_floor
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    pieces, parent = _pieces(ops)
+    label = _labels(ops, parent, ceilings, launch_floor)
+    in_comm: dict = {}
+    for i in sorted(parent, key=lambda i: (ops[i]["ts"], -ops[i]["dur"])):  # parents first
+        in_comm[i] = is_collective(ops[i]["name"]) or (parent[i] is not None and in_comm[parent[i]])
+    comm = [(e["ts"], e["ts"] + e["dur"], ("c", j)) for j, e in enumerate(events)
+            if e.get("cat") in ("cpu_op", "user_annotation", "kernel") and is_collective(e["name"], e["cat"])]
+    label.update({key: (events[key[1]]["name"], "communication", 0.0, 0.0) for _, _, key in comm})
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+               and not is_collective(e["name"], e["cat"])]
+    if kernels:  # the device's timeline: a kernel's time is the time of the op that launched it
+        by_ext = {e["args"]["External id"]: i for i, e in enumerate(ops) if "External id" in (e.get("args") or {})}
+        work = []
+        for k, e in enumerate(kernels):
+            key = by_ext.get((e.get("args") or {}).get("External id", -1), ("k", k))
+            if key == ("k", k):
+                label[key] = (e["name"], "compute" if _GEMM_KERNEL.search(e["name"]) else "memory", 0.0, 0.0)
+            work.append((e["ts"], e["ts"] + e["dur"], key))
+    else:
+        work = [p for p in pieces if not in_comm[p[2]]]
+    seg = np.unique([t for s, e, _ in work + comm for t in (s, e)] + [t for e in ops for t in (e["ts"], e["ts"] + e["dur"])])
+    step = float(seg[-1] - seg[0]) * 1e-6
+    if step <= 0:
+        raise TriageError("the trace's operators span 0 s. Hint: profile a call that does some work")
+    busy, talk = _count(work, seg), _count(comm, seg)
+    secs = np.concatenate([_seconds(work, seg, busy, busy > 0), _seconds(comm, seg, talk, (busy == 0) & (talk > 0))])
+    idle = float(np.diff(seg)[(busy == 0) & (talk == 0)].sum()) * 1e-6
+    shares = dict.fromkeys(CATEGORIES, 0.0)
+    shares["overhead"] = idle / step
+    rows: dict = {}  # (name, category) -> [keys, seconds]
+    for (_, _, key), s in zip(work + comm, secs):
+        name, cat, _, _ = label[key]
+        shares[cat] += s / step
+        row = rows.setdefault((name, cat), [set(), 0.0])
+        row[0].add(key)
+        row[1] += s
+    stragglers, note = _straggler_split(waits, shares, rank) if waits is not None else ((), "")
+    shares = {k: float(v) for k, v in shares.items()}
+    evidence = []
+    for (name, cat), (keys, s) in rows.items():
+        f, b = sum(label[k][2] for k in keys), sum(label[k][3] for k in keys)
+        roof = max(f / ceilings.peak_flops, b / ceilings.bandwidth) / s if cat != "communication" and s > 0 else math.nan
+        evidence.append(Evidence(name, cat, len(keys), s, s / step, f, b, f / b if b else math.nan, roof))
+    if idle > 0:
+        evidence.append(Evidence("(idle: no operator running)", "overhead", 0, idle, idle / step, 0.0, 0.0,
+                                 math.nan, math.nan))
+    evidence.sort(key=lambda e: -e.seconds)
+    best = max(CATEGORIES, key=lambda k: shares[k])
+    return Triage(VERDICTS[best], shares, tuple(evidence[:top]), ACT_ON[best], step, ceilings, launch_floor,
+                  stragglers, note)

@@ -1,0 +1,57 @@
+"""The report card that ends `teraflops run`: machine, each notebook's headline numbers and figure."""
+
+import base64
+import json
+
+import nbformat
+
+from teraflops import report_card
+from teraflops.machine import detect
+from teraflops.runner import CellFailure, NotebookResult
+
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\nfake").decode()
+
+
+def executed(tmp_path, name, tagged_second=False):
+    nb = nbformat.v4.new_notebook()
+    first = nbformat.v4.new_code_cell("plot()")
+    first.outputs = [nbformat.v4.new_output("display_data", data={"image/png": "FIRST"})]
+    second = nbformat.v4.new_code_cell("plot2()")
+    second.outputs = [nbformat.v4.new_output("display_data", data={"image/png": PNG})]
+    if tagged_second:
+        second.metadata["tags"] = ["headline"]
+    nb.cells = [first, second]
+    path = tmp_path / f"{name}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def test_the_card_shows_the_machine_headlines_and_the_tagged_figure(tmp_path):
+    ok = NotebookResult("01_model_definition", 95.0, True, headline={
+        "matmul_tflops": {"value": 0.0612, "unit": "TFLOP/s", "label": "peak matmul"}},
+        executed=executed(tmp_path, "01_model_definition", tagged_second=True))
+    bad = NotebookResult("02_parallelization", 12.0, False, error=CellFailure(7, "LaunchFailed", "rank 1 <died>"))
+    page = report_card.render(detect(), [ok, bad], references=[])
+    assert detect().summary() in page and "1/2 ran without error" in page
+    assert "peak matmul" in page and "0.0612 TFLOP/s" in page
+    assert f"base64,{PNG}" in page and "FIRST" not in page  # the tagged figure, not the first
+    assert "failed: cell 7: LaunchFailed: rank 1 &lt;died&gt;" in page  # escaped
+    assert "No reference results" in page
+
+
+def test_without_a_tag_the_first_figure_and_references_sit_beside(tmp_path):
+    refdir = tmp_path / "reference"
+    refdir.mkdir()
+    (refdir / "h100.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "teraflops": "0.1.0", "notebooks": {
+        "01_model_definition": {"matmul_tflops": {"value": 612.0, "unit": "TFLOP/s", "label": "peak matmul"}}}}))
+    (refdir / "broken.json").write_text("{not json")
+    refs = report_card.load_references(refdir)
+    assert [r["gpu"] for r in refs] == ["NVIDIA H100 80GB HBM3"]
+    ok = NotebookResult("01_model_definition", 95.0, True, headline={
+        "matmul_tflops": {"value": 0.0612, "unit": "TFLOP/s", "label": "peak matmul"}},
+        executed=executed(tmp_path, "01_model_definition"))
+    page = report_card.render(detect(), [ok], references=refs)
+    assert "reference: NVIDIA H100 80GB HBM3" in page and "612 TFLOP/s" in page
+    assert "base64,FIRST" in page and "No reference results" not in page
+    path = report_card.write(detect(), [ok], tmp_path / "build", references=refs)
+    assert path.name == "report_card.html" and path.read_text().startswith("<!doctype html>")

@@ -1,0 +1,275 @@
+"""teraflops.triage: each unit's workload gets its unit's verdict; bad traces are one-line errors.
+
+Units 1 and 4 run for real on this machine (small sizes, measured ceilings). Units 3 and 5 need
+several ranks, which these tests do not launch: their traces are synthetic, built as torch 2.x
+writes a gloo DDP step (checked against a real single-process gloo trace in
+``test_real_gloo_all_reduce_is_communication``): the main thread enqueues ``c10d::allreduce_``
+(a TensorList argument) and then waits with no operator running, while gloo's worker thread holds
+a ``gloo:all_reduce`` range (``cat == "user_annotation"``) for the transfer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from teraflops import attention, cli, triage as tr
+from teraflops.ceilings import Ceilings, measure_ceilings
+from teraflops.launch import launch_floor, op_time_vs_size
+from teraflops.models import Llama
+
+MiB = 2**20
+NOMINAL = Ceilings(1e11, 1e10, torch.float32, "cpu", 0, 0)  # a CPU-like machine: ridge 10 FLOP/byte
+FLOOR = 5e-6
+
+
+@pytest.fixture(scope="module")
+def here():
+    """This machine's ceilings and launch floor, measured once (small probes: ~2 s)."""
+    c = measure_ceilings(matmul_n=512, copy_bytes=64 * MiB)
+    return c, launch_floor(op_time_vs_size([1], "cpu", min_run_time=0.05))
+
+
+def _run(fn, path, here, **kw):
+    c, floor = here
+    return tr.triage(tr.record(fn, path), ceilings=c, launch_floor=floor, **kw)
+
+
+def _check_shape(r: tr.Triage):
+    assert set(r.shares) == set(tr.CATEGORIES) and abs(sum(r.shares.values()) - 1) < 1e-9
+    assert r.verdict == tr.VERDICTS[max(r.shares, key=r.shares.get)]
+    assert r.evidence and r.evidence == tuple(sorted(r.evidence, key=lambda e: -e.seconds))
+    assert r.verdict in r.summary() and "Act on: " + r.act_on in r.summary() and "of roof" in r.table()
+    for e in r.evidence:  # a compute or memory row has an intensity and a fraction of its roof
+        assert e.category not in ("compute", "memory") or (e.nbytes > 0 and e.intensity >= 0 and e.of_roof > 0)
+
+
+# ---- the units' workloads -------------------------------------------------------------------------
+
+def test_unit1_matmul_is_compute_bound(here, tmp_path):
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    r = _run(lambda: a @ b, tmp_path / "mm.json", here)
+    _check_shape(r)
+    assert r.verdict == "compute-bound" and r.act_on.startswith("Unit 1")
+    mm = r.evidence[0]
+    assert mm.name == "aten::mm" and mm.flops == 2 * 512**3 and mm.nbytes == 3 * 512**2 * 4
+    assert mm.intensity == pytest.approx(512 / 6) and mm.of_roof > 0
+
+
+def test_unit1_naive_attention_is_memory_bound(here, tmp_path):
+    q, k, v = (torch.randn(1, 4, 512, 32) for _ in range(3))
+    r = _run(lambda: attention.naive_attention(q, k, v, causal=True), tmp_path / "attn.json", here)
+    _check_shape(r)
+    assert r.verdict == "memory-bound" and "FlashAttention" in r.act_on
+    rows = {e.name: e for e in tr.triage(tmp_path / "attn.json", ceilings=here[0], launch_floor=here[1],
+                                         top=50).evidence}
+    assert rows["aten::bmm"].flops == 2 * 2 * 4 * 512 * 512 * 32  # QKᵀ and PV, no double count via matmul
+    assert rows["aten::_softmax"].category == "memory" and rows["aten::_softmax"].intensity == 0
+    assert 0 < rows["aten::_softmax"].of_roof and rows["aten::matmul"].flops == 0
+
+
+def test_unit4_small_batch_decode_is_overhead_bound(here, tmp_path):
+    """Unit 4's decode loop (the course's Llama, batch 1) at a size whose every op moves a few KB."""
+    from teraflops.decode import generate
+
+    model = Llama(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_seq_len=32).eval()
+    prompt = torch.randint(0, 32, (1, 4))
+    r = _run(lambda: generate(model, prompt, 8), tmp_path / "decode.json", here)
+    _check_shape(r)
+    assert r.verdict == "overhead-bound" and "CUDA graphs" in r.act_on and r.shares["overhead"] > 0.8
+    assert sum(e.calls for e in r.evidence) > 50  # many small ops
+
+
+def _ddp_step(allreduce_ms: float, rank: int = 0) -> dict:
+    """A synthetic trace of one data-parallel step on CPU with gloo (see the module docstring):
+    forward/backward matmuls (~1 ms), ``c10d::allreduce_`` of a 512×512 fp32 gradient bucket on the
+    main thread, ``gloo:all_reduce`` for ``allreduce_ms`` on gloo's thread, then the optimizer."""
+    pid, main, worker = 4242, 4242, 4250
+    f32 = {"Input type": ["float", "float"], "Input Dims": [[32, 512], [512, 512]]}
+    ev, t = [], 1000.0
+
+    def op(name, dur, args, tid=main, cat="cpu_op", at=None):
+        nonlocal t
+        start = t if at is None else at
+        ev.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": start, "dur": dur, "args": args})
+        if at is None:
+            t += dur + 3.0  # 3 µs of Python between ops
+        return start
+
+    s = op("aten::linear", 320.0, {"Input type": ["float", "float", ""], "Input Dims": [[32, 512], [512, 512], []]})
+    ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::t", "pid": pid, "tid": main, "ts": s + 2, "dur": 4.0,
+               "args": {"Input type": ["float"], "Input Dims": [[512, 512]]}})
+    ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "pid": pid, "tid": main, "ts": s + 8, "dur": 310.0,
+               "args": {"Input type": ["float", "float", "float", "Scalar", "Scalar"],
+                        "Input Dims": [[512], [32, 512], [512, 512], [], []]}})
+    op("aten::mm", 330.0, f32)
+    op("aten::mm", 325.0, {"Input type": ["float", "float"], "Input Dims": [[512, 32], [32, 512]]})
+    start = op("c10d::allreduce_", 45.0, {"Input type": ["TensorList", "", "", "", "Scalar", "Scalar"],
+                                          "Input Dims": [[[512, 512]], [], [], [], [], []]})
+    op("gloo:all_reduce", allreduce_ms * 1e3, {"Input type": ["float"], "Input Dims": [[262144]]},
+       tid=worker, cat="user_annotation", at=start + 40)
+    t = start + 40 + allreduce_ms * 1e3 + 20
+    op("aten::div_", 250.0, {"Input type": ["float", "Scalar"], "Input Dims": [[512, 512], []]})
+    op("aten::add_", 380.0, {"Input type": ["float", "float", "Scalar"], "Input Dims": [[512, 512], [512, 512], []]})
+    return {"schemaVersion": 1, "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": 4},
+            "traceEvents": ev + [{"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans",
+                                  "tid": "PyTorch Profiler", "ts": 1000.0, "dur": t - 1000.0}]}
+
+
+def test_unit5_collective_dominated_step_with_even_waits_is_communication_bound():
+    r = tr.triage(_ddp_step(30.0), waits=[0.030, 0.031, 0.029, 0.030], ceilings=NOMINAL, launch_floor=FLOOR)
+    _check_shape(r)
+    assert r.verdict == "communication-bound" and r.act_on.startswith("Unit 5") and "Unit 2" in r.act_on
+    assert r.stragglers == () and r.shares["waiting"] == 0 and r.shares["communication"] > 0.9
+    assert {e.name for e in r.evidence} >= {"gloo:all_reduce", "aten::addmm"}
+    addmm = next(e for e in r.evidence if e.name == "aten::addmm")
+    assert addmm.category == "compute" and addmm.flops == 2 * 32 * 512 * 512
+    # without waits the same step is communication-bound too
+    assert tr.triage(_ddp_step(30.0), ceilings=NOMINAL, launch_floor=FLOOR).verdict == "communication-bound"
+
+
+def test_unit3_one_rank_waiting_least_is_a_straggler(tmp_path):
+    waits = [[0.030, 0.031, 0.002, 0.030], [0.029, 0.030, 0.001, 0.031]]  # [steps, ranks]; rank 2 is late
+    r = tr.triage(_ddp_step(30.0), waits=waits, ceilings=NOMINAL, launch_floor=FLOOR)
+    _check_shape(r)
+    assert r.verdict == "waiting (straggler)" and r.act_on == "Unit 3 (stragglers)" and r.stragglers == (2,)
+    assert r.shares["waiting"] > 0.8 and "Rank(s) 2 wait least" in r.summary()
+    # the same waits as a JSON dict rank -> per-step seconds, and the straggler's own trace
+    f = tmp_path / "waits.json"
+    f.write_text(json.dumps({str(k): [w[k] for w in waits] for k in range(4)}))
+    own = tr.triage(_ddp_step(2.0, rank=2), waits=f, ceilings=NOMINAL, launch_floor=FLOOR)
+    assert own.stragglers == (2,) and own.shares["waiting"] == 0 and "straggler itself" in own.summary()
+
+
+def test_real_gloo_all_reduce_is_communication(tmp_path):
+    """A real gloo trace, one process (world size 1): the names the synthetic traces use."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.randn(1 << 16)
+        r = tr.triage(tr.record(lambda: dist.all_reduce(x), tmp_path / "gloo.json"), ceilings=NOMINAL,
+                      launch_floor=FLOOR, top=20)
+    finally:
+        dist.destroy_process_group()
+    comm = {e.name for e in r.evidence if e.category == "communication"}
+    assert {"c10d::allreduce_", "gloo:all_reduce"} & comm and r.shares["communication"] > 0
+
+
+# ---- the accounting ------------------------------------------------------------------------------
+
+def test_self_time_and_self_flops_do_not_double_count():
+    mm = {"Input type": ["float", "float"], "Input Dims": [[64, 32], [32, 16]]}
+    ev = [{"ph": "X", "cat": "cpu_op", "name": "aten::matmul", "pid": 1, "tid": 1, "ts": 0.0, "dur": 100.0, "args": mm},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10.0, "dur": 80.0, "args": mm},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1, "ts": 150.0, "dur": 50.0,
+           "args": {"Input type": ["c10::BFloat16", "c10::BFloat16", "Scalar"], "Input Dims": [[1024], [1024], []]}}]
+    r = tr.triage({"traceEvents": ev}, ceilings=Ceilings(1e9, 1e8, torch.float32, "cpu", 0, 0), launch_floor=1e-7)
+    rows = {e.name: e for e in r.evidence}
+    assert r.step_s == pytest.approx(200e-6)
+    assert rows["aten::mm"].seconds == pytest.approx(80e-6) and rows["aten::matmul"].seconds == pytest.approx(20e-6)
+    assert rows["aten::mm"].flops == 2 * 64 * 32 * 16 and rows["aten::matmul"].flops == 0
+    assert rows["aten::add"].nbytes == 3 * 1024 * 2  # bf16: 2 bytes, two inputs and one output
+    assert rows["(idle: no operator running)"].seconds == pytest.approx(50e-6)
+    assert r.shares["overhead"] == pytest.approx(0.25 + 0.1)  # the gap and matmul's own 20 µs
+
+
+@pytest.mark.parametrize("name,dims,types,flops", [
+    ("aten::addmm", [[16], [8, 4], [4, 16], [], []], ["float", "float", "float", "Scalar", "Scalar"], 2 * 8 * 16 * 4),
+    ("aten::bmm", [[3, 8, 4], [3, 4, 5]], ["c10::Half", "c10::Half"], 2 * 3 * 8 * 4 * 5),
+    ("aten::linear", [[2, 8, 4], [16, 4]], ["float", "float"], 2 * 16 * 16 * 4),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", [[1, 2, 8, 4]] * 3, ["float"] * 3,
+     4 * 1 * 2 * 8 * 8 * 4),
+])
+def test_op_cost_uses_torch_flop_formulas(name, dims, types, flops):
+    f, b = tr.op_cost(name, {"Input Dims": dims, "Input type": types})
+    assert f == flops and b > 0
+
+
+def test_gpu_kernels_take_the_time_of_the_op_that_launched_them():
+    """Synthetic GPU trace: a GEMM kernel linked to aten::mm by External id, then the device idles."""
+    mm = {"Input type": ["c10::BFloat16"] * 2, "Input Dims": [[4096, 4096], [4096, 4096]], "External id": 7}
+    ev = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0.0, "dur": 20.0, "args": mm},
+          {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16bf16_bf16f32", "pid": 0, "tid": 7, "ts": 15.0,
+           "dur": 300.0, "args": {"External id": 7}},
+          {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "pid": 0, "tid": 20,
+           "ts": 100.0, "dur": 260.0, "args": {}}]
+    r = tr.triage({"traceEvents": ev}, ceilings=Ceilings(989e12, 3.35e12, torch.bfloat16, "cuda", 0, 0),
+                  launch_floor=5e-6)
+    rows = {e.name: e for e in r.evidence}
+    assert r.verdict == "compute-bound" and rows["aten::mm"].seconds == pytest.approx(300e-6)
+    assert rows["ncclDevKernel_AllReduce_Sum_bf16_RING_LL"].seconds == pytest.approx(45e-6)  # exposed part only
+    assert rows["(idle: no operator running)"].seconds == pytest.approx(15e-6)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+def _one_line(e):
+    msg = str(e.value)
+    assert "\n" not in msg and "Hint:" in msg
+    return msg
+
+
+@pytest.mark.parametrize("trace,words", [
+    ({}, "traceEvents"),
+    ({"traceEvents": []}, "no operator events"),
+    ([{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 5}], "no operator events"),
+    ({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0}]}, "malformed"),
+    ({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5,
+                       "args": {"Input type": ["float", "float"], "Input Dims": [[2, 3], [4, 5]]}}]}, "do not fit"),
+    ("/nonexistent/trace.json", "not found"),
+])
+def test_bad_traces_are_one_line_errors(trace, words):
+    with pytest.raises(tr.TriageError) as e:
+        tr.triage(trace, ceilings=NOMINAL, launch_floor=FLOOR)
+    assert words in _one_line(e)
+
+
+@pytest.mark.parametrize("waits,words", [
+    ([0.1, -0.2, 0.1], ">= 0"), ([0.1, 0.2], "at least 3 ranks"), ([[0.1, 0.2, 0.3], [0.1]], "cannot read"),
+    ({"a": 1}, "cannot read"),
+])
+def test_bad_waits_are_one_line_errors(waits, words):
+    with pytest.raises(tr.TriageError) as e:
+        tr.triage(_ddp_step(30.0), waits=waits, ceilings=NOMINAL, launch_floor=FLOOR)
+    assert words in _one_line(e)
+
+
+def test_waits_without_a_collective_in_the_trace():
+    ev = [{"ph": "X", "cat": "cpu_op", "name": "aten::relu", "pid": 1, "tid": 1, "ts": 0, "dur": 5,
+           "args": {"Input type": ["float"], "Input Dims": [[4]]}}]
+    with pytest.raises(tr.TriageError) as e:
+        tr.triage({"traceEvents": ev}, waits=[0.1, 0.1, 0.1], ceilings=NOMINAL, launch_floor=FLOOR)
+    assert "no exposed time in collectives" in _one_line(e)
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", ["", "{not json", "[]", '{"traceEvents": []}', None])
+def test_cli_bad_trace_exits_2_with_one_line(tmp_path, capsys, content):
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content)
+    assert cli.main(["triage", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Hint:" in err
+
+
+def test_cli_triage_prints_verdict_and_evidence(tmp_path, capsys):
+    trace, waits = tmp_path / "step.json", tmp_path / "waits.json"
+    trace.write_text(json.dumps(_ddp_step(30.0)))
+    waits.write_text("[0.030, 0.031, 0.002, 0.030]")
+    nominal = ["--peak-flops", "1e11", "--bandwidth", "1e10", "--launch-floor", "5e-6"]
+    assert cli.main(["triage", str(trace), *nominal]) == 0
+    assert "communication-bound" in capsys.readouterr().out
+    assert cli.main(["triage", str(trace), "--waits", str(waits), *nominal]) == 0
+    out = capsys.readouterr().out
+    assert "waiting (straggler)" in out and "gloo:all_reduce" in out and "Unit 3" in out
+    assert cli.main(["triage", str(trace), "--peak-flops", "1e11"]) == 2
+    assert "--bandwidth" in capsys.readouterr().err
+    assert cli.main(["triage", str(trace), "--waits", str(tmp_path / "none.json"), *nominal]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
