@@ -38,11 +38,11 @@ def test_tc_commands_shape_rate_with_tbf_and_delay_with_netem(monkeypatch):
     assert Link().tc_commands("eth0") == []  # unshaped: no qdisc
     (tbf,) = Link(rate=25e6).tc_commands("eth0")
     assert tbf[:6] == ["qdisc", "add", "dev", "eth0", "root", "handle"] and "tbf" in tbf and "200000000bit" in tbf
-    monkeypatch.setattr(cl, "_QDISCS", frozenset({"tbf", "netem"}))
+    monkeypatch.setattr(cl, "_PROBE", (None, frozenset({"tbf", "netem"})))
     netem, child = Link(rate=25e6, latency=1e-3, loss=0.01).tc_commands("port0")
     assert "netem" in netem and "1000us" in netem and "1%" in netem
     assert child[4:8] == ["parent", "1:1", "handle", "10:"] and "tbf" in child
-    monkeypatch.setattr(cl, "_QDISCS", frozenset({"tbf"}))
+    monkeypatch.setattr(cl, "_PROBE", (None, frozenset({"tbf"})))
     with pytest.raises(ClusterError, match="netem"):
         Link(latency=1e-3).tc_commands("eth0")
 

@@ -72,7 +72,7 @@ def test_solution_passes_every_exercise_check(solution):
     line. nbval (``--nbval-lax``) executes the solution and compares exactly those outputs, so a
     solution that stops passing fails there; this test makes sure nothing is left unchecked,
     without executing the solution a second time."""
-    from teraflops.grading import unit01, unit02, unit03, unit04, unit05  # noqa: F401 - registers the exercises
+    from teraflops.grading import unit01, unit02, unit03, unit04, unit05, unit06  # noqa: F401 - registers the exercises
 
     nb = nbformat.read(solution, as_version=4)
     unit = int(solution.name[:2])

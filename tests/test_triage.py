@@ -273,3 +273,25 @@ def test_cli_triage_prints_verdict_and_evidence(tmp_path, capsys):
     assert "--bandwidth" in capsys.readouterr().err
     assert cli.main(["triage", str(trace), "--waits", str(tmp_path / "none.json"), *nominal]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_an_op_with_no_work_waiting_on_a_collective_is_communication():
+    """DeepSpeed ZeRO-3 waits for a parameter all-gather inside an autograd node (a non-aten range with
+    no work of its own) while gloo's thread holds the transfer; the copy gloo runs inside its range is
+    part of the transfer. Both times are communication, the matmul stays compute."""
+    pid, main, gloo = 1, 1, 2
+    ev = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": pid, "tid": main, "ts": 0.0, "dur": 1000.0,
+         "args": {"Input type": ["float", "float"], "Input Dims": [[512, 512], [512, 512]]}},
+        {"ph": "X", "cat": "cpu_op", "name": "PreBackwardFunctionForModuleBackward", "pid": pid, "tid": main,
+         "ts": 1000.0, "dur": 4000.0, "args": {"Input type": ["float"], "Input Dims": [[4096, 4096]]}},
+        {"ph": "X", "cat": "user_annotation", "name": "gloo:all_gather", "pid": pid, "tid": gloo, "ts": 1010.0,
+         "dur": 3980.0, "args": {}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": pid, "tid": gloo, "ts": 4000.0, "dur": 900.0,
+         "args": {"Input type": ["float", "float"], "Input Dims": [[4096, 4096], [4096, 4096]]}},
+    ]
+    assert tr.op_cost("PreBackwardFunctionForModuleBackward", ev[1]["args"]) == (0.0, 0.0)
+    r = tr.triage(ev, ceilings=NOMINAL, launch_floor=FLOOR)
+    assert r.verdict == "communication-bound"
+    assert r.shares["communication"] == pytest.approx(3980 / 5000) and r.shares["compute"] == pytest.approx(0.2)
+    assert "aten::copy_" not in {e.name for e in r.evidence}

@@ -115,29 +115,41 @@ def _burst(rate: float) -> int:
     return max(64 * 1024, int(rate * 2e-3))
 
 
-_QDISCS: frozenset | None = None
+_PROBE: tuple | None = None  # (why a namespace cannot be made, qdiscs), probed once per process
+
+
+def _probe() -> tuple[str | None, frozenset]:
+    """Make a scratch namespace once per process: why that failed (``None`` if it worked), and the
+    shaping qdiscs of ``{"tbf", "netem"}`` that could be added to its loopback."""
+    global _PROBE
+    if _PROBE is None:
+        probe, found = f"{PREFIX}probe{os.getpid()}", set()
+        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+        if made.returncode != 0:
+            _PROBE = (f"cannot create a network namespace here ({made.stderr.strip() or 'ip netns add failed'})",
+                      frozenset())
+            return _PROBE
+        try:
+            for kind, args in (("tbf", ["rate", "1mbit", "burst", "32k", "latency", "10ms"]), ("netem", ["delay", "1ms"])):
+                cmd = ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", kind, *args]
+                if subprocess.run(cmd, capture_output=True).returncode == 0:
+                    found.add(kind)
+                    subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "del", "dev", "lo", "root"],
+                                   capture_output=True)
+        finally:
+            subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        _PROBE = (None, frozenset(found))
+    return _PROBE
 
 
 def qdiscs() -> frozenset:
-    """The shaping qdiscs this kernel has, of ``{"tbf", "netem"}`` (probed once, in a scratch namespace).
+    """The shaping qdiscs this kernel has, of ``{"tbf", "netem"}`` (probed once, in a scratch namespace;
+    empty where no namespace can be made).
 
     ``tbf`` sets a link's rate; ``netem`` its latency and loss. A kernel built without
     ``CONFIG_NET_SCH_NETEM`` (as on the course's CPU machines) has rate shaping only.
     """
-    global _QDISCS
-    if _QDISCS is None:
-        probe, found = f"{PREFIX}qdisc{os.getpid()}", set()
-        if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0:
-            try:
-                for kind, args in (("tbf", ["rate", "1mbit", "burst", "32k", "latency", "10ms"]), ("netem", ["delay", "1ms"])):
-                    cmd = ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", kind, *args]
-                    if subprocess.run(cmd, capture_output=True).returncode == 0:
-                        found.add(kind)
-                        subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
-            finally:
-                subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-        _QDISCS = frozenset(found)
-    return _QDISCS
+    return _probe()[1]
 
 
 def unavailable() -> str | None:
@@ -153,12 +165,10 @@ def unavailable() -> str | None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"emulated nodes need iproute2 ({' and '.join(missing)} not found; apt install iproute2)"
-    probe = f"{PREFIX}probe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace here ({made.stderr.strip() or 'ip netns add failed'})"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    if "tbf" not in qdiscs():
+    why, found = _probe()
+    if why:
+        return why
+    if "tbf" not in found:
         return "this kernel has no tbf qdisc (sch_tbf), so links cannot be rate-shaped"
     return None
 
@@ -227,15 +237,9 @@ def down(grace: float = 3.0, only: list[str] | None = None) -> list[str]:
 
 def _down_uninterrupted(names: list[str]) -> None:
     """:func:`down` of ``names``, finished even if more Ctrl-Cs arrive; one that came is raised afterwards."""
-    interrupted = False
-    while True:
-        try:
-            down(only=names)
-            break
-        except KeyboardInterrupt:
-            interrupted = True
-    if interrupted:
-        raise KeyboardInterrupt
+    from .distributed import uninterruptible
+
+    uninterruptible(down, only=names)
 
 
 def _alive(pid: int) -> bool:

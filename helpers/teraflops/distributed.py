@@ -290,22 +290,28 @@ def _last_line(path: Path) -> str:
     return found.strip()[:300]
 
 
-def _stop_uninterrupted(procs, results: Path | None) -> None:
-    """:func:`_stop` for each launcher, finished even if more interrupts arrive (an impatient second
-    Ctrl-C must not leave the ranks running); a KeyboardInterrupt that came meanwhile is raised afterwards."""
+def uninterruptible(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` run to the end even if Ctrl-Cs arrive meanwhile (it is restarted
+    after each; clean-up must not be cut short by an impatient second Ctrl-C); a KeyboardInterrupt
+    that came is raised afterwards. ``fn`` must be safe to call again."""
     interrupted = False
-    for proc in procs:
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)  # first, before anything slow
     while True:
         try:
-            for proc in procs:
-                _stop(proc, results)
+            out = fn(*args, **kwargs)
             break
         except KeyboardInterrupt:
             interrupted = True
     if interrupted:
         raise KeyboardInterrupt
+    return out
+
+
+def _stop_uninterrupted(procs, results: Path | None) -> None:
+    """:func:`_stop` for each launcher, through more interrupts (:func:`uninterruptible`)."""
+    for proc in procs:
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)  # first, before anything slow
+    uninterruptible(lambda: [_stop(proc, results) for proc in procs])
 
 
 def _stop(proc, results: Path | None, grace: float = 3.0) -> None:

@@ -10,8 +10,11 @@ and splits the step's wall time into five categories:
   "Roofline", CACM 52(4), 2009). Time in which no operator runs (Python, dispatcher, a GPU waiting
   for launches) is **overhead** too.
 * **communication**: time in collectives (gloo/NCCL ranges, ``c10d::`` ops, ``record_param_comms``,
-  NCCL kernels) while no other operator runs, i.e. *exposed* communication; overlapped
-  communication costs nothing.
+  NCCL kernels) while no other operator does work, i.e. *exposed* communication; overlapped
+  communication costs nothing. An operator with no work of its own (a module hook, an autograd
+  node: DeepSpeed ZeRO-3 waits for its parameter all-gathers inside one) that runs while a
+  collective is in flight is waiting for it, so that time is communication too; operators that
+  gloo's worker threads run inside a collective's range are part of it.
 * **waiting**: with per-rank wait times, the part of that collective time spent waiting for a
   straggler. The straggler is the rank that waits *least* (it arrives last, everyone else waits for
   it), found with the modified z-score of :mod:`teraflops.detection` (Iglewicz & Hoaglin 1993).
@@ -24,7 +27,8 @@ Self time: on one thread, operator events nest by time containment; an event's s
 time when it is the innermost event running, so ``aten::matmul`` and its ``aten::mm`` are not
 counted twice. FLOPs and bytes are "self" in the same way: an operator's own estimate from its
 ``Input Dims`` / ``Input type`` minus its children's (floored at 0), so a wrapper that delegates its
-work has none. FLOPs follow ``torch.utils.flop_counter`` (matmul family, SDPA kernels; elementwise
+work has none, and so does any range that is not an ``aten::`` operator (autograd nodes, hooks,
+``record_function`` ranges: their work is in the ``aten::`` operators they call). FLOPs follow ``torch.utils.flop_counter`` (matmul family, SDPA kernels; elementwise
 ops count 0); bytes are the minimum traffic as in :mod:`teraflops.roofline`: tensor inputs plus an
 output estimate (matmul ``M·N``; SDPA the query's shape; elementwise and reductions the largest
 input; in-place ops (``add_``) the first input, which ``copy_``, ``fill_``… only write). Views and
@@ -108,7 +112,7 @@ def op_cost(name: str, args: dict) -> tuple[float, float]:
     op = name.split("::")[-1]
     ts = _tensors(args)
     s = [shape for shape, _ in ts]
-    if op in _METADATA_OPS or op in _NO_TRAFFIC or not ts:
+    if not name.startswith("aten::") or op in _METADATA_OPS or op in _NO_TRAFFIC or not ts:
         return 0.0, 0.0
     big = max(ts, key=lambda t: math.prod(t[0]))  # elementwise ops and reductions: the largest input
     flops, out, out_size = 0, math.prod(big[0]), big[1]
@@ -129,25 +133,45 @@ def op_cost(name: str, args: dict) -> tuple[float, float]:
     return float(flops), float(sum(math.prod(x) * b for x, b in ts) + out * out_size)
 
 
-@functools.lru_cache(maxsize=None)
-def measured_ceilings() -> Ceilings:
-    """This machine's ceilings, :func:`teraflops.ceilings.measure_ceilings` at the preset's probe
-    sizes (a few seconds), measured once per process."""
-    from .ceilings import measure_ceilings
-
-    return measure_ceilings()
-
-
-@functools.lru_cache(maxsize=None)
-def measured_launch_floor() -> float:
-    """This machine's launch floor in seconds, measured once per process: the median time of a
-    1-element ``torch.add`` (the smallest point of Unit 1's :func:`teraflops.launch.op_time_vs_size`
-    sweep). Measured rather than read from the trace: a trace's shortest events are dispatcher-only
-    ops (a view, ~0.1 µs), far below what an op that launches work costs."""
-    from .launch import launch_floor, op_time_vs_size
+def measured_ceilings(device: str | None = None) -> Ceilings:
+    """This machine's ceilings on ``device`` (``"cpu"`` or ``"cuda"``; default the machine's),
+    :func:`teraflops.ceilings.measure_ceilings` at the preset's probe sizes (the ``cpu`` preset's
+    for the CPU of a GPU machine; a few seconds), measured once per process and device."""
     from .machine import detect
 
-    return launch_floor(op_time_vs_size([1], detect().device, min_run_time=0.05))
+    return _ceilings_on(device or detect().device)
+
+
+@functools.lru_cache(maxsize=None)
+def _ceilings_on(device: str) -> Ceilings:
+    import torch
+
+    from .ceilings import measure_ceilings
+    from .machine import detect
+    from .sizing import PRESETS
+
+    if device == detect().device:
+        return measure_ceilings(device=device)
+    p = PRESETS["cpu"]
+    return measure_ceilings(p.probe_matmul_n, p.probe_copy_bytes, torch.float32, device)
+
+
+def measured_launch_floor(device: str | None = None) -> float:
+    """This machine's launch floor in seconds on ``device`` (default the machine's), measured once per
+    process: the median time of a 1-element ``torch.add`` (the smallest point of Unit 1's
+    :func:`teraflops.launch.op_time_vs_size` sweep). Measured rather than read from the trace: a
+    trace's shortest events are dispatcher-only ops (a view, ~0.1 µs), far below what an op that
+    launches work costs."""
+    from .machine import detect
+
+    return _floor_on(device or detect().device)
+
+
+@functools.lru_cache(maxsize=None)
+def _floor_on(device: str) -> float:
+    from .launch import launch_floor, op_time_vs_size
+
+    return launch_floor(op_time_vs_size([1], device, min_run_time=0.05))
 
 
 def record(fn: Callable[[], object], path, warmup: int = 2) -> Path:
@@ -375,8 +399,11 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
             ``.json.gz``) or the loaded dict (:func:`load_trace`).
         waits: optional seconds each rank spent inside the step's collectives: ``[ranks]`` or
             ``[steps, ranks]`` (at least 3 ranks), a dict rank -> seconds, or a JSON file of these.
-        ceilings: peak FLOP/s and bandwidth (bytes/s); default this machine's (:func:`measured_ceilings`).
-        launch_floor: seconds of the cheapest op; default this machine's (:func:`measured_launch_floor`).
+        ceilings: peak FLOP/s and bandwidth (bytes/s); default this machine's (:func:`measured_ceilings`)
+            on the device the trace ran on: its GPU when the trace has GPU kernels, else its CPU (e.g.
+            gloo ranks on a machine with too few GPUs for NCCL).
+        launch_floor: seconds of the cheapest op; default this machine's on that device
+            (:func:`measured_launch_floor`).
             Pass both for a trace recorded on another machine.
         top: evidence rows kept, largest time first.
 
@@ -384,14 +411,21 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
         TriageError: an unreadable or empty trace, bad waits, or waits with no collective in the trace.
     """
     events, rank = load_trace(trace)
-    ceilings = measured_ceilings() if ceilings is None else ceilings
-    launch_floor = measured_launch_floor() if launch_floor is None else launch_floor
+    on = "cuda" if any(e.get("cat") == "kernel" for e in events) else "cpu"  # where the trace's work ran
+    ceilings = measured_ceilings(on) if ceilings is None else ceilings
+    launch_floor = measured_launch_floor(on) if launch_floor is None else launch_floor
     ops = [e for e in events if e.get("cat") == "cpu_op"]
     pieces, parent = _pieces(ops)
     label = _labels(ops, parent, ceilings, launch_floor)
+    spans: dict = {}  # thread -> collective ranges that are no operator (gloo's worker threads)
+    for e in events:
+        if e.get("cat") == "user_annotation" and is_collective(e["name"], e["cat"]):
+            spans.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["ts"] + e["dur"]))
     in_comm: dict = {}
     for i in sorted(parent, key=lambda i: (ops[i]["ts"], -ops[i]["dur"])):  # parents first
-        in_comm[i] = is_collective(ops[i]["name"]) or (parent[i] is not None and in_comm[parent[i]])
+        e = ops[i]
+        in_comm[i] = (is_collective(e["name"]) or (parent[i] is not None and in_comm[parent[i]])
+                      or any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in spans.get((e.get("pid"), e.get("tid")), ())))
     comm = [(e["ts"], e["ts"] + e["dur"], ("c", j)) for j, e in enumerate(events)
             if e.get("cat") in ("cpu_op", "user_annotation", "kernel") and is_collective(e["name"], e["cat"])]
     label.update({key: (events[key[1]]["name"], "communication", 0.0, 0.0) for _, _, key in comm})
@@ -407,22 +441,30 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
             work.append((e["ts"], e["ts"] + e["dur"], key))
     else:
         work = [p for p in pieces if not in_comm[p[2]]]
-    seg = np.unique([t for s, e, _ in work + comm for t in (s, e)] + [t for e in ops for t in (e["ts"], e["ts"] + e["dur"])])
+    # an operator with no work of its own (a module hook, an autograd node, Python) that runs while a
+    # collective is in flight is waiting for it: such time goes to the collective, as idle time does
+    light = [] if kernels else [p for p in work if label[p[2]][2] == 0 and label[p[2]][3] == 0]
+    work = work if kernels else [p for p in work if label[p[2]][2] > 0 or label[p[2]][3] > 0]
+    seg = np.unique([t for s, e, _ in work + light + comm for t in (s, e)]
+                    + [t for e in ops for t in (e["ts"], e["ts"] + e["dur"])])
     step = float(seg[-1] - seg[0]) * 1e-6
     if step <= 0:
         raise TriageError("the trace's operators span 0 s. Hint: profile a call that does some work")
     busy, talk = _count(work, seg), _count(comm, seg)
-    secs = np.concatenate([_seconds(work, seg, busy, busy > 0), _seconds(comm, seg, talk, (busy == 0) & (talk > 0))])
-    idle = float(np.diff(seg)[(busy == 0) & (talk == 0)].sum()) * 1e-6
+    waiting = _count(light, seg) if light else np.zeros(len(seg) - 1)
+    secs = np.concatenate([_seconds(work, seg, busy, busy > 0),
+                           _seconds(light, seg, waiting, (busy == 0) & (talk == 0) & (waiting > 0)),
+                           _seconds(comm, seg, talk, (busy == 0) & (talk > 0))])
+    idle = float(np.diff(seg)[(busy == 0) & (talk == 0) & (waiting == 0)].sum()) * 1e-6
     shares = dict.fromkeys(CATEGORIES, 0.0)
     shares["overhead"] = idle / step
     rows: dict = {}  # (name, category) -> [keys, seconds]
-    for (_, _, key), s in zip(work + comm, secs):
+    for (_, _, key), s in zip(work + light + comm, secs):
         name, cat, _, _ = label[key]
         shares[cat] += s / step
         row = rows.setdefault((name, cat), [set(), 0.0])
         row[0].add(key)
-        row[1] += s
+        row[1] += float(s)
     stragglers, note = _straggler_split(waits, shares, rank) if waits is not None else ((), "")
     shares = {k: float(v) for k, v in shares.items()}
     evidence = []

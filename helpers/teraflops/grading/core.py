@@ -261,7 +261,7 @@ def grade(path: str | Path, timeout: int = 600) -> GradeReport:
     import nbformat
 
     from ..runner import execute_cells, make_client
-    from . import unit01, unit02, unit03, unit04, unit05  # noqa: F401 - registers the units' exercises
+    from . import unit01, unit02, unit03, unit04, unit05, unit06  # noqa: F401 - registers the units' exercises
 
     path = Path(path)
     if not path.is_file():

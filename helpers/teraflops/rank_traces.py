@@ -1,0 +1,199 @@
+"""Traces of distributed steps, one per rank, for the triage capstone (:mod:`teraflops.triage`).
+
+:func:`profile_ranks` runs, in one launch (:func:`teraflops.distributed.launch`, rank side
+:mod:`teraflops.workers.triage_trace`), workloads whose bottleneck is in how the ranks talk,
+profiles one step of each on every rank after warm-up, and returns per workload the trace to
+triage and the wait times that go with it (:class:`RankTrace`)::
+
+    rt = profile_ranks()["straggler"]
+    triage(rt.trace, waits=rt.waits)   # -> "waiting (straggler)", stragglers == (rt.straggler,)
+
+The workloads, and the verdict each should get from rank 0's trace with its waits:
+
+* ``"zero3"``: one training step of :class:`teraflops.models.GPT` under DeepSpeed ZeRO stage 3
+  (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+  SC 2020, §5.3; DeepSpeed's CPU path: gloo, fp32). Each parameter lives as a 1/N shard and is
+  all-gathered before its module runs, and the gradients are reduce-scattered back to their
+  owners. The GPT is the preset's ``dp_*`` one (wide, few tokens: 1.6 M parameters, one sequence of
+  16 tokens per rank on CPU): the bytes moved grow with the parameters, the FLOPs with parameters
+  × tokens, so with few tokens the transfers outweigh the arithmetic → **communication-bound**
+  (~60 % of the step on the 2-core machine, ~30 % overhead: DeepSpeed's Python hooks). Config:
+  Unit 2's :func:`teraflops.workers.zero_train.config` (no overlap, no prefetch, parameters released
+  after use and gathered again for backward: 3Ψ per step) with the comms logger off (its
+  bookkeeping is Python time on every call) and one reduce bucket for all gradients (one
+  reduce-scatter after backward; DeepSpeed's default 5e8 elements would allocate 2 GB). DeepSpeed
+  waits for the backward re-gather inside its autograd node ``PreBackwardFunctionForModuleBackward``:
+  triage counts such no-work time during a collective in flight as communication.
+* ``"straggler"``: synchronous data parallelism (forward, backward, one all-reduce of all gradients,
+  SGD) on the preset's ``gpt_*`` GPT, the last rank sleeping :data:`STRAGGLER_FACTOR` × the
+  measured step time before the all-reduce (Unit 3's injected delay, :mod:`teraflops.stragglers`).
+  Rank 0 computes, then sits in the all-reduce until the late rank arrives; the waits show the late
+  rank waiting least → **waiting (straggler)**, ``stragglers == (ranks - 1,)``, with about
+  F / (F + 1) = 3/4 of rank 0's step waiting (67-80 % measured).
+* ``"allreduce"``: :data:`ALLREDUCE_CALLS` all-reduces of ``collective_min_bytes`` (1 KiB) with one
+  trivial op between them: each costs the collective's latency α (the Hockney model of
+  :mod:`teraflops.collectives`; ~8 ms with 4 gloo ranks on 2 cores, against µs for the op),
+  nothing else to do → **communication-bound** (>90 %), even waits.
+
+Waits: per profiled step and rank, the wall seconds during which a collective ran
+(:func:`collective_seconds`: the union of the events :func:`teraflops.triage.is_collective`
+names), ``[steps, ranks]``, read from each step's own profile. Without a straggler they are even:
+no rank waits for another more than the transfer takes.
+
+Units: seconds; paths are :class:`pathlib.Path`. The verdicts above are the CPU machine's (gloo
+ranks sharing its cores); on GPUs the same workloads' shares follow NVLink's or the network's speed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CourseError
+
+WORKLOADS = ("zero3", "straggler", "allreduce")
+EXPECTED = {"zero3": "communication-bound", "straggler": "waiting (straggler)", "allreduce": "communication-bound"}
+"""The verdict each workload's rank-0 trace should get from :func:`teraflops.triage.triage` with its waits."""
+WORKER = "teraflops.workers.triage_trace"
+WARMUP = 2  # untimed steps per workload before the profiled ones
+STEPS = 5  # profiled steps per workload (rows of the waits)
+STRAGGLER_FACTOR = 3.0  # the late rank's sleep, × the slowest rank's median step without delay
+ALLREDUCE_CALLS = 32  # all-reduces per step of the "allreduce" workload
+SIZE_FLAGS = ("vocab", "d-model", "layers", "heads", "seq-len", "micro-batch")  # the worker's --zero-*/--dp-* sizes
+_COMM_CATS = ("cpu_op", "user_annotation", "kernel")  # the event categories triage reads collectives from
+
+
+class RankTraceError(CourseError, ValueError):
+    """Arguments :func:`profile_ranks` cannot run with; one line with a hint."""
+
+
+@dataclass(frozen=True)
+class RankTrace:
+    """One workload's traces and waits from :func:`profile_ranks`.
+
+    Attributes:
+        workload: its name, one of :data:`WORKLOADS`.
+        trace: rank 0's Chrome trace of one profiled step, the one to triage (rank 0 is never the
+            delayed rank, so its trace shows the waiting).
+        traces: every rank's trace of that step, by rank (``traces[0] == trace``).
+        waits: ``[steps, ranks]`` seconds each rank spent inside collectives in each profiled step
+            (the first row is the traced step), as :func:`teraflops.triage.triage` takes them.
+        straggler: the delayed rank (the last) for ``"straggler"``, else None.
+        ranks: the launch's world size.
+        delay_s: the straggler's injected sleep per step (s), else 0.
+    """
+
+    workload: str
+    trace: Path
+    traces: tuple
+    waits: list
+    straggler: int | None
+    ranks: int
+    delay_s: float = 0.0
+
+    @property
+    def expected(self) -> str:
+        """The verdict this workload should get (:data:`EXPECTED`)."""
+        return EXPECTED[self.workload]
+
+
+def collective_seconds(trace) -> float:
+    """Wall seconds during which at least one collective ran in a Chrome trace (a path or loaded
+    dict, :func:`teraflops.triage.load_trace`): the union of the intervals of the events that
+    :func:`teraflops.triage.triage` counts as communication (``c10d::`` ops, gloo/NCCL ranges on the
+    backend's threads, NCCL kernels), overlapping ones counted once."""
+    from .triage import is_collective, load_trace
+
+    events, _ = load_trace(trace)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("cat") in _COMM_CATS and is_collective(e["name"], e["cat"]))
+    total, end = 0.0, float("-inf")
+    for s, e in spans:
+        total += max(0.0, e - max(s, end))
+        end = max(end, e)
+    return total * 1e-6
+
+
+def default_ranks() -> int:
+    """One rank per GPU with 3 GPUs or more, else the preset's ``straggler_ranks_cpu`` CPU ranks."""
+    from .machine import detect
+    from .sizing import preset
+
+    gpus = detect().gpu_count
+    return gpus if gpus >= 3 else preset().straggler_ranks_cpu
+
+
+def worker_args(workloads, out_dir: Path, steps: int, p, seed: int = 0) -> list[str]:
+    """The worker's command line for preset ``p``: ZeRO-3 on the ``dp_*`` GPT (wide, few tokens, one
+    sequence per rank), the straggler on the ``gpt_*`` GPT, 1-KiB all-reduces."""
+    zero = (p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len, 1)
+    dp = (p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len, p.straggler_micro_batch)
+    args = ["--workloads", ",".join(workloads), "--out", str(out_dir), "--steps", str(steps), "--seed", str(seed),
+            "--allreduce-bytes", str(p.collective_min_bytes)]
+    for prefix, sizes in (("zero", zero), ("dp", dp)):
+        for name, v in zip(SIZE_FLAGS, sizes):
+            args += [f"--{prefix}-{name}", str(v)]
+    return args
+
+
+def profile_ranks(workloads=WORKLOADS, out_dir=None, ranks: int | None = None, steps: int | None = None,
+                  cluster=None, timeout: float = 300, seed: int = 0) -> dict[str, RankTrace]:
+    """Run the ``workloads`` on ``ranks`` ranks in one launch; profile them; return a :class:`RankTrace` each.
+
+    Args:
+        workloads: some of :data:`WORKLOADS` (a name or a sequence), run in this order, ``"zero3"`` last.
+        out_dir: folder for the traces, ``<workload>.rank<r>.json`` (created); default a fresh
+            temporary folder (left for the caller: the traces are the result).
+        ranks: world size; default :func:`default_ranks` (4 gloo ranks on a CPU machine; one per GPU
+            with 3 or more GPUs; with fewer GPUs, CPU ranks with the GPUs hidden). ``"straggler"``
+            needs at least 3 (the waits' median needs a majority), the others 2.
+        steps: profiled steps per workload, the rows of ``waits`` (default :data:`STEPS`).
+        cluster: an emulated :class:`~teraflops.cluster.Cluster` (up) to spread the ranks over its nodes.
+        timeout: seconds for the whole launch (DeepSpeed's one-off op build is outside it).
+        seed: model and data seed.
+
+    Raises:
+        RankTraceError: an unknown workload, too few ranks, steps < 1.
+        LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
+    """
+    from .distributed import launch
+    from .machine import detect
+    from .sizing import PRESETS, preset
+
+    names = (workloads,) if isinstance(workloads, str) else tuple(workloads)
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        what = f"unknown workload(s) {unknown}" if unknown else "no workload given"
+        raise RankTraceError(f"{what}: choose from {', '.join(WORKLOADS)}. "
+                             "Hint: profile_ranks(workloads=('straggler',)) runs one")
+    ranks = default_ranks() if ranks is None else ranks
+    least = 3 if "straggler" in names else 2
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < least:
+        why = ("the straggler's waits need 3 ranks (a median needs a majority)" if least == 3
+               else "one rank has no one to talk to")
+        raise RankTraceError(f"ranks must be an int >= {least}, got {ranks!r}: {why}. Hint: leave ranks=None "
+                             f"for {default_ranks()}")
+    steps = STEPS if steps is None else steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise RankTraceError(f"steps must be an int >= 1 (profiled steps per workload), got {steps!r}. "
+                             f"Hint: leave it None for {STEPS}")
+    gpus = detect().gpu_count
+    on_gpus = gpus >= ranks and cluster is None
+    p = preset() if on_gpus or not gpus else PRESETS["cpu"]
+    env = {} if on_gpus or not gpus else {"CUDA_VISIBLE_DEVICES": ""}
+    nproc = ranks if cluster is None else cluster.per_node(ranks)
+    out = Path(tempfile.mkdtemp(prefix="teraflops-rank-traces-") if out_dir is None else out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # ZeRO-3 last: DeepSpeed swaps torch's linear for its own in the whole process, for good
+    order = sorted(names, key=lambda n: n == "zero3")
+    results = launch(WORKER, nproc, worker_args(order, out.resolve(), steps, p, seed), timeout=timeout, env=env,
+                     desc="rank traces: " + ", ".join(order), deepspeed="zero3" in names, cluster=cluster)
+    found = {}
+    for name in names:
+        per_rank = [r["workloads"][name] for r in results]
+        waits = [list(row) for row in zip(*(r["waits"] for r in per_rank))]  # [steps, ranks]
+        traces = tuple(Path(r["trace"]) for r in per_rank)
+        found[name] = RankTrace(name, traces[0], traces, waits, per_rank[0]["delayed_rank"], len(results),
+                                per_rank[0]["delay_s"])
+    return found

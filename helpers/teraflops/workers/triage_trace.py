@@ -1,0 +1,205 @@
+"""Rank side of the triage capstone: distributed workloads, each profiled on every rank.
+
+``python -m teraflops.workers.triage_trace --workloads zero3,straggler,allreduce --out DIR --steps 5 ...``,
+started by :func:`teraflops.rank_traces.profile_ranks` through :func:`~teraflops.distributed.launch`
+(``deepspeed=True`` when ``zero3`` is asked for: only then do the ranks join through
+``deepspeed.init_distributed``). The workloads run one after the other in the order asked; what
+each one does and which verdict it should get is in :mod:`teraflops.rank_traces`.
+
+Per workload, on every rank: :data:`WARMUP` untimed steps, then ``--steps`` steps, each after a
+barrier (so that every step starts together and no rank is late because it wrote its trace
+longer) and each profiled on its own as :func:`teraflops.triage.record` profiles one call
+(``torch.profiler``, CPU plus CUDA with GPUs, ``record_shapes=True``). The first profiled step's
+Chrome trace stays, as ``DIR/<workload>.rank<r>.json``; from every profiled step the rank keeps
+its seconds inside collectives (:func:`teraflops.rank_traces.collective_seconds`), which the
+caller stacks into the waits ``[steps, ranks]`` of :func:`teraflops.triage.triage`. So the waits
+come from the same instrument, and the same events, as the communication of the trace they go with.
+
+Hands back (:func:`~teraflops.distributed.write_result`) ``{"rank", "world_size", "backend",
+"device", "workloads": {name: {"waits": [steps] s, "trace": path, "step_s": [steps] s,
+"delayed_rank": int | None, "delay_s": s, "params": int}}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from teraflops.data import markov_tokens
+from teraflops.models import GPT, lm_loss
+from teraflops.rank_traces import (ALLREDUCE_CALLS, SIZE_FLAGS, STEPS, STRAGGLER_FACTOR, WARMUP, WORKLOADS,
+                                   collective_seconds)
+from teraflops.workers.data_parallel import flat_grads, set_grads, sync_device
+
+
+def profile_step(step, path: Path, device) -> float:
+    """Profile one call of ``step()`` (as :func:`teraflops.triage.record` does, without its warm-up),
+    write its Chrome trace to ``path`` and return the seconds it spent inside collectives."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, record_shapes=True) as prof:
+        step()
+        if cuda:  # every stream: collectives may run on their own
+            torch.cuda.synchronize(device)
+    prof.export_chrome_trace(str(path))
+    return collective_seconds(path)
+
+
+def _model(a, prefix: str, device) -> GPT:
+    """The GPT of the ``--{prefix}-*`` sizes, initialised from ``--seed`` (the same on every rank)."""
+    torch.manual_seed(a.seed)
+    return GPT(a.__dict__[f"{prefix}_vocab"], a.__dict__[f"{prefix}_d_model"], a.__dict__[f"{prefix}_layers"],
+               a.__dict__[f"{prefix}_heads"], a.__dict__[f"{prefix}_seq_len"]).to(device)
+
+
+def _batch(a, prefix: str, rank: int, device):
+    """This rank's micro-batch ``(inputs, targets)``, int64 ``[micro_batch, seq_len]`` (the same every step)."""
+    b = a.__dict__[f"{prefix}_micro_batch"]
+    x, y = markov_tokens(b * (rank + 1), a.__dict__[f"{prefix}_seq_len"], a.__dict__[f"{prefix}_vocab"], seed=a.seed)
+    return x[-b:].to(device), y[-b:].to(device)
+
+
+def zero3(w, a):
+    """One training step of the GPT under DeepSpeed ZeRO stage 3 (fp32, torch's AdamW) with Unit 2's
+    :func:`teraflops.workers.zero_train.config` (every parameter partitioned, gathered before its
+    forward and again before its backward: 3Ψ per step) with two changes (why: :mod:`teraflops.rank_traces`):
+    no comms logger (its per-call bookkeeping is Python time on every collective) and one reduce
+    bucket for all gradients (one reduce-scatter, after backward). Returns ``(step, info, close)``."""
+    import deepspeed
+
+    from teraflops.workers.zero_train import config
+
+    model = _model(a, "zero", w.device)
+    cfg = config(3, a.zero_micro_batch, model.num_params())
+    cfg["comms_logger"] = {"enabled": False}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config=cfg)
+    x, y = _batch(a, "zero", w.rank, engine.device)
+
+    def step():
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+
+    def close():
+        engine.destroy()
+
+    return step, {"params": model.num_params()}, close
+
+
+def straggler(w, a):
+    """Synchronous data parallelism, the last rank late by a sleep of :data:`STRAGGLER_FACTOR` × the
+    slowest rank's median step without delay (measured here, over :data:`WARMUP` + 2 steps): forward,
+    backward, the sleep (last rank only), one blocking all-reduce of all gradients, SGD."""
+    model = _model(a, "dp", w.device)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    x, y = _batch(a, "dp", w.rank, w.device)
+    delay = [0.0]
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model(x), y).backward()
+        flat = flat_grads(params)
+        if delay[0]:
+            time.sleep(delay[0])  # the injected delay: late to the all-reduce, the others' compute undisturbed
+        dist.all_reduce(flat)
+        set_grads(params, flat.div_(w.world_size))
+        opt.step()
+
+    times = []
+    for _ in range(WARMUP + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        sync_device(w.device)
+        times.append(time.perf_counter() - start)
+    base = torch.tensor([statistics.median(times[WARMUP:])], dtype=torch.float64, device=w.device)
+    dist.all_reduce(base, op=dist.ReduceOp.MAX)  # one delay, the same on every rank's books
+    late = w.world_size - 1
+    delay_s = STRAGGLER_FACTOR * base.item()
+    delay[0] = delay_s if w.rank == late else 0.0
+    return step, {"params": model.num_params(), "delayed_rank": late, "delay_s": delay_s}, None
+
+
+def allreduce(w, a):
+    """:data:`ALLREDUCE_CALLS` blocking all-reduces of a ``--allreduce-bytes`` float32 message, each
+    followed by one trivial op (scaling by 1/world, so the values stay put)."""
+    x = torch.ones(max(1, a.allreduce_bytes // 4), device=w.device)
+
+    def step():
+        for _ in range(ALLREDUCE_CALLS):
+            dist.all_reduce(x)
+            x.mul_(1 / w.world_size)
+
+    return step, {"params": 0}, None
+
+
+BUILDERS = {"zero3": zero3, "straggler": straggler, "allreduce": allreduce}
+
+
+def run(name: str, w, a, tick) -> dict:
+    """Build workload ``name``, warm it up, profile ``a.steps`` steps; this rank's result for it."""
+    out = Path(a.out)
+    step, info, close = BUILDERS[name](w, a)
+    for _ in range(WARMUP):
+        step()
+        tick()
+    waits, step_s, kept = [], [], out / f"{name}.rank{w.rank}.json"
+    for i in range(a.steps):
+        path = kept if i == 0 else out / f".{name}.rank{w.rank}.step{i}.json"
+        dist.barrier()
+        start = time.perf_counter()
+        waits.append(profile_step(step, path, w.device))
+        step_s.append(time.perf_counter() - start)
+        if i:
+            path.unlink()
+        tick()
+    if close is not None:
+        close()
+    gc.collect()
+    return {"waits": waits, "trace": str(kept), "step_s": step_s, "delayed_rank": info.get("delayed_rank"),
+            "delay_s": info.get("delay_s", 0.0), "params": info["params"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from teraflops.distributed import finish, init_worker, report_progress, write_result
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
+    p.add_argument("--out", required=True, help="folder for the traces (shared by all ranks)")
+    p.add_argument("--steps", type=int, default=STEPS, help="profiled steps per workload (after warm-up)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60, help="seconds a collective waits for the others")
+    for prefix, sizes in (("zero", (64, 256, 2, 4, 16, 1)), ("dp", (256, 128, 2, 4, 64, 4))):  # the CPU preset's
+        for name, default in zip(SIZE_FLAGS, sizes):
+            p.add_argument(f"--{prefix}-{name}", type=int, default=default, help=f"GPT of the {prefix} workload")
+    p.add_argument("--allreduce-bytes", type=int, default=1024, help="message of the allreduce workload, bytes")
+    a = p.parse_args(argv)
+    names = [n for n in a.workloads.split(",") if n]
+    if not names or set(names) - set(WORKLOADS) or a.steps < 1:
+        p.error(f"--workloads must name some of {', '.join(WORKLOADS)} and --steps be >= 1")
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+
+    w = init_worker(a.timeout, deepspeed="zero3" in names)
+    total, done = len(names) * (WARMUP + a.steps), 0
+
+    def tick():
+        nonlocal done
+        done += 1
+        report_progress(done, total)
+
+    results = {name: run(name, w, a, tick) for name in names}
+    write_result({"rank": w.rank, "world_size": w.world_size, "backend": w.backend, "device": str(w.device),
+                  "workloads": results})
+    finish()
+
+
+if __name__ == "__main__":
+    main()

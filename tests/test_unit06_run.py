@@ -1,0 +1,23 @@
+"""`teraflops run 6`: every unit's workload gets its unit's verdict, on this machine, headless."""
+
+from pathlib import Path
+
+import pytest
+
+from teraflops import detect
+from teraflops.runner import checked_output_mismatches, run_units
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_run_unit_6_names_each_units_bottleneck(tmp_path):
+    (result,) = run_units([6], out_dir=tmp_path, root=ROOT, html=False)
+    assert result.ok, result.error
+    # the check cell prints one ✓ line per unit workload; nbval's comparison of it is done here
+    assert not checked_output_mismatches(result.executed, ROOT / "notebooks" / result.executed.name)
+    h = {k: v["value"] for k, v in result.headline.items()}
+    assert h["verdicts_matched"] == 6
+    assert h["zero3_communication_share"] > 50 and h["straggler_waiting_share"] > 50
+    if detect().device == "cpu":
+        assert result.seconds < 300, f"Unit 6 took {result.seconds:.0f} s on CPU; the budget is 300 s"
