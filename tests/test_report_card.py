@@ -55,3 +55,7 @@ def test_without_a_tag_the_first_figure_and_references_sit_beside(tmp_path):
     assert "base64,FIRST" in page and "No reference results" not in page
     path = report_card.write(detect(), [ok], tmp_path / "build", references=refs)
     assert path.name == "report_card.html" and path.read_text().startswith("<!doctype html>")
+    # this run's numbers in the reference format: what a maintainer ships from a GPU run, never a CPU's
+    written = json.loads((tmp_path / "build" / "results.json").read_text())
+    assert written["notebooks"] == {"01_model_definition": ok.headline} and written["gpu"] == detect().gpu_name
+    assert report_card.load_references(tmp_path / "build") == ([] if detect().gpu_name is None else [written])

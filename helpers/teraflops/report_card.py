@@ -100,9 +100,21 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
     return "\n".join(parts)
 
 
+def results_json(machine, results: list[NotebookResult]) -> dict:
+    """This run's headline numbers in the reference format of the module docstring; ``"gpu"`` is the
+    GPU's name, or ``None`` on a CPU (a CPU run is never a reference)."""
+    from . import __version__
+
+    return {"gpu": machine.gpu_name, "teraflops": __version__,
+            "notebooks": {r.name: r.headline for r in results if r.ok and r.headline}}
+
+
 def write(machine, results: list[NotebookResult], out_dir: Path | str, references: list[dict] | None = None) -> Path:
-    """Write :func:`render` to ``<out_dir>/report_card.html`` and return its path."""
+    """Write :func:`render` to ``<out_dir>/report_card.html`` and :func:`results_json` to
+    ``<out_dir>/results.json``; return the page's path. On a GPU, ``results.json`` is the file a
+    maintainer ships as ``helpers/teraflops/reference/<gpu>.json``: the course's own output."""
     path = Path(out_dir) / "report_card.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(machine, results, references))
+    (path.parent / "results.json").write_text(json.dumps(results_json(machine, results), indent=1) + "\n")
     return path
