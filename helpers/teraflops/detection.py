@@ -57,7 +57,9 @@ REL_FLOOR = 0.05  # MAD is at least this fraction of the median
 TRANSFER_RATIO = 2.5
 
 
-def _as_matrix(busy_s, name: str = "busy_s") -> np.ndarray:
+def as_matrix(busy_s, name: str = "busy_s") -> np.ndarray:
+    """Per-rank times as float64 ``[steps, ranks]`` (a ``[ranks]`` vector is one step); ValueError with
+    a hint unless there are at least 3 ranks of finite times >= 0 s."""
     x = np.asarray(busy_s, dtype=np.float64)
     if x.ndim == 1:
         x = x[None, :]
@@ -127,7 +129,7 @@ def detect(busy_s, window: int = 5, threshold: float = THRESHOLD, rel_floor: flo
     Raises:
         ValueError: bad shapes or times (see :func:`flag_stragglers`), ``window < 1``.
     """
-    x = _as_matrix(busy_s)
+    x = as_matrix(busy_s)
     if not (isinstance(window, (int, np.integer)) and window >= 1):
         raise ValueError(f"window must be a whole number of steps >= 1, got {window!r}")
     w = min(window, x.shape[0])
@@ -200,7 +202,7 @@ def _timings(tl, name: str) -> tuple[np.ndarray, np.ndarray]:
     if not (hasattr(tl, "busy") and hasattr(tl, "wait")):
         raise TimingError(f"{name} must be one setting's Timeline (with .busy and .wait), got {type(tl).__name__}. "
                           "Hint: pass run.sweep[i] or run.kinds[i], not the StragglerRun.")
-    busy, wait = _as_matrix(tl.busy, f"{name}.busy"), _as_matrix(tl.wait, f"{name}.wait")
+    busy, wait = as_matrix(tl.busy, f"{name}.busy"), as_matrix(tl.wait, f"{name}.wait")
     if busy.shape != wait.shape:
         raise TimingError(f"{name}.busy and {name}.wait differ in shape: {busy.shape} vs {wait.shape}. "
                           "Hint: both are [steps, ranks] of the same Timeline.")
@@ -213,7 +215,7 @@ def transfer_s(wait_s) -> np.ndarray:
     ``wait_s`` is ``[steps, ranks]`` seconds inside the collective; the last rank to arrive waits
     for nobody, so its wait is the transfer alone (:func:`teraflops.stragglers.baseline_means`).
     """
-    return _as_matrix(wait_s, "wait_s").min(axis=1)
+    return as_matrix(wait_s, "wait_s").min(axis=1)
 
 
 def attribute(timeline, baseline, threshold: float = THRESHOLD, ratio: float = TRANSFER_RATIO) -> Attribution:

@@ -54,6 +54,7 @@ from typing import Callable
 import numpy as np
 
 from .ceilings import Ceilings
+from .detection import as_matrix
 from .errors import CourseError
 from .profiling import _METADATA_OPS, classify
 from .tables import fmt_seconds, table
@@ -287,12 +288,10 @@ def _waits(waits) -> np.ndarray:
         w = np.asarray(waits, dtype=np.float64)
     except (OSError, ValueError, TypeError) as e:
         raise TriageError(f"cannot read the waits ({' '.join(str(e).split())[:80]}). {hint}") from None
-    w = w[None, :] if w.ndim == 1 else w
-    if w.ndim != 2 or w.shape[1] < 3 or w.shape[0] < 1:
-        raise TriageError(f"waits must be [ranks] or [steps, ranks] seconds with at least 3 ranks (a median needs "
-                          f"a majority), got shape {w.shape}. {hint}")
-    if not np.isfinite(w).all() or (w < 0).any():
-        raise TriageError(f"waits must be finite seconds >= 0, got {w.min():g}. {hint}")
+    try:
+        w = as_matrix(w, "waits")
+    except ValueError as e:
+        raise TriageError(f"{str(e).split(' Hint:')[0].rstrip('.')}. {hint}") from None
     return w
 
 

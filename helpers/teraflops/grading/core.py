@@ -14,7 +14,9 @@ output, and returns a report; ``teraflops grade`` prints it.
 
 from __future__ import annotations
 
+import copy
 import functools
+import math
 import numbers
 import re
 from dataclasses import dataclass
@@ -287,3 +289,25 @@ def grade_notebook(path: str | Path, timeout: int = 600) -> tuple[str, bool]:
     """``teraflops grade``: the printed table and whether every exercise passed."""
     report = grade(path, timeout=timeout)
     return report.table(), report.all_passed
+
+
+def finite_answer(fn, what: str, unit: str, describe):
+    """``fn`` called on a copy of each case (a learner may sort a list in place), whose answer must be
+    a finite number: nan or inf fails at once, naming the case (``describe(case)``)."""
+    def call(*case):
+        got = expect_number(what, fn(*copy.deepcopy(case)), unit)
+        if not math.isfinite(got):
+            fail(f"for {describe(case)}: got {got}, expected a finite number ({unit}). "
+                 "Hint: look for a division by zero")
+        return got
+    return call
+
+
+def holds(formula):
+    """A mistake model for :func:`check_cases`: the learner's answer is ``formula(*case)`` to 1e-6."""
+    def matches(got, want, case):
+        try:
+            return close(got, float(formula(*case)))
+        except (ArithmeticError, ValueError, IndexError):  # the wrong version cannot answer the case
+            return False
+    return matches

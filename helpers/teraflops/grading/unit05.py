@@ -18,28 +18,7 @@ import numpy as np
 from ..collectives import (PUBLISHED_LINKS, accumulation_for_fraction, bus_factor,
                            fit_alpha_beta as reference_fit, ring_allreduce_seconds)
 from ..errors import CourseError
-from .core import check_cases, close, exercise, expect_number, fail
-
-
-def _finite(fn, what: str, unit: str, describe):
-    """``fn`` whose answer must be a finite number: nan or inf fails at once, naming the case."""
-    def call(*case):
-        got = expect_number(what, fn(*case), unit)
-        if not math.isfinite(got):
-            fail(f"for {describe(case)}: got {got}, expected a finite number ({unit}). "
-                 "Hint: look for a division by zero")
-        return got
-    return call
-
-
-def _holds(formula):
-    """A mistake model for :func:`check_cases`: the learner's answer is ``formula(*case)`` to 1e-6."""
-    def holds(got, want, case):
-        try:
-            return close(got, float(formula(*case)))
-        except (ArithmeticError, ValueError):  # the wrong version cannot answer this case: not the mistake
-            return False
-    return holds
+from .core import check_cases, close, exercise, expect_number, fail, finite_answer, holds
 
 
 # --- exercise 1: bus bandwidth from algorithm bandwidth --------------------------------------------
@@ -97,9 +76,9 @@ def _describe_bus(case) -> str:
 def busbw(fn) -> None:
     """``fn(algbw, collective, n) -> busbw`` in bytes/s for ``"all_reduce"``, ``"all_gather"`` and
     ``"reduce_scatter"`` on ``n`` = 2, 3, 4 and 8 ranks (nccl-tests doc/PERFORMANCE.md)."""
-    check_cases(_finite(fn, "busbw", "bytes/s", _describe_bus), "busbw", "bytes/s", _BUS_CASES,
+    check_cases(finite_answer(fn, "busbw", "bytes/s", _describe_bus), "busbw", "bytes/s", _BUS_CASES,
                 lambda a, c, n: a * bus_factor(c, n),
-                [(_holds(f), h) for f, h in _BUS_MISTAKES],
+                [(holds(f), h) for f, h in _BUS_MISTAKES],
                 "nccl-tests (doc/PERFORMANCE.md) defines busbw = algbw × 2(n-1)/n for all_reduce and algbw × (n-1)/n "
                 "for all_gather and reduce_scatter",
                 _describe_bus, lambda g, w: f"got {g:.6g} bytes/s, expected {w:.6g}")
@@ -329,8 +308,8 @@ def _describe_ring(case) -> str:
 def predict_allreduce(fn) -> None:
     """``fn(size_bytes, n, bandwidth, alpha) -> seconds`` of a ring all-reduce (see
     :func:`teraflops.collectives.ring_allreduce_seconds`), on 2 – 64 ranks and the published links."""
-    check_cases(_finite(fn, "predict_allreduce", "seconds", _describe_ring), "predict_allreduce", "seconds",
-                _RING_CASES, ring_allreduce_seconds, [(_holds(f), h) for f, h in _RING_MISTAKES],
+    check_cases(finite_answer(fn, "predict_allreduce", "seconds", _describe_ring), "predict_allreduce", "seconds",
+                _RING_CASES, ring_allreduce_seconds, [(holds(f), h) for f, h in _RING_MISTAKES],
                 "a ring all-reduce takes T = 2(n-1)/n · size_bytes / bandwidth + 2(n-1) · alpha "
                 "(Patarasuk & Yuan 2009)",
                 _describe_ring, lambda g, w: f"got {g:.6g} s, expected {w:.6g} s")

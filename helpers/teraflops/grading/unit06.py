@@ -11,7 +11,6 @@ learner gave. Units: seconds; intensity in FLOP/byte.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
@@ -19,28 +18,7 @@ import numpy as np
 from .. import triage as tr
 from ..errors import PLACEHOLDER_MESSAGE
 from ..workloads import mystery_key
-from .core import check_cases, close, exercise, expect_number, fail
-
-
-def _finite(fn, what: str, unit: str, describe):
-    """``fn`` whose answer must be a finite number: nan or inf fails at once, naming the case."""
-    def call(*case):
-        got = expect_number(what, fn(*copy.deepcopy(case)), unit)  # a copy: the learner may sort in place
-        if not math.isfinite(got):
-            fail(f"for {describe(case)}: got {got}, expected a finite number ({unit}). "
-                 "Hint: look for a division by zero")
-        return got
-    return call
-
-
-def _holds(formula):
-    """A mistake model for :func:`check_cases`: the learner's answer is ``formula(*case)`` to 1e-6."""
-    def holds(got, want, case):
-        try:
-            return close(got, float(formula(*case)))
-        except (ArithmeticError, ValueError, IndexError):  # the wrong version cannot answer the case
-            return False
-    return holds
+from .core import check_cases, close, exercise, expect_number, fail, finite_answer, holds
 
 
 def _not_attempted():
@@ -157,10 +135,10 @@ def exposed_communication(fn) -> None:
     and no op runs: exposed communication, as :func:`teraflops.triage.triage` counts it (Holistic
     Trace Analysis, facebookresearch/HolisticTraceAnalysis, reports the complement, the overlapped
     share of communication)."""
-    call = _finite(lambda o, c, s: fn(list(o), list(c), s), "exposed_communication", "a fraction of the step",
+    call = finite_answer(lambda o, c, s: fn(list(o), list(c), s), "exposed_communication", "a fraction of the step",
                    _describe_exposed)
     check_cases(call, "exposed_communication", "a fraction of the step", list(_EXPOSED_CASES), exposed_reference,
-                [(_holds(f), h) for f, h in _EXPOSED_MISTAKES],
+                [(holds(f), h) for f, h in _EXPOSED_MISTAKES],
                 "merge the collective intervals and the op intervals (each a union), then exposed = time in the "
                 "collectives' union outside the ops' union, divided by step[1] - step[0]",
                 _describe_exposed, lambda g, w: f"got {g:.6g}, expected {w:.6g}")
@@ -261,9 +239,9 @@ def waited_fraction(fn) -> None:
     the rest of a rank's wait is waiting for it. The answer: rank ``rank``'s mean over the steps of
     ``w[s, rank] - min over ranks of w[s, :]``, over its mean wait (the split of
     :func:`teraflops.triage.triage`, ``_straggler_split``; Unit 3's straggler)."""
-    check_cases(_finite(fn, "waited_fraction", "a fraction of the rank's time in collectives", _describe_wait),
+    check_cases(finite_answer(fn, "waited_fraction", "a fraction of the rank's time in collectives", _describe_wait),
                 "waited_fraction", "a fraction", [(w, r) for _, w, r in _WAIT_CASES], waited_reference,
-                [(_holds(f), h) for f, h in _WAIT_MISTAKES],
+                [(holds(f), h) for f, h in _WAIT_MISTAKES],
                 "per step, excess = w[s, rank] - min(w[s, :]); fraction = mean excess / mean of w[:, rank]",
                 _describe_wait, lambda g, w: f"got {g:.6g}, expected {w:.6g}")
 
