@@ -235,9 +235,9 @@ def test_waited_reference_is_the_triage_split(waits, rank, late):
     """The check's reference is what :func:`teraflops.triage.triage` moves to waiting (one rank stands out)."""
     shares = dict.fromkeys(tr.CATEGORIES, 0.0)
     shares["communication"] = 1.0
-    flagged, _ = tr._straggler_split(waits, shares, rank)
+    flagged, _, waited = tr._straggler_split(waits, shares, rank)
     assert flagged == (late,)
-    assert shares["waiting"] == pytest.approx(check.waited_reference(waits, rank), rel=1e-12)
+    assert shares["waiting"] == pytest.approx(check.waited_reference(waits, rank), rel=1e-12) == pytest.approx(waited)
 
 
 # --- exercise 3 -------------------------------------------------------------------------------------
@@ -418,4 +418,15 @@ def test_real_mysteries_pass_the_solution_and_name_the_missing_waits(tmp_path, c
     check.evidence({k: (r.evidence[0].name, r.evidence[0].intensity) for k, r in reports.items()}, found)
     assert capsys.readouterr().out.count("passed") == 2
     blind = {k: tr.triage(m.trace).verdict for k, m in found.items()}  # the waits left out
-    fails(check.verdicts, blind, SEED, match="pass the mystery's waits")
+    fails(check.verdicts, blind, SEED, found, match="pass the mystery's waits")
+
+
+def test_an_answer_the_tool_agrees_with_is_told_so(found):
+    """The synthetic mysteries' key is not mystery_key(SEED): where the learner writes what triage
+    says and the key differs, the check says the measurement disagrees, not the learner."""
+    said = {k: tr.triage(m.trace, waits=m.waits).verdict for k, m in found.items()}
+    key = workloads.mystery_key(SEED)
+    first = next(k for k in key if tr.VERDICTS[key[k]] != said[k])
+    fails(check.verdicts, said, SEED, found, match=f"mystery {first}: triage does say {said[first]}.*quiet machine")
+    wrong = dict(said, **{first: next(v for v in tr.VERDICTS.values() if v not in (said[first], tr.VERDICTS[key[first]]))})
+    fails(check.verdicts, wrong, SEED, found, match=f"mystery {first} is not ")

@@ -222,6 +222,9 @@ def _one_line(e):
     ({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5,
                        "args": {"Input type": ["float", "float"], "Input Dims": [[2, 3], [4, 5]]}}]}, "do not fit"),
     ("/nonexistent/trace.json", "not found"),
+    ({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": float("nan"), "dur": 5}]}, "finite"),
+    ({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": True}]}, "finite"),
+    ({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5, "args": "oops"}]}, "args"),
 ])
 def test_bad_traces_are_one_line_errors(trace, words):
     with pytest.raises(tr.TriageError) as e:
@@ -295,3 +298,48 @@ def test_an_op_with_no_work_waiting_on_a_collective_is_communication():
     assert r.verdict == "communication-bound"
     assert r.shares["communication"] == pytest.approx(3980 / 5000) and r.shares["compute"] == pytest.approx(0.2)
     assert "aten::copy_" not in {e.name for e in r.evidence}
+
+
+def test_truncated_or_misnamed_gzip_traces(tmp_path):
+    import gzip
+
+    whole = json.dumps(_ddp_step(1.0)).encode()
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(gzip.compress(whole)[:200])
+    with pytest.raises(tr.TriageError) as e:
+        tr.load_trace(cut)
+    assert "not a JSON trace" in _one_line(e)
+    misnamed = tmp_path / "trace.json"  # gzipped, but not called .gz: read by its magic number
+    misnamed.write_bytes(gzip.compress(whole))
+    assert len(tr.load_trace(misnamed)[0]) == len(tr.load_trace(_ddp_step(1.0))[0])
+
+
+def test_causal_sdpa_does_half_the_flops():
+    args = {"Input Dims": [[1, 2, 64, 16]] * 3 + [[], []], "Input type": ["float"] * 3 + ["Scalar", "Scalar"]}
+    full, _ = tr.op_cost("aten::_scaled_dot_product_flash_attention_for_cpu", {**args, "Concrete Inputs": ["", "", "", "0.", "False"]})
+    causal, _ = tr.op_cost("aten::_scaled_dot_product_flash_attention_for_cpu", {**args, "Concrete Inputs": ["", "", "", "0.", "True"]})
+    assert full == 4 * 2 * 64 * 64 * 16 and causal == full / 2
+
+
+def test_a_kernel_of_an_op_with_no_estimate_is_classified_by_its_name():
+    """A torch.compile'd kernel (launched by a non-aten range) is busy device time, never overhead."""
+    ev = [{"ph": "X", "cat": "cpu_op", "name": "triton_poi_fused_add_mul_0", "pid": 1, "tid": 1, "ts": 0.0, "dur": 10.0,
+           "args": {"External id": 3}},
+          {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_mul_0", "pid": 0, "tid": 7, "ts": 5.0,
+           "dur": 10000.0, "args": {"External id": 3}},
+          {"ph": "X", "cat": "kernel", "name": "odd", "pid": 0, "tid": 7, "ts": 10005.0, "dur": 1.0,
+           "args": {"External id": [3]}}]  # an External id that is no id: a kernel of no op
+    r = tr.triage(ev, ceilings=Ceilings(989e12, 3.35e12, torch.bfloat16, "cuda", 0, 0), launch_floor=5e-6)
+    assert r.verdict == "memory-bound" and r.shares["overhead"] < 0.01
+
+
+def test_the_straggler_s_own_trace_is_sent_to_unit_3_and_collective_rows_split():
+    waits = [[0.030, 0.031, 0.002, 0.030], [0.029, 0.030, 0.001, 0.031]]
+    own = tr.triage(_ddp_step(2.0, rank=2), waits=waits, ceilings=NOMINAL, launch_floor=FLOOR)
+    assert own.act_on.startswith("Unit 3 (stragglers): this rank is the late one")
+    other = tr.triage(_ddp_step(30.0), waits=waits, ceilings=NOMINAL, launch_floor=FLOOR, top=50)
+    rows = {(e.name, e.category): e for e in other.evidence}
+    waited, sent = rows[("gloo:all_reduce", "waiting")], rows[("gloo:all_reduce", "communication")]
+    assert waited.seconds > 10 * sent.seconds
+    assert sum(e.share for e in other.evidence if e.category == "waiting") == pytest.approx(other.shares["waiting"])
+    assert all(e.of_roof != e.of_roof for e in other.evidence if e.flops == e.nbytes == 0)  # no work: no roof

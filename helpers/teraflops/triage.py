@@ -36,7 +36,8 @@ allocations move no bytes. A ``TensorList`` input has no dtype in the trace: 4 b
 
 On a GPU trace (events with ``cat == "kernel"``) the device timeline is used instead: each kernel's
 time goes to the operator that launched it (its ``External id``), idle device time is overhead, and
-kernels of no operator are classified by name (``gemm``/``flash``/… compute, NCCL communication,
+kernels of no operator, or of one with no FLOP/byte estimate (a torch.compile'd or custom kernel), are
+classified by name (``gemm``/``flash``/… compute, NCCL communication,
 others memory). Units: seconds, FLOP, bytes (GB = 1e9).
 """
 
@@ -80,6 +81,11 @@ _NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "resolve_conj", "resolve_
 _SDPA = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
          "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"}
 _SDPA_BLHD = {"_flash_attention_forward", "_efficient_attention_forward"}  # (batch, seq, heads, dim)
+# where an SDPA kernel's is_causal (custom_mask_type for the efficient forward: 1 or 2 is causal) sits
+# among its arguments (native_functions.yaml), read from the trace's "Concrete Inputs"
+_CAUSAL_ARG = {"_scaled_dot_product_flash_attention": 4, "_scaled_dot_product_flash_attention_for_cpu": 4,
+               "_scaled_dot_product_efficient_attention": 6, "_scaled_dot_product_cudnn_attention": 6,
+               "_flash_attention_forward": 8, "_efficient_attention_forward": 9}
 
 
 class TriageError(CourseError, ValueError):
@@ -106,7 +112,8 @@ def _tensors(args: dict) -> list[tuple[tuple, int]]:
 
 def op_cost(name: str, args: dict) -> tuple[float, float]:
     """``(FLOPs, bytes)`` of one call of operator ``name`` (e.g. ``"aten::mm"``) from its trace event's
-    ``args`` (``Input Dims``, ``Input type``), before children are subtracted; see the module docstring.
+    ``args`` (``Input Dims``, ``Input type``; ``Concrete Inputs``: a causal SDPA kernel does half the
+    FLOPs ``torch.utils.flop_counter`` counts), before children are subtracted; see the module docstring.
     Raises ``ValueError``, ``TypeError``, ``IndexError`` or ``AssertionError`` on shapes that do not fit."""
     from torch.utils import flop_counter as fc
 
@@ -129,6 +136,10 @@ def op_cost(name: str, args: dict) -> tuple[float, float]:
     elif op in _SDPA or op in _SDPA_BLHD:
         q, k, v = (tuple(x[i] for i in (0, 2, 1, 3)) if op in _SDPA_BLHD else x for x in s[:3])
         flops, out, out_size = fc.sdpa_flop_count(q, k, v), math.prod(q[:-1]) * v[-1], ts[0][1]
+        concrete = args.get("Concrete Inputs") or []
+        flag = concrete[_CAUSAL_ARG[op]] if len(concrete) > _CAUSAL_ARG[op] else ""
+        if flag in ("True", "1", "2"):  # a causal kernel skips the masked half (Dao et al. count it so)
+            flops /= 2
     elif op.endswith("_"):  # in place: the first input is also the output, read and written...
         out, out_size = (0 if op in _WRITE_ONLY else math.prod(s[0])), ts[0][1]  # ...or only written (copy_)
     return float(flops), float(sum(math.prod(x) * b for x, b in ts) + out * out_size)
@@ -200,21 +211,27 @@ def load_trace(trace) -> tuple[list[dict], int | None]:
     if isinstance(trace, (str, Path)):
         p = Path(trace)
         try:
-            with (gzip.open(p, "rt") if p.suffix == ".gz" else open(p)) as f:
+            with open(p, "rb") as f:
+                gz = f.read(2) == b"\x1f\x8b"  # gzip's magic number, whatever the file is called
+            with (gzip.open(p, "rt") if gz else open(p)) as f:
                 trace = json.load(f)
         except FileNotFoundError:
             raise TriageError(f"trace file not found: {p}. {hint}") from None
-        except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError, gzip errors
+        except (ValueError, OSError, EOFError) as e:  # JSONDecodeError, UnicodeDecodeError, gzip errors
             raise TriageError(f"{p} is not a JSON trace ({' '.join(str(e).split())[:80]}). {hint}") from None
     events = trace.get("traceEvents") if isinstance(trace, dict) else trace
     if not isinstance(events, list):
         raise TriageError(f"a Chrome trace is a dict with a 'traceEvents' list, got {type(trace).__name__}"
                           f"{' without traceEvents' if isinstance(trace, dict) else ''}. {hint}")
     out = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
     for e in out:
-        if not (isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0
-                and isinstance(e.get("name"), str)):
-            raise TriageError(f"malformed trace event {str(e)[:60]}: needs a name and numbers ts, dur >= 0 (µs). {hint}")
+        if not (number(e.get("ts")) and number(e.get("dur")) and e["dur"] >= 0 and isinstance(e.get("name"), str)
+                and isinstance(e.get("args", {}), dict)):
+            raise TriageError(f"malformed trace event {str(e)[:60]}: needs a name, finite numbers ts and dur >= 0 "
+                              f"(µs) and args a dict. {hint}")
     if not any(e.get("cat") == "cpu_op" for e in out):
         raise TriageError(f"the trace has no operator events (cat 'cpu_op'; {len(out)} complete events). {hint}")
     info = trace.get("distributedInfo") if isinstance(trace, dict) else None
@@ -359,13 +376,14 @@ def _labels(ops, parent, c: Ceilings, floor: float) -> dict:
     return out
 
 
-def _straggler_split(waits, shares: dict, rank: int | None) -> tuple[tuple, str]:
+def _straggler_split(waits, shares: dict, rank: int | None) -> tuple[tuple, str, float]:
     """Move the waited part of the communication share to ``"waiting"`` when some rank waits least
     (modified z of the ranks' mean waits, low side, over :data:`teraflops.detection.THRESHOLD`).
 
     Per step the last rank to arrive waits only for the transfer, ``min`` over ranks; the rest of a
     rank's wait is waiting for it. The fraction moved is the traced rank's (``rank``, from the
-    trace's ``distributedInfo``), or the mean over ranks when the trace does not say."""
+    trace's ``distributedInfo``), or the mean over ranks when the trace does not say. Returns the
+    flagged ranks, a note, and that fraction."""
     from .detection import THRESHOLD, modified_z
 
     w = _waits(waits)
@@ -375,7 +393,7 @@ def _straggler_split(waits, shares: dict, rank: int | None) -> tuple[tuple, str]
     low_z = -modified_z(w.mean(axis=0))  # positive: the rank waits less than the median rank
     flagged = tuple(int(r) for r in np.flatnonzero(low_z > THRESHOLD))
     if not flagged:
-        return (), f"No rank stands out in the waits (largest modified z {low_z.max():.1f} <= {THRESHOLD:g})."
+        return (), f"No rank stands out in the waits (largest modified z {low_z.max():.1f} <= {THRESHOLD:g}).", 0.0
     known = isinstance(rank, int) and 0 <= rank < w.shape[1]
     cols, who = ([rank], f"rank {rank}'s") if known else (slice(None), "the ranks'")
     excess = w - w.min(axis=1, keepdims=True)
@@ -386,7 +404,7 @@ def _straggler_split(waits, shares: dict, rank: int | None) -> tuple[tuple, str]
            "another rank to see the waiting.") if rank in flagged else ""
     return flagged, (f"Rank(s) {', '.join(map(str, flagged))} wait least (modified z {low_z.max():.1f} > "
                      f"{THRESHOLD:g}): they arrive last, and {waited:.0%} of {who} time in collectives is "
-                     f"waiting for them.{own}")
+                     f"waiting for them.{own}"), waited
 
 
 def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: float | None = None,
@@ -431,11 +449,14 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
                and not is_collective(e["name"], e["cat"])]
     if kernels:  # the device's timeline: a kernel's time is the time of the op that launched it
-        by_ext = {e["args"]["External id"]: i for i, e in enumerate(ops) if "External id" in (e.get("args") or {})}
+        by_ext = {e["args"]["External id"]: i for i, e in enumerate(ops) if isinstance((e.get("args") or {}).get("External id"), int)}
         work = []
         for k, e in enumerate(kernels):
-            key = by_ext.get((e.get("args") or {}).get("External id", -1), ("k", k))
-            if key == ("k", k):
+            ext = (e.get("args") or {}).get("External id")
+            key = by_ext.get(ext, ("k", k)) if isinstance(ext, int) else ("k", k)
+            if key == ("k", k) or label[key][2] == label[key][3] == 0:  # no op, or one with no estimate
+                # (a torch.compile'd or custom kernel): busy device time is never launch overhead
+                key = ("k", k)
                 label[key] = (e["name"], "compute" if _GEMM_KERNEL.search(e["name"]) else "memory", 0.0, 0.0)
             work.append((e["ts"], e["ts"] + e["dur"], key))
     else:
@@ -464,17 +485,24 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
         row = rows.setdefault((name, cat), [set(), 0.0])
         row[0].add(key)
         row[1] += float(s)
-    stragglers, note = _straggler_split(waits, shares, rank) if waits is not None else ((), "")
+    stragglers, note, waited = _straggler_split(waits, shares, rank) if waits is not None else ((), "", 0.0)
     shares = {k: float(v) for k, v in shares.items()}
     evidence = []
     for (name, cat), (keys, s) in rows.items():
         f, b = sum(label[k][2] for k in keys), sum(label[k][3] for k in keys)
-        roof = max(f / ceilings.peak_flops, b / ceilings.bandwidth) / s if cat != "communication" and s > 0 else math.nan
+        roof = max(f / ceilings.peak_flops, b / ceilings.bandwidth) / s if (f or b) and s > 0 else math.nan
+        if cat == "communication" and waited > 0:  # a collective's time splits as the shares did
+            evidence.append(Evidence(name, "waiting", len(keys), s * waited, s * waited / step, 0.0, 0.0,
+                                     math.nan, math.nan))
+            s *= 1 - waited
         evidence.append(Evidence(name, cat, len(keys), s, s / step, f, b, f / b if b else math.nan, roof))
     if idle > 0:
         evidence.append(Evidence("(idle: no operator running)", "overhead", 0, idle, idle / step, 0.0, 0.0,
                                  math.nan, math.nan))
     evidence.sort(key=lambda e: -e.seconds)
     best = max(CATEGORIES, key=lambda k: shares[k])
-    return Triage(VERDICTS[best], shares, tuple(evidence[:top]), ACT_ON[best], step, ceilings, launch_floor,
+    act_on = ACT_ON[best]
+    if rank in stragglers:  # the late rank's own time says why it is late, but the fix is Unit 3's first
+        act_on = f"{ACT_ON['waiting']}: this rank is the late one; its {best} time above is why ({ACT_ON[best]})"
+    return Triage(VERDICTS[best], shares, tuple(evidence[:top]), act_on, step, ceilings, launch_floor,
                   stragglers, note)

@@ -9,8 +9,9 @@ after warm-up) into a Chrome trace that :func:`teraflops.triage.triage` reads. S
   ``[B, H, L, L]`` scores, masks them and softmaxes them through memory), ``decode`` (Unit 4,
   overhead-bound: greedy batch-1 decode of a Llama whose every op moves a few KB, so each op costs
   about a launch), and the mixed ones: ``sdpa_attention`` (Unit 1's fix for naive attention: the
-  fused kernel never writes the scores) and ``batched_decode`` (Unit 4's fix: the same decode at a
-  batch where each op does enough work to amortise its launch).
+  fused kernel never writes the scores) and ``batched_decode`` (Unit 4's regime: its decode model,
+  wider than ``decode``'s, at the preset's largest batch, where each op does enough work to pay for
+  its launch).
 * Across ranks (:func:`teraflops.rank_traces.profile_ranks`, launched with torchrun): ``zero3``
   (Unit 2), ``straggler`` (Unit 3), ``allreduce`` (Unit 5).
 
@@ -41,7 +42,7 @@ UNIT_WORKLOADS = {
 }
 MIXED_WORKLOADS = {
     "sdpa_attention": (1, "the same attention through scaled_dot_product_attention (fused)"),
-    "batched_decode": (4, "the same decode at batch 64"),
+    "batched_decode": (4, "Unit 4's decode model (the preset's size) at its largest batch"),
 }
 LOCAL = ("matmul", "naive_attention", "decode", "sdpa_attention", "batched_decode")
 DISTRIBUTED = ("zero3", "straggler", "allreduce")
@@ -64,6 +65,20 @@ class Profiled:
     rank_traces: tuple = ()  # every rank's trace, by rank, for a multi-rank workload
 
 
+def _attention_seq(p, device: str) -> int:
+    """The longest of the preset's attention lengths whose naive ``[B, H, L, L]`` scores, written about
+    four times over (scores, mask, softmax, its copy), fit in a quarter of the GPU's memory (on a GPU
+    the longest lengths are there to run naive attention out of memory, Unit 1); on a CPU the longest."""
+    import torch
+
+    if device != "cuda":
+        return max(p.attn_seq_lens)
+    budget = torch.cuda.get_device_properties(0).total_memory / 4
+    elem = torch.empty((), dtype=p.attn_dtype).element_size()
+    fits = [n for n in p.attn_seq_lens if 4 * p.attn_batch * p.attn_heads * n * n * elem <= budget]
+    return max(fits or [min(p.attn_seq_lens)])
+
+
 def _local_fn(name: str, scale: float = 1.0, seed: int = 0) -> Callable[[], object]:
     """The zero-argument function of in-process workload ``name``, its inputs built here (seeded);
     ``scale`` stretches the size (mysteries use 0.75-1.0)."""
@@ -78,7 +93,7 @@ def _local_fn(name: str, scale: float = 1.0, seed: int = 0) -> Callable[[], obje
         a, b = (torch.randn(n, n, generator=g).to(dev, p.dtype) for _ in range(2))
         return lambda: a @ b
     if name in ("naive_attention", "sdpa_attention"):
-        seq = int(max(p.attn_seq_lens) * scale) // 64 * 64
+        seq = int(_attention_seq(p, dev) * scale) // 64 * 64
         q, k, v = (torch.randn(p.attn_batch, p.attn_heads, seq, p.attn_head_dim, generator=g).to(dev, p.attn_dtype)
                    for _ in range(3))
         if name == "naive_attention":

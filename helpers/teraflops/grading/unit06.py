@@ -296,11 +296,13 @@ def _answers_dict(answers, labels, what: str) -> dict:
 
 
 @exercise(3, "the verdicts")
-def verdicts(answers, seed: int) -> None:
+def verdicts(answers, seed: int, found: dict | None = None) -> None:
     """``answers``: label -> verdict of each mystery of :func:`teraflops.workloads.mysteries` profiled with
     ``seed``: a string of :data:`teraflops.triage.VERDICTS` (``"memory-bound"``, ``"waiting (straggler)"``
     …) or a category name (``"memory"``, ``"waiting"``); compared with
-    :func:`teraflops.workloads.mystery_key`."""
+    :func:`teraflops.workloads.mystery_key`, what each mystery was built as. With ``found`` (the
+    mysteries), a wrong answer that is what the tool itself says of that trace is told so: the
+    measurement, not the learner, disagrees with the key (a busy machine can do that)."""
     key = mystery_key(seed)
     answers = _answers_dict(answers, tuple(key), "verdict")
     got = {}
@@ -316,6 +318,14 @@ def verdicts(answers, seed: int) -> None:
         return
     first = wrong[0]
     more = f" ({len(wrong) - 1} more wrong: {', '.join(wrong[1:])})" if len(wrong) > 1 else ""
+    if isinstance(found, dict) and first in found:
+        m = found[first]
+        said = tr.triage(m.trace, waits=m.waits)
+        if said.verdict == tr.VERDICTS[got[first]]:
+            fail(f"mystery {first}: triage does say {said.verdict} on this trace, but it was built as another kind of "
+                 f"workload{more}. Hint: its shares are close or the machine was busy while it was profiled "
+                 f"({', '.join(f'{k} {v:.0%}' for k, v in said.shares.items() if v >= 0.01)}); rerun the setup cell "
+                 "on a quiet machine, and read the evidence: which rows decide it?")
     fail(f"mystery {first} is not {tr.VERDICTS[got[first]]}{more}. Hint: {_verdict_hint(got[first], key[first])}")
 
 
