@@ -343,3 +343,19 @@ def test_the_straggler_s_own_trace_is_sent_to_unit_3_and_collective_rows_split()
     assert waited.seconds > 10 * sent.seconds
     assert sum(e.share for e in other.evidence if e.category == "waiting") == pytest.approx(other.shares["waiting"])
     assert all(e.of_roof != e.of_roof for e in other.evidence if e.flops == e.nbytes == 0)  # no work: no roof
+
+
+def test_attention_backward_has_flops_and_a_corrupt_gzip_is_one_line(tmp_path):
+    import gzip
+
+    args = {"Input Dims": [[1, 2, 64, 16]] * 5 + [[1, 2, 64]], "Input type": ["float"] * 6,
+            "Concrete Inputs": ["", "", "", "", "", "", "0.", "True"]}
+    f, b = tr.op_cost("aten::_scaled_dot_product_flash_attention_for_cpu_backward", args)
+    assert f == 2.5 * 4 * 2 * 64 * 64 * 16 / 2 and b > 0  # 2.5 × the forward (flop_counter), halved: causal
+    raw = bytearray(gzip.compress(json.dumps(_ddp_step(1.0)).encode() * 50))
+    raw[12:40] = bytes(28)
+    bad = tmp_path / "corrupt.json.gz"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(tr.TriageError) as e:
+        tr.load_trace(bad)
+    assert "not a JSON trace" in _one_line(e)

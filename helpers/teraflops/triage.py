@@ -28,8 +28,9 @@ time when it is the innermost event running, so ``aten::matmul`` and its ``aten:
 counted twice. FLOPs and bytes are "self" in the same way: an operator's own estimate from its
 ``Input Dims`` / ``Input type`` minus its children's (floored at 0), so a wrapper that delegates its
 work has none, and so does any range that is not an ``aten::`` operator (autograd nodes, hooks,
-``record_function`` ranges: their work is in the ``aten::`` operators they call). FLOPs follow ``torch.utils.flop_counter`` (matmul family, SDPA kernels; elementwise
-ops count 0); bytes are the minimum traffic as in :mod:`teraflops.roofline`: tensor inputs plus an
+``record_function`` ranges: their work is in the ``aten::`` operators they call). FLOPs follow
+``torch.utils.flop_counter`` (matmul family, SDPA kernels forward and backward, halved when causal;
+elementwise ops count 0); bytes are the minimum traffic as in :mod:`teraflops.roofline`: tensor inputs plus an
 output estimate (matmul ``M·N``; SDPA the query's shape; elementwise and reductions the largest
 input; in-place ops (``add_``) the first input, which ``copy_``, ``fill_``… only write). Views and
 allocations move no bytes. A ``TensorList`` input has no dtype in the trace: 4 bytes per element is assumed.
@@ -48,6 +49,7 @@ import gzip
 import json
 import math
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -85,7 +87,13 @@ _SDPA_BLHD = {"_flash_attention_forward", "_efficient_attention_forward"}  # (ba
 # among its arguments (native_functions.yaml), read from the trace's "Concrete Inputs"
 _CAUSAL_ARG = {"_scaled_dot_product_flash_attention": 4, "_scaled_dot_product_flash_attention_for_cpu": 4,
                "_scaled_dot_product_efficient_attention": 6, "_scaled_dot_product_cudnn_attention": 6,
-               "_flash_attention_forward": 8, "_efficient_attention_forward": 9}
+               "_flash_attention_forward": 8, "_efficient_attention_forward": 9,
+               "_scaled_dot_product_flash_attention_backward": 11,
+               "_scaled_dot_product_flash_attention_for_cpu_backward": 7,
+               "_scaled_dot_product_efficient_attention_backward": 11,
+               "_scaled_dot_product_cudnn_attention_backward": 14, "_flash_attention_backward": 11,
+               "_efficient_attention_backward": 14}
+_SDPA_BACKWARD = {k for k in _CAUSAL_ARG if k.endswith("_backward")}  # (grad_out, query, key, value, ...)
 
 
 class TriageError(CourseError, ValueError):
@@ -133,9 +141,15 @@ def op_cost(name: str, args: dict) -> tuple[float, float]:
         batch = math.prod(np.broadcast_shapes(a[:-2], b[:-2])) if op == "matmul" else math.prod(a[:-2])
         m, n = (a[-2] if len(a) > 1 else 1), (b[-1] if len(b) > 1 else 1)
         flops, out, out_size = 2 * batch * m * n * a[-1], batch * m * n, ts[0][1]
-    elif op in _SDPA or op in _SDPA_BLHD:
-        q, k, v = (tuple(x[i] for i in (0, 2, 1, 3)) if op in _SDPA_BLHD else x for x in s[:3])
-        flops, out, out_size = fc.sdpa_flop_count(q, k, v), math.prod(q[:-1]) * v[-1], ts[0][1]
+    elif op in _SDPA or op in _SDPA_BLHD or op in _SDPA_BACKWARD:
+        blhd = op in _SDPA_BLHD or op in ("_flash_attention_backward", "_efficient_attention_backward")
+        x = [tuple(t[i] for i in (0, 2, 1, 3)) if blhd else t for t in s[:4]]
+        if op in _SDPA_BACKWARD:  # writes the gradients of query, key and value
+            g, q, k, v = x
+            flops, out, out_size = fc.sdpa_backward_flop_count(g, q, k, v), math.prod(q) + math.prod(k) + math.prod(v), ts[1][1]
+        else:
+            q, k, v = x[:3]
+            flops, out, out_size = fc.sdpa_flop_count(q, k, v), math.prod(q[:-1]) * v[-1], ts[0][1]
         concrete = args.get("Concrete Inputs") or []
         flag = concrete[_CAUSAL_ARG[op]] if len(concrete) > _CAUSAL_ARG[op] else ""
         if flag in ("True", "1", "2"):  # a causal kernel skips the masked half (Dao et al. count it so)
@@ -217,7 +231,7 @@ def load_trace(trace) -> tuple[list[dict], int | None]:
                 trace = json.load(f)
         except FileNotFoundError:
             raise TriageError(f"trace file not found: {p}. {hint}") from None
-        except (ValueError, OSError, EOFError) as e:  # JSONDecodeError, UnicodeDecodeError, gzip errors
+        except (ValueError, OSError, EOFError, zlib.error) as e:  # JSONDecodeError, UnicodeDecodeError, gzip
             raise TriageError(f"{p} is not a JSON trace ({' '.join(str(e).split())[:80]}). {hint}") from None
     events = trace.get("traceEvents") if isinstance(trace, dict) else trace
     if not isinstance(events, list):
@@ -428,7 +442,8 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
         TriageError: an unreadable or empty trace, bad waits, or waits with no collective in the trace.
     """
     events, rank = load_trace(trace)
-    on = "cuda" if any(e.get("cat") == "kernel" for e in events) else "cpu"  # where the trace's work ran
+    on_device = any(e.get("cat") == "kernel" for e in events)  # a GPU trace: the device's timeline is the step's
+    on = "cuda" if on_device else "cpu"  # where the trace's work ran
     ceilings = measured_ceilings(on) if ceilings is None else ceilings
     launch_floor = measured_launch_floor(on) if launch_floor is None else launch_floor
     ops = [e for e in events if e.get("cat") == "cpu_op"]
@@ -444,11 +459,12 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
         in_comm[i] = (is_collective(e["name"]) or (parent[i] is not None and in_comm[parent[i]])
                       or any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in spans.get((e.get("pid"), e.get("tid")), ())))
     comm = [(e["ts"], e["ts"] + e["dur"], ("c", j)) for j, e in enumerate(events)
-            if e.get("cat") in ("cpu_op", "user_annotation", "kernel") and is_collective(e["name"], e["cat"])]
+            if e.get("cat") in (("kernel",) if on_device else ("cpu_op", "user_annotation", "kernel"))
+            and is_collective(e["name"], e["cat"])]
     label.update({key: (events[key[1]]["name"], "communication", 0.0, 0.0) for _, _, key in comm})
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
                and not is_collective(e["name"], e["cat"])]
-    if kernels:  # the device's timeline: a kernel's time is the time of the op that launched it
+    if on_device:  # the device's timeline: a kernel's time is the time of the op that launched it
         by_ext = {e["args"]["External id"]: i for i, e in enumerate(ops) if isinstance((e.get("args") or {}).get("External id"), int)}
         work = []
         for k, e in enumerate(kernels):
@@ -463,8 +479,8 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
         work = [p for p in pieces if not in_comm[p[2]]]
     # an operator with no work of its own (a module hook, an autograd node, Python) that runs while a
     # collective is in flight is waiting for it: such time goes to the collective, as idle time does
-    light = [] if kernels else [p for p in work if label[p[2]][2] == 0 and label[p[2]][3] == 0]
-    work = work if kernels else [p for p in work if label[p[2]][2] > 0 or label[p[2]][3] > 0]
+    light = [] if on_device else [p for p in work if label[p[2]][2] == 0 and label[p[2]][3] == 0]
+    work = work if on_device else [p for p in work if label[p[2]][2] > 0 or label[p[2]][3] > 0]
     seg = np.unique([t for s, e, _ in work + light + comm for t in (s, e)]
                     + [t for e in ops for t in (e["ts"], e["ts"] + e["dur"])])
     step = float(seg[-1] - seg[0]) * 1e-6

@@ -100,12 +100,11 @@ def _local_fn(name: str, scale: float = 1.0, seed: int = 0) -> Callable[[], obje
             return lambda: attention.naive_attention(q, k, v, causal=True)
         return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     if name in ("decode", "batched_decode"):
-        torch.manual_seed(seed)
         if name == "decode":  # a model whose ops move a few KB: every op costs about one launch
-            model = Llama(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=64).to(dev).eval()
+            model = Llama(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=64, seed=seed).to(dev).eval()
             prompt = torch.randint(0, 64, (1, 4), generator=g).to(dev)
             return lambda: decode.generate(model, prompt, max(4, int(16 * scale)))
-        model = decode.decode_model(p).eval()
+        model = decode.decode_model(p, seed=seed).eval()
         prompt = torch.randint(0, p.decode_vocab, (max(p.decode_batches), p.decode_prompt_len), generator=g).to(dev)
         return lambda: decode.generate(model, prompt, 8)
     raise CourseError(f"unknown in-process workload {name!r}. Hint: one of {', '.join(LOCAL)}")
