@@ -61,7 +61,6 @@ STEPS = 5  # profiled steps per workload (rows of the waits)
 STRAGGLER_FACTOR = 3.0  # the late rank's sleep, × the slowest rank's median step without delay
 ALLREDUCE_CALLS = 32  # all-reduces per step of the "allreduce" workload
 SIZE_FLAGS = ("vocab", "d-model", "layers", "heads", "seq-len", "micro-batch")  # the worker's --zero-*/--dp-* sizes
-_COMM_CATS = ("cpu_op", "user_annotation", "kernel")  # the event categories triage reads collectives from
 
 
 class RankTraceError(CourseError, ValueError):
@@ -103,11 +102,11 @@ def collective_seconds(trace) -> float:
     dict, :func:`teraflops.triage.load_trace`): the union of the intervals of the events that
     :func:`teraflops.triage.triage` counts as communication (``c10d::`` ops, gloo/NCCL ranges on the
     backend's threads, NCCL kernels), overlapping ones counted once."""
-    from .triage import is_collective, load_trace
+    from .triage import COMM_CATEGORIES, is_collective, load_trace
 
     events, _ = load_trace(trace)
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("cat") in _COMM_CATS and is_collective(e["name"], e["cat"]))
+                   if e.get("cat") in COMM_CATEGORIES and is_collective(e["name"], e["cat"]))
     total, end = 0.0, float("-inf")
     for s, e in spans:
         total += max(0.0, e - max(s, end))
@@ -124,14 +123,19 @@ def default_ranks() -> int:
     return gpus if gpus >= 3 else preset().straggler_ranks_cpu
 
 
+def model_sizes(p) -> dict[str, tuple]:
+    """The GPT sizes (:data:`SIZE_FLAGS` order) of the worker's ``--zero-*`` and ``--dp-*`` flags for
+    preset ``p``: ZeRO-3 on the ``dp_*`` GPT (wide, few tokens, one sequence per rank), the straggler
+    on the ``gpt_*`` GPT."""
+    return {"zero": (p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len, 1),
+            "dp": (p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len, p.straggler_micro_batch)}
+
+
 def worker_args(workloads, out_dir: Path, steps: int, p, seed: int = 0) -> list[str]:
-    """The worker's command line for preset ``p``: ZeRO-3 on the ``dp_*`` GPT (wide, few tokens, one
-    sequence per rank), the straggler on the ``gpt_*`` GPT, 1-KiB all-reduces."""
-    zero = (p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len, 1)
-    dp = (p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len, p.straggler_micro_batch)
+    """The worker's command line for preset ``p``: :func:`model_sizes`, 1-KiB all-reduces."""
     args = ["--workloads", ",".join(workloads), "--out", str(out_dir), "--steps", str(steps), "--seed", str(seed),
             "--allreduce-bytes", str(p.collective_min_bytes)]
-    for prefix, sizes in (("zero", zero), ("dp", dp)):
+    for prefix, sizes in model_sizes(p).items():
         for name, v in zip(SIZE_FLAGS, sizes):
             args += [f"--{prefix}-{name}", str(v)]
     return args

@@ -75,6 +75,7 @@ _FROM_CLASSIFY = {"math": "compute", "memory": "memory", "framework overhead": "
 DTYPE_BYTES = {"double": 8, "float": 4, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
                "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
                "c10::complex<double>": 16, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1, "TensorList": 4}
+COMM_CATEGORIES = ("cpu_op", "user_annotation", "kernel")  # event categories a collective is read from
 _COLLECTIVE = re.compile(r"^(gloo|nccl):|^c10d::|record_param_comms|all_?reduce|all_?gather"
                          r"|reduce_?scatter|broadcast|all_?to_?all|barrier", re.IGNORECASE)
 _GEMM_KERNEL = re.compile(r"gemm|matmul|mma|cutlass|flash|attention|triton_tem", re.IGNORECASE)
@@ -459,14 +460,13 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
         in_comm[i] = (is_collective(e["name"]) or (parent[i] is not None and in_comm[parent[i]])
                       or any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in spans.get((e.get("pid"), e.get("tid")), ())))
     comm = [(e["ts"], e["ts"] + e["dur"], ("c", j)) for j, e in enumerate(events)
-            if e.get("cat") in (("kernel",) if on_device else ("cpu_op", "user_annotation", "kernel"))
-            and is_collective(e["name"], e["cat"])]
+            if e.get("cat") in (("kernel",) if on_device else COMM_CATEGORIES) and is_collective(e["name"], e["cat"])]
     label.update({key: (events[key[1]]["name"], "communication", 0.0, 0.0) for _, _, key in comm})
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-               and not is_collective(e["name"], e["cat"])]
+    work, light = [], []  # attributed pieces; light: operators with no work of their own (CPU, below)
     if on_device:  # the device's timeline: a kernel's time is the time of the op that launched it
+        kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                   and not is_collective(e["name"], e["cat"])]
         by_ext = {e["args"]["External id"]: i for i, e in enumerate(ops) if isinstance((e.get("args") or {}).get("External id"), int)}
-        work = []
         for k, e in enumerate(kernels):
             ext = (e.get("args") or {}).get("External id")
             key = by_ext.get(ext, ("k", k)) if isinstance(ext, int) else ("k", k)
@@ -476,18 +476,18 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
                 label[key] = (e["name"], "compute" if _GEMM_KERNEL.search(e["name"]) else "memory", 0.0, 0.0)
             work.append((e["ts"], e["ts"] + e["dur"], key))
     else:
-        work = [p for p in pieces if not in_comm[p[2]]]
-    # an operator with no work of its own (a module hook, an autograd node, Python) that runs while a
-    # collective is in flight is waiting for it: such time goes to the collective, as idle time does
-    light = [] if on_device else [p for p in work if label[p[2]][2] == 0 and label[p[2]][3] == 0]
-    work = work if on_device else [p for p in work if label[p[2]][2] > 0 or label[p[2]][3] > 0]
+        # an operator with no work of its own (a module hook, an autograd node, Python) that runs while
+        # a collective is in flight is waiting for it: such time goes to the collective, as idle time does
+        for p in pieces:
+            if not in_comm[p[2]]:
+                (work if label[p[2]][2] > 0 or label[p[2]][3] > 0 else light).append(p)
     seg = np.unique([t for s, e, _ in work + light + comm for t in (s, e)]
                     + [t for e in ops for t in (e["ts"], e["ts"] + e["dur"])])
     step = float(seg[-1] - seg[0]) * 1e-6
     if step <= 0:
         raise TriageError("the trace's operators span 0 s. Hint: profile a call that does some work")
     busy, talk = _count(work, seg), _count(comm, seg)
-    waiting = _count(light, seg) if light else np.zeros(len(seg) - 1)
+    waiting = _count(light, seg)
     secs = np.concatenate([_seconds(work, seg, busy, busy > 0),
                            _seconds(light, seg, waiting, (busy == 0) & (talk == 0) & (waiting > 0)),
                            _seconds(comm, seg, talk, (busy == 0) & (talk > 0))])

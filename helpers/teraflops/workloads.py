@@ -69,8 +69,6 @@ def _attention_seq(p, device: str) -> int:
     """The longest of the preset's attention lengths whose naive ``[B, H, L, L]`` scores, written about
     four times over (scores, mask, softmax, its copy), fit in a quarter of the GPU's memory (on a GPU
     the longest lengths are there to run naive attention out of memory, Unit 1); on a CPU the longest."""
-    import torch
-
     if device != "cuda":
         return max(p.attn_seq_lens)
     budget = torch.cuda.get_device_properties(0).total_memory / 4

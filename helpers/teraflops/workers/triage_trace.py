@@ -34,22 +34,16 @@ import torch.distributed as dist
 from teraflops.data import markov_tokens
 from teraflops.models import GPT, lm_loss
 from teraflops.rank_traces import (ALLREDUCE_CALLS, SIZE_FLAGS, STEPS, STRAGGLER_FACTOR, WARMUP, WORKLOADS,
-                                   collective_seconds)
+                                   collective_seconds, model_sizes)
+from teraflops.sizing import PRESETS
+from teraflops.triage import record
 from teraflops.workers.data_parallel import flat_grads, set_grads, sync_device
 
 
-def profile_step(step, path: Path, device) -> float:
-    """Profile one call of ``step()`` (as :func:`teraflops.triage.record` does, without its warm-up),
-    write its Chrome trace to ``path`` and return the seconds it spent inside collectives."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, record_shapes=True) as prof:
-        step()
-        if cuda:  # every stream: collectives may run on their own
-            torch.cuda.synchronize(device)
-    prof.export_chrome_trace(str(path))
-    return collective_seconds(path)
+def profile_step(step, path: Path) -> float:
+    """Profile one call of ``step()`` with :func:`teraflops.triage.record` (no warm-up: the caller
+    warmed up), its Chrome trace to ``path``; return the seconds it spent inside collectives."""
+    return collective_seconds(record(step, path, warmup=0))
 
 
 def _model(a, prefix: str, device) -> GPT:
@@ -156,7 +150,7 @@ def run(name: str, w, a, tick) -> dict:
         path = kept if i == 0 else out / f".{name}.rank{w.rank}.step{i}.json"
         dist.barrier()
         start = time.perf_counter()
-        waits.append(profile_step(step, path, w.device))
+        waits.append(profile_step(step, path))
         step_s.append(time.perf_counter() - start)
         if i:
             path.unlink()
@@ -177,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=STEPS, help="profiled steps per workload (after warm-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60, help="seconds a collective waits for the others")
-    for prefix, sizes in (("zero", (64, 256, 2, 4, 16, 1)), ("dp", (256, 128, 2, 4, 64, 4))):  # the CPU preset's
+    for prefix, sizes in model_sizes(PRESETS["cpu"]).items():  # defaults: the CPU preset's
         for name, default in zip(SIZE_FLAGS, sizes):
             p.add_argument(f"--{prefix}-{name}", type=int, default=default, help=f"GPT of the {prefix} workload")
     p.add_argument("--allreduce-bytes", type=int, default=1024, help="message of the allreduce workload, bytes")
