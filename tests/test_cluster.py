@@ -58,14 +58,10 @@ def test_bad_node_counts(nodes):
         Cluster(nodes)
 
 
-def test_links_per_node_names_and_ranks_per_node():
+def test_links_per_node_and_names():
     c = Cluster(3, [Link(rate=1e6), Link(), Link(rate=2e6)], name="t1")
     assert [x.rate for x in c.links] == [1e6, None, 2e6]
     assert c.node_name(2) == "teraflops-t1-node2" and c.switch == "teraflops-t1-switch" and c.address(0) == "10.213.0.1"
-    assert c.per_node(6) == 2
-    for bad in (4, 2, 0, True):
-        with pytest.raises(ClusterError, match="split evenly"):
-            c.per_node(bad)
     with pytest.raises(ClusterError, match="2 Links|3 Links"):
         Cluster(3, [Link(), Link()])
     with pytest.raises(ClusterError, match="name"):

@@ -69,14 +69,15 @@ def test_mean_over_ranks_is_the_per_step_mean():
 def test_launch_timed_passes_the_plan_and_returns_the_launch_fields(monkeypatch):
     seen = {}
 
-    def fake_launch(module, nproc, args, **kwargs):
-        seen.update(module=module, nproc=nproc, args=args, **kwargs)
-        return [{"params": 10, "world_size": nproc, "backend": "gloo", "config": {"micro_batch": 2}}] * nproc
+    def fake_launch(module, where, args, **kwargs):
+        seen.update(module=module, where=where, args=args, **kwargs)
+        n = where.world_size
+        return [{"params": 10, "world_size": n, "backend": "gloo", "config": {"micro_batch": 2}}] * n
 
     monkeypatch.setattr(dp, "launch", fake_launch)
     plan = data_parallel_plan(preset("tiny"))
     results, launched = dp.launch_timed("some.worker", plan, ["--x", "1"], timeout=5, desc="d")
-    assert len(results) == plan.ranks and seen["env"] == plan.env and seen["timeout"] == 5
+    assert len(results) == plan.ranks and seen["where"] == plan.placement and seen["timeout"] == 5
     assert seen["module"] == "some.worker" and seen["args"] == ["--x", "1"] and seen["desc"] == "d"
     assert {f.name for f in dataclasses.fields(dp.RankLaunch)} == set(launched)
     assert launched["ranks"] == plan.ranks and launched["params"] == 10 and launched["wall_s"] >= 0

@@ -138,10 +138,10 @@ def test_run_launches_once_and_returns_the_rows_with_the_launch_fields(monkeypat
               "powersgd": {"rank": 2, "start": 2},
               "runs": [{**step, "setting": "baseline"}, {**step, "setting": "fp16"}]}
     calls = []
-    monkeypatch.setattr(dp, "launch", lambda module, nproc, args, **kw: calls.append((module, nproc, kw)) or
-                        [result] * nproc)
+    monkeypatch.setattr(dp, "launch", lambda module, where, args, **kw: calls.append((module, where, kw)) or
+                        [result] * where.world_size)
     out = rm.run(("baseline", "fp16"), micro_batches=2, accum=1, plan=plan, timeout=7)
-    assert len(calls) == 1 and calls[0][0] == rm.WORKER and calls[0][1] == 2 and calls[0][2]["timeout"] == 7
+    assert len(calls) == 1 and calls[0][0] == rm.WORKER and calls[0][1] == plan.placement and calls[0][2]["timeout"] == 7
     assert isinstance(out, rm.RemediesRun) and isinstance(out, dp.RankLaunch)
     assert (out.params, out.ranks, out.backend, out.config) == (100, 2, "gloo", {"micro_batch": 2})
     assert [r["setting"] for r in out.rows] == ["baseline", "fp16"] and out.wall_s >= 0 and len(out.load_avg) == 2

@@ -369,13 +369,6 @@ class Cluster:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.nodes:
             raise ClusterError(f"node must be an int in [0, {self.nodes - 1}], got {i!r}.")
 
-    def per_node(self, ranks: int) -> int:
-        """Ranks per node for a launch of ``ranks`` ranks in all (they must split evenly)."""
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < self.nodes or ranks % self.nodes:
-            raise ClusterError(f"{ranks!r} ranks do not split evenly over {self.nodes} nodes. "
-                               f"Hint: use a multiple of {self.nodes} ranks (data_parallel_plan(ranks_cpu=...)).")
-        return ranks // self.nodes
-
     def prefix(self, i: int) -> list[str]:
         """The argument list that runs a command on node ``i``: ``["ip", "netns", "exec", name]``."""
         self._check_node(i)

@@ -619,6 +619,7 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
     """
     from .distributed import launch
     from .machine import detect
+    from .placement import place
     from .sizing import PRESETS, preset
 
     collectives = (collectives,) if isinstance(collectives, str) else tuple(collectives)
@@ -634,15 +635,15 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
     if cluster is None and gpus >= 2 and ranks is not None and ranks > gpus:
         raise CollectiveInputError(f"ranks={ranks} but this machine has {gpus} GPUs (one NCCL rank per GPU). "
                                    f"Hint: ranks <= {gpus}, or ranks=None for one rank per GPU")
-    on_gpus = gpus >= 2 and cluster is None
     cpu = p if p.device == "cpu" else PRESETS["cpu"]
-    hide = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}  # gloo ranks: one GPU cannot host several NCCL ranks
-    if on_gpus:
-        n, env = (gpus if ranks is None else ranks), {}
-    else:
-        n, env = (cpu.collective_ranks_cpu if ranks is None else ranks), {"OMP_NUM_THREADS": "1", **hide}
+    # emulated nodes shape TCP traffic: gloo CPU ranks there, so that the collective crosses the links
+    where = place(None if ranks is None else int(ranks), cpu_ranks=cpu.collective_ranks_cpu, min_ranks=2, cluster=cluster,
+                  gpus=cluster is None and p.device == "cuda")
+    if not where.on_gpus:
+        where = where.with_env(OMP_NUM_THREADS=1)  # one torch thread per gloo rank
+    n = where.world_size
     _check_ranks(n)
-    q = p if on_gpus else cpu
+    q = p if where.on_gpus else cpu
     sizes = default_sizes(q, n) if sizes is None else list(sizes)
     if not sizes or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 32 * n
                             for s in sizes):
@@ -661,8 +662,7 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
             "--iters", knobs["iters"], "--min-iters", min(knobs["min_iters"], knobs["iters"]),
             "--warmup", knobs["warmup"], "--volume-bytes", knobs["volume_bytes"]]
     start = time.perf_counter()
-    results = launch(WORKER, n if cluster is None else cluster.per_node(n), args, timeout=timeout, env=env,
-                     verbose=verbose, cluster=cluster, desc=f"{', '.join(collectives)} on {n} ranks")
+    results = launch(WORKER, where, args, timeout=timeout, verbose=verbose, cluster=cluster, desc=f"{', '.join(collectives)} on {n} ranks")
     wall = time.perf_counter() - start
     r0 = results[0]
     if r0.get("skipped"):

@@ -97,9 +97,9 @@ class DataParallelRun(RankLaunch):
 
 def launch_timed(worker: str, plan: DataParallelPlan, args: list[str], *, timeout: float,
                  desc: str, cluster=None) -> tuple[list[dict], dict]:
-    """Launch ``worker`` on ``plan.ranks`` ranks (:func:`~teraflops.distributed.launch`, with ``plan.env``)
-    and time the launch; with ``cluster`` (an emulated :class:`~teraflops.cluster.Cluster`), the ranks
-    are spread over its nodes.
+    """Launch ``worker`` on ``plan.placement`` (:func:`~teraflops.distributed.launch`) and time the
+    launch; with ``cluster`` (an emulated :class:`~teraflops.cluster.Cluster`), the ranks are spread
+    over its nodes (:func:`~teraflops.placement.across`).
 
     Returns:
         The ranks' results (one dict per rank, rank 0 first) and the keyword arguments of
@@ -110,8 +110,7 @@ def launch_timed(worker: str, plan: DataParallelPlan, args: list[str], *, timeou
         LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
     """
     before, start = os.getloadavg()[0], time.perf_counter()
-    nproc = plan.ranks if cluster is None else cluster.per_node(plan.ranks)
-    results = launch(worker, nproc, args, timeout=timeout, env=plan.env, desc=desc, cluster=cluster)
+    results = launch(worker, plan.placement, args, timeout=timeout, desc=desc, cluster=cluster)
     r0 = results[0]
     return results, {"params": r0["params"], "ranks": r0["world_size"], "backend": r0["backend"],
                      "config": r0["config"], "load_avg": (before, os.getloadavg()[0]),

@@ -55,6 +55,7 @@ REL_FLOOR = 0.05  # MAD is at least this fraction of the median
 # 0.47 MB of gradients, gloo): healthy runs of separate launches 18.8-35 ms per step (ratios up to
 # 1.86 between them), node 1's link at 5 MB/s 123-131 ms (3.6-6.8x the healthy run).
 TRANSFER_RATIO = 2.5
+MIN_RANKS = 3  # a median with a majority of healthy ranks: the fewest ranks the detector can judge
 
 
 def as_matrix(busy_s, name: str = "busy_s") -> np.ndarray:
@@ -63,7 +64,7 @@ def as_matrix(busy_s, name: str = "busy_s") -> np.ndarray:
     x = np.asarray(busy_s, dtype=np.float64)
     if x.ndim == 1:
         x = x[None, :]
-    if x.ndim != 2 or x.shape[1] < 3 or x.shape[0] < 1:
+    if x.ndim != 2 or x.shape[1] < MIN_RANKS or x.shape[0] < 1:
         raise ValueError(f"{name} must be [steps, ranks] seconds with at least 3 ranks (a median needs a majority), "
                          f"got shape {tuple(np.shape(busy_s))}. Hint: one column per rank, one row per step.")
     if not np.isfinite(x).all() or (x < 0).any():

@@ -94,68 +94,67 @@ def port_in_use(port: int) -> bool:
         return False
 
 
-def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str = "torchrun",
+def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "torchrun",
            timeout: float = 120, env: dict | None = None, launcher_args: Sequence[str] = (),
            desc: str | None = None, verbose: bool = False, port: int | None = None,
            cluster=None, deepspeed: bool = False) -> list[dict]:
-    """Run ``python -m module *args`` on ``nproc`` local ranks; return their results, by rank.
+    """Run ``python -m module *args`` on the ranks of a run; return their results, by rank.
+
+    ``ranks`` is a :class:`~teraflops.placement.Placement` (world size, backend, each rank's device
+    and environment; :func:`teraflops.placement.place` decides it) or an int, the ranks per node,
+    placed with :func:`~teraflops.placement.place` (NCCL on a GPU each where there are 2 or more GPUs
+    for them, else gloo CPU ranks with the GPUs hidden). A one-node placement given with
+    ``cluster`` is re-placed over its nodes (:func:`~teraflops.placement.across`).
 
     ``launcher`` is ``"torchrun"`` or ``"deepspeed"``; ``launcher_args`` go to it (torchrun ``--rdzv-*``
     options get ``--rdzv-endpoint 127.0.0.1:port`` unless they name one). ``timeout`` (s) covers the
-    whole launch. Ranks get ``OMP_NUM_THREADS = cores // ranks``, ``TORCH_EXTENSIONS_DIR`` under
+    whole launch. Ranks get the placement's environment, ``TORCH_EXTENSIONS_DIR`` under
     :func:`cache_dir` unless set, then ``env``. ``verbose`` prints their output as it comes.
 
     ``cluster`` (a :class:`teraflops.cluster.Cluster` that is up) runs it multi-node, as on a real
-    cluster: one torchrun agent per emulated node (``--nnodes K --nproc-per-node nproc``, c10d
-    rendezvous on node 0's address), ``K·nproc`` ranks in all, talking over the nodes' shaped links
-    (gloo and NCCL bound to the node's ``eth0``; ``NCCL_HOSTID`` per node so NCCL does not take a
-    same-host shortcut). Each result then carries ``"node"``, the node its rank ran on. Torchrun only.
+    cluster: one torchrun agent per emulated node (``--nnodes K --nproc-per-node``, c10d
+    rendezvous on node 0's address), talking over the nodes' shaped links. Each result then carries
+    ``"node"``, the node its rank ran on. Torchrun only.
 
     ``deepspeed=True`` says torchrun's ranks call ``deepspeed.init_distributed`` (the DeepSpeed
     launcher implies it): its CPU op is built first (:func:`prepare_deepspeed_ops`).
 
     Raises:
         LaunchFailed: a rank failed or wrote no result, or ``timeout`` passed.
+        PlacementError: ``ranks`` cannot be placed (see :func:`~teraflops.placement.place`).
     """
-    from .machine import detect
+    from .placement import Placement, across, place
 
     if launcher not in ("torchrun", "deepspeed"):
         raise ValueError(f"launcher must be 'torchrun' or 'deepspeed', got {launcher!r}")
     if cluster is not None and (launcher != "torchrun" or not getattr(cluster, "up_", False)):
         raise CourseError("a multi-node launch needs launcher='torchrun' and a cluster that is up. "
                           "Hint: with Cluster(2) as cl: launch(..., cluster=cl); DeepSpeed initialises inside torchrun ranks.")
+    if not isinstance(ranks, Placement):
+        ranks = place(ranks * (1 if cluster is None else cluster.nodes) if isinstance(ranks, int) and not
+                      isinstance(ranks, bool) else ranks, cluster=cluster)
+    elif cluster is not None and ranks.nodes != cluster.nodes:
+        ranks = across(ranks, cluster)
+    where = ranks
+    if cluster is None and where.nodes != 1:
+        raise CourseError(f"the placement spreads {where.world_size} ranks over {where.nodes} nodes but no cluster "
+                          "was given. Hint: launch(..., cluster=cl) with the cluster it was placed on")
     fault = parse_fault({**os.environ, **(env or {})}.get(FAULT_ENV))  # a malformed spec fails here, not in a rank
     if launcher == "deepspeed" or deepspeed:  # before anything that needs cleaning up
-        prepare_deepspeed_ops(cpu=True if (env or {}).get("CUDA_VISIBLE_DEVICES") == "" else None)
-    nodes = 1 if cluster is None else cluster.nodes
-    world = nproc * nodes
+        prepare_deepspeed_ops(cpu=not where.on_gpus)
+    world, nproc = where.world_size, where.ranks_per_node
     if fault is not None and fault.rank >= world:
         raise ValueError(f"{FAULT_ENV} names rank {fault.rank}, but the launch has ranks 0-{world - 1}")
     port, results = port or free_port(), Path(tempfile.mkdtemp(prefix="teraflops-launch-"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    if launcher == "deepspeed":
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(port), "--no_local_rank"]
-    elif cluster is not None:
-        cmd += ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.address(0)}:{port}",
-                "--rdzv-id", results.name]
-    elif any(a.startswith("--rdzv") for a in launcher_args):
-        cmd += [] if any("endpoint" in a for a in launcher_args) else ["--rdzv-endpoint", f"127.0.0.1:{port}"]
-    else:
-        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-    tail = [*launcher_args, str(_WRAPPER), module, *map(str, args)]
+    cmds = launch_commands(where, module, args, launcher=launcher, port=port, rdzv_id=results.name,
+                           launcher_args=launcher_args, cluster=cluster)
     child_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(_extensions_dir()), RESULTS_ENV: str(results),
-                 "OMP_NUM_THREADS": str(max(1, detect().cpu_cores // world)), "PYTHONUNBUFFERED": "1",
-                 "PYTHONFAULTHANDLER": "1", **{k: str(v) for k, v in (env or {}).items()}}
+                 "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **where.env,
+                 **{k: str(v) for k, v in (env or {}).items()}}
     procs, keep = [], False  # the results directory is kept for a LaunchFailed, which names it
     try:
-        for node in range(nodes):
-            node_cmd, node_env = cmd + tail, child_env
-            if cluster is not None:  # torch finds the rendezvous host and a node's address by hostname,
-                # which a namespace shares with the machine: say both
-                node_cmd = [*cluster.prefix(node), *cmd, "--rdzv-conf", f"is_host={int(node == 0)}",
-                            "--local-addr", cluster.address(node), *tail]
-                node_env = {**child_env, **_node_env(cluster, node)}
+        for node, node_cmd in enumerate(cmds):
+            node_env = {**child_env, **where.node_env[node], **{k: str(v) for k, v in (env or {}).items()}}
             with open(results / ("launcher.log" if node == 0 else f"launcher{node}.log"), "wb") as log:
                 procs.append(subprocess.Popen(node_cmd, env=node_env, stdin=subprocess.DEVNULL, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))
@@ -186,6 +185,32 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
     raise err
 
 
+def launch_commands(where, module: str, args: Sequence[str] = (), *, launcher: str = "torchrun",
+                    port: int = 29500, rdzv_id: str = "teraflops", launcher_args: Sequence[str] = (),
+                    cluster=None) -> list[list[str]]:
+    """The command line of each node's launcher for placement ``where`` (one per node; what
+    :func:`launch` starts): torchrun (``torch.distributed.run``) with ``--nproc-per-node``, or
+    DeepSpeed's launcher with ``--num_gpus``; on emulated nodes, inside the node's namespace with
+    c10d rendezvous on node 0 (``is_host`` and ``--local-addr`` said, as torch finds both by hostname,
+    which a namespace shares with the machine). Each rank runs ``workers/_rank.py MODULE ARGS``."""
+    nproc = str(where.ranks_per_node)
+    tail = [*launcher_args, str(_WRAPPER), module, *map(str, args)]
+    if launcher == "deepspeed":
+        return [[sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", nproc, "--master_addr",
+                 "127.0.0.1", "--master_port", str(port), "--no_local_rank", *tail]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc]
+    if cluster is not None:
+        cmd += ["--nnodes", str(where.nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"{cluster.address(0)}:{port}", "--rdzv-id", rdzv_id]
+        return [[*cluster.prefix(node), *cmd, "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr",
+                 cluster.address(node), *tail] for node in range(where.nodes)]
+    if any(a.startswith("--rdzv") for a in launcher_args):
+        cmd += [] if any("endpoint" in a for a in launcher_args) else ["--rdzv-endpoint", f"127.0.0.1:{port}"]
+    else:
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    return [cmd + tail]
+
+
 def shm_buffers(port: int, addr: str = "127.0.0.1") -> list[Path]:
     """The shared-memory files DeepSpeed's CPU comm op made for the launch on ``addr:port``.
 
@@ -201,14 +226,6 @@ def remove_shm_buffers(port: int, addr: str = "127.0.0.1") -> None:
     """Unlink :func:`shm_buffers` of a finished launch (its ranks must be gone)."""
     for path in shm_buffers(port, addr):
         path.unlink(missing_ok=True)
-
-
-def _node_env(cluster, node: int) -> dict:
-    """What a rank on emulated node ``node`` needs: its node, and gloo and NCCL on the node's link."""
-    from .cluster import IFNAME
-
-    return {"TERAFLOPS_NODE": str(node), "GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME,
-            "NCCL_HOSTID": cluster.node_name(node), "NCCL_IB_DISABLE": "1"}
 
 
 def _launchers_code(procs) -> int | None:
@@ -438,8 +455,9 @@ class Worker:
 def init_worker(timeout_s: float = 30, *, deepspeed: bool = False) -> Worker:
     """Join the process group the launcher described (``RANK``, ``WORLD_SIZE``, ``MASTER_*``...).
 
-    NCCL with a GPU per local rank; gloo on the CPU, with ``cores // local ranks`` threads per rank,
-    without GPUs or with fewer GPUs than local ranks (NCCL cannot put two ranks on one GPU). A
+    The backend and device are the ones :func:`teraflops.placement.place` chose for the launch
+    (:func:`~teraflops.placement.rank_device`): NCCL on ``cuda:<local rank>``, or gloo on the CPU with
+    at most ``cores // local ranks`` threads per rank. A
     collective that waits over ``timeout_s`` s raises instead of hanging. ``deepspeed=True`` joins
     through ``deepspeed.init_distributed`` (same backend, timeout); an existing group is kept.
     """
@@ -447,20 +465,19 @@ def init_worker(timeout_s: float = 30, *, deepspeed: bool = False) -> Worker:
     import torch.distributed as dist
 
     from .machine import detect
+    from .placement import rank_device
 
     if "RANK" not in os.environ:
         raise CourseError("init_worker() runs in a rank: start this module with teraflops.distributed.launch")
-    m = detect()
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
-    backend = "nccl" if m.gpu_count >= local_world else "gloo"
+    backend, where = rank_device()
+    device = torch.device(where)
     if backend == "nccl":
-        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     else:
-        device = torch.device("cpu")
-        threads = m.cpu_cores // local_world
-        if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # launch's cores // all ranks: emulated nodes share the cores
+        threads = detect().cpu_cores // local_world
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the placement's cores // all ranks: nodes share the cores
             threads = min(threads, int(os.environ["OMP_NUM_THREADS"]))
         torch.set_num_threads(max(1, threads))
     if not dist.is_initialized():

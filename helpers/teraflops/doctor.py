@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from .machine import GiB, Machine, detect, triton_mode
+from .placement import place
 
 __all__ = ["doctor", "skipped"]
 
@@ -99,7 +100,7 @@ def _nccl_version() -> str:
 def _devices(m: Machine) -> list[str]:
     lines = [
         f"{_INDENT}{m.summary()}",
-        f"{_INDENT}kind: {m.kind}, distributed backend: {m.dist_backend}",
+        f"{_INDENT}kind: {m.kind}; data-parallel runs: {place(None, cpu_ranks=2, min_ranks=2, machine=m).note}",
     ]
     for g in m.gpus:
         lines.append(

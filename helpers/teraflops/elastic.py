@@ -145,9 +145,9 @@ def launch_training(checkpoint_dir, plan: DataParallelPlan | None = None, steps:
     """
     plan = plan or data_parallel_plan(preset(), ranks_cpu=preset().straggler_ranks_cpu)
     p = plan.preset
-    env = {**ELASTIC_ENV, **plan.env, **({FAULT_ENV: fault} if fault else {})}
+    env = {**ELASTIC_ENV, **({FAULT_ENV: fault} if fault else {})}
     start, wall = time.time(), time.perf_counter()
-    results = launch(WORKER, plan.ranks, worker_args(plan, checkpoint_dir, steps or p.elastic_steps,
+    results = launch(WORKER, plan.placement, worker_args(plan, checkpoint_dir, steps or p.elastic_steps,
                                                      checkpoint_every or p.elastic_checkpoint_every),
                      timeout=timeout, env=env, launcher_args=elastic_launcher_args(max_restarts), desc=desc, port=port)
     wall = time.perf_counter() - wall

@@ -44,6 +44,7 @@ import numpy as np
 from .detection import detect, flag_stragglers
 from .distributed import launch
 from .errors import CourseError
+from .placement import place
 from .tables import table
 
 WORKER = "teraflops.workers.link_probe"
@@ -158,7 +159,9 @@ def probe(cluster, nbytes: int | None = None, repeats: int | None = None, timeou
         raise LinkProbeError(f"need integers nbytes >= 4 and repeats >= 1, got {nbytes!r} and {repeats!r}. "
                              "Hint: nbytes is bytes each way per round trip, e.g. 1 << 20.")
     args = ["--bytes", str(nbytes), "--repeats", str(repeats), "--timeout", str(timeout)]
-    return from_results(launch(WORKER, 1, args, timeout=timeout, cluster=cluster,
+    # gloo CPU ranks, one per node: the probe measures the emulated (TCP) links, not the GPUs
+    where = place(int(nodes), cluster=cluster, gpus=False)
+    return from_results(launch(WORKER, where, args, timeout=timeout, cluster=cluster,
                                desc=f"link test, {nodes * (nodes - 1) // 2} pairs"))
 
 

@@ -96,11 +96,6 @@ class Machine:
             return "cpu"
         return "gpu" if len(self.gpus) == 1 else "multi-gpu"
 
-    @property
-    def dist_backend(self) -> str:
-        """torch.distributed backend for this machine: NCCL with GPUs, gloo without."""
-        return "nccl" if self.gpus else "gloo"
-
     def summary(self) -> str:
         """One line: ``cpu: 2 cores, 23.4 GiB, Triton interpreter`` or the GPU equivalent."""
         mem = f"{self.memory_bytes / GiB:.1f} GiB RAM"

@@ -115,12 +115,19 @@ def collective_seconds(trace) -> float:
 
 
 def default_ranks() -> int:
-    """One rank per GPU with 3 GPUs or more, else the preset's ``straggler_ranks_cpu`` CPU ranks."""
-    from .machine import detect
+    """One rank per GPU with 3 GPUs or more, else the preset's ``straggler_ranks_cpu`` CPU ranks
+    (:func:`teraflops.placement.place` with the detector's 3 ranks at least)."""
+    return _placement(None).world_size
+
+
+def _placement(ranks, cluster=None):
+    from .detection import MIN_RANKS
+    from .placement import place
     from .sizing import preset
 
-    gpus = detect().gpu_count
-    return gpus if gpus >= 3 else preset().straggler_ranks_cpu
+    p = preset()
+    return place(ranks, cpu_ranks=p.straggler_ranks_cpu, min_ranks=MIN_RANKS if ranks is None else 1, cluster=cluster,
+                 gpus=p.device == "cuda")
 
 
 def model_sizes(p) -> dict[str, tuple]:
@@ -182,16 +189,13 @@ def profile_ranks(workloads=WORKLOADS, out_dir=None, ranks: int | None = None, s
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise RankTraceError(f"steps must be an int >= 1 (profiled steps per workload), got {steps!r}. "
                              f"Hint: leave it None for {STEPS}")
-    gpus = detect().gpu_count
-    on_gpus = gpus >= ranks and cluster is None
-    p = preset() if on_gpus or not gpus else PRESETS["cpu"]
-    env = {} if on_gpus or not gpus else {"CUDA_VISIBLE_DEVICES": ""}
-    nproc = ranks if cluster is None else cluster.per_node(ranks)
+    where = _placement(ranks, cluster)
+    p = preset() if where.on_gpus or not detect().gpu_count else PRESETS["cpu"]
     out = Path(tempfile.mkdtemp(prefix="teraflops-rank-traces-") if out_dir is None else out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # ZeRO-3 last: DeepSpeed swaps torch's linear for its own in the whole process, for good
     order = sorted(names, key=lambda n: n == "zero3")
-    results = launch(WORKER, nproc, worker_args(order, out.resolve(), steps, p, seed), timeout=timeout, env=env,
+    results = launch(WORKER, where, worker_args(order, out.resolve(), steps, p, seed), timeout=timeout,
                      desc="rank traces: " + ", ".join(order), deepspeed="zero3" in names, cluster=cluster)
     found = {}
     for name in names:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .machine import detect
+from .placement import Placement, place
 
 MiB = 2**20
 
@@ -157,28 +158,39 @@ def preset(name: str | None = None) -> Preset:
 
 @dataclass(frozen=True)
 class DataParallelPlan:
-    """How a data-parallel run is laid out on this machine.
+    """How a data-parallel run is laid out on this machine: a :class:`~teraflops.placement.Placement`
+    (ranks, backend, each rank's device and environment) and the preset whose sizes the ranks use
+    (the CPU preset's for CPU ranks on a GPU machine)."""
 
-    ``ranks`` processes; ``env`` is added to theirs; ``preset`` gives the model and batch sizes;
-    ``note`` says in one line why the layout is what it is.
-    """
-
-    ranks: int
-    env: dict
+    placement: Placement
     preset: Preset
-    note: str
+
+    @property
+    def ranks(self) -> int:
+        return self.placement.world_size
+
+    @property
+    def env(self) -> dict:
+        """What every rank's environment gets (:attr:`Placement.env`)."""
+        return self.placement.env
+
+    @property
+    def note(self) -> str:
+        return self.placement.note
 
 
-def data_parallel_plan(p: Preset | None = None, ranks_cpu: int | None = None) -> DataParallelPlan:
-    """One rank per GPU with NCCL when there are at least two GPUs; otherwise ``ranks_cpu`` (default
-    the preset's ``dp_ranks_cpu``) CPU ranks with gloo (NCCL cannot put two ranks on one GPU, and
-    one rank has nothing to shard), with the GPU hidden from the ranks and the CPU preset's sizes."""
+def data_parallel_plan(p: Preset | None = None, ranks_cpu: int | None = None, *, min_ranks: int = 2,
+                       cluster=None, machine=None) -> DataParallelPlan:
+    """One rank per GPU with NCCL when there are at least two GPUs (and at least ``min_ranks``);
+    otherwise ``ranks_cpu`` (default the preset's ``dp_ranks_cpu``) CPU ranks with gloo, the GPUs
+    hidden, and the CPU preset's sizes (:func:`teraflops.placement.place` decides; ``cluster``
+    spreads the ranks over emulated nodes). A preset for the CPU asks for CPU ranks.
+
+    Raises:
+        PlacementError: the ranks cannot be placed (too few, not a multiple of the nodes).
+    """
     p = p or preset()
-    gpus = detect().gpu_count
-    if p.device == "cuda" and gpus >= 2:
-        return DataParallelPlan(gpus, {}, p, f"{gpus} ranks, one per GPU, NCCL")
     cpu = p if p.device == "cpu" else PRESETS["cpu"]
-    ranks = ranks_cpu or cpu.dp_ranks_cpu
-    why = "one GPU cannot host two NCCL ranks, so " if gpus == 1 else ""
-    return DataParallelPlan(ranks, {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}, cpu,
-                            f"{why}{ranks} CPU ranks with gloo")
+    where = place(None, cpu_ranks=ranks_cpu or cpu.dp_ranks_cpu, min_ranks=min_ranks, cluster=cluster,
+                  gpus=p.device == "cuda", machine=machine)
+    return DataParallelPlan(where, p if where.on_gpus else cpu)

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .detection import MIN_RANKS
 from .distributed import launch
 from .sizing import DataParallelPlan, data_parallel_plan, preset
 from .tables import table
@@ -335,12 +336,11 @@ def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None 
                          "Hint: include 0 ms, the baseline of the prediction")
     if plan is None:
         p = preset()
-        plan = data_parallel_plan(p, ranks_cpu=p.straggler_ranks_cpu)
+        plan = data_parallel_plan(p, ranks_cpu=p.straggler_ranks_cpu, min_ranks=MIN_RANKS)
     before, start = os.getloadavg()[0], time.perf_counter()
-    nproc = plan.ranks if cluster is None else cluster.per_node(plan.ranks)
-    results = launch(WORKER, nproc, worker_args(plan, delays_ms=delays_ms, steps=steps, experiments=experiments,
+    results = launch(WORKER, plan.placement, worker_args(plan, delays_ms=delays_ms, steps=steps, experiments=experiments,
                                                 local_ks=local_ks),
-                     timeout=timeout, env=plan.env, desc="stragglers: " + ", ".join(experiments), cluster=cluster)
+                     timeout=timeout, desc="stragglers: " + ", ".join(experiments), cluster=cluster)
     r0, tl = results[0], {key: timelines(results, key) for key in EXPERIMENTS}
     return StragglerRun(tl["sweep"], tl["kinds"], rebalance_rows(tl["rebalance"], r0.get("calibration_speeds")),
                         local_sgd_rows(tl["localsgd"], r0["params"]), r0["world_size"], r0["backend"], r0["params"],

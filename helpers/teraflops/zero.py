@@ -127,9 +127,8 @@ def run_zero(stages=(0, 1, 2, 3), plan=None, steps: int | None = None, timeout: 
             "--micro-batch", p.dp_micro_batch, "--vocab", p.gpt_vocab, "--d-model", p.gpt_d_model,
             "--layers", p.gpt_layers, "--heads", p.gpt_heads, "--seq-len", p.gpt_seq_len]
     spread = {} if cluster is None else {"cluster": cluster, "launcher": "torchrun", "deepspeed": True}
-    ranks = launch("teraflops.workers.zero_train", plan.ranks if cluster is None else cluster.per_node(plan.ranks),
-                   args, **{"launcher": "deepspeed", **spread}, timeout=timeout,
-                   env={**plan.env, **(env or {})}, desc="ZeRO stages " + ",".join(map(str, stages)))
+    ranks = launch("teraflops.workers.zero_train", plan.placement, args, **{"launcher": "deepspeed", **spread},
+                   timeout=timeout, env=env, desc="ZeRO stages " + ",".join(map(str, stages)))
     def as_logged(comms):  # JSON made the message sizes strings; DeepSpeed keys them by int
         return {op: {int(size): entry for size, entry in sizes.items()} for op, sizes in comms.items()}
 

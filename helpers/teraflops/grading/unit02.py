@@ -306,7 +306,7 @@ def zero1_optimizer(cls) -> None:
         path = Path(tmp) / "zero1_learner.py"
         path.write_text(source, encoding="utf-8")
         try:
-            results = launch("teraflops.workers.zero1_check", plan.ranks, [str(path), cls.__name__], env=plan.env,
+            results = launch("teraflops.workers.zero1_check", plan.placement, [str(path), cls.__name__],
                              timeout=LAUNCH_TIMEOUT, desc="ZeRO-1 check")
         except LaunchFailed as e:
             if "timed out after" not in str(e):

@@ -5,7 +5,9 @@ Runs ``python -m MODULE ARGS`` with its stdout and stderr appended to ``rank{RAN
 (JSON: ``returncode``, negative for a signal as in :mod:`subprocess`, ``time``, Unix seconds, and
 ``node``, the emulated node it ran on, 0 outside one),
 so the notebook can name the rank that failed first, even one killed by SIGKILL. SIGTERM and
-SIGINT are passed on to the rank; the wrapper then ends the way the rank did.
+SIGINT are passed on to the rank; the wrapper then ends the way the rank did. The rank gets the
+GPUs its placement chose (``TERAFLOPS_CUDA_VISIBLE_DEVICES``, :mod:`teraflops.placement`) as its
+``CUDA_VISIBLE_DEVICES``, whatever the launcher set there.
 
 Started as a script, not with ``-m``: importing the ``teraflops`` package would import torch here too.
 """
@@ -17,12 +19,17 @@ import subprocess
 import sys
 import time
 
+VISIBLE_ENV = "TERAFLOPS_CUDA_VISIBLE_DEVICES"  # teraflops.placement.VISIBLE_ENV (not imported: no torch here)
+
 
 def main(argv: list[str]) -> None:
     rank = os.environ.get("RANK", "0")
     base = os.path.join(os.environ["TERAFLOPS_RESULTS_DIR"], f"rank{rank}")
+    env = dict(os.environ)
+    if VISIBLE_ENV in env:  # the placement's GPUs, put back over what a launcher set (DeepSpeed's does)
+        env["CUDA_VISIBLE_DEVICES"] = env[VISIBLE_ENV]
     with open(base + ".out", "ab") as out, open(base + ".err", "ab") as err:
-        child = subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=err)
+        child = subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=err, env=env)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _frame: child.send_signal(s))
     code = child.wait()

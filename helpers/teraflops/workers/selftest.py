@@ -10,6 +10,7 @@ kills rank 1 before its third all-reduce.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,9 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_reduce(t)
         total += t[0].item()
         report_progress(step + 1, a.steps)
-    write_result({"rank": w.rank, "world_size": w.world_size, "sum": total})
+    write_result({"rank": w.rank, "world_size": w.world_size, "sum": total, "backend": w.backend,
+                  "device": str(w.device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                  "triton_interpret": os.environ.get("TRITON_INTERPRET")})
     finish()
 
 
