@@ -4,6 +4,7 @@ Every launch must leave no process and no bound port behind, whether it succeeds
 killed or hangs, or the notebook interrupts it. Each launch costs ~10 s on 2 cores (torch imports).
 """
 
+import json
 import os
 import shutil
 import signal
@@ -133,3 +134,28 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(monkeypatch, tmp_path
         holder.kill()
         holder.wait()
     assert distributed.clear_stale_build_lock() and not lock.exists()
+
+
+WATCHDOG_LOG = """[rank1]:[E1201 12:00:00.000000 123 ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective \
+operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, NumelIn=4, NumelOut=4, Timeout(ms)=5000) ran for 5012 \
+milliseconds before timing out.
+terminate called after throwing an instance of 'c10::DistBackendError'
+Fatal Python error: Aborted
+
+Thread 0x00007f (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 2501 in all_reduce
+"""
+
+
+def test_an_nccl_watchdog_timeout_is_a_timeout_naming_the_rank_not_faulthandlers_last_line(tmp_path):
+    from teraflops.distributed import _diagnose, nccl_timeout
+
+    for r in range(3):
+        (tmp_path / f"rank{r}.err").write_text(WATCHDOG_LOG if r in (0, 1) else "")
+        (tmp_path / f"rank{r}.exit").write_text(json.dumps({"rank": r, "returncode": -6 if r < 2 else -15,
+                                                             "time": 1.0 + r}))
+    assert "allreduce (collective #5)" in nccl_timeout(tmp_path / "rank1.err")
+    rank, line = _diagnose(tmp_path, 3, 1, 60, "torchrun", None)
+    assert rank == 0 and "\n" not in line
+    assert "allreduce" in line and "5.012 s against a 5 s timeout" in line and "rank(s) [2] never reached it" in line
+    assert "Aborted" not in line

@@ -283,6 +283,14 @@ def _diagnose(results: Path, nproc: int, code: int | None, timeout: float, launc
     logs = [f"rank{rank}.err"] if rank is not None else sorted(p.name for p in results.glob("launcher*.log"))
     line = next((found for found in map(_last_line, (results / name for name in logs)) if found), "")
     others = [r for r, e in enumerate(exits) if r != rank and (e is None or e["returncode"] in _VICTIMS)]
+    timeouts = {r: t for r in range(nproc) if (t := nccl_timeout(results / f"rank{r}.err"))}
+    if timeouts:  # NCCL's watchdog aborts the process: faulthandler's last line says only "Aborted"
+        first = min(timeouts)
+        late = [r for r in range(nproc) if r not in timeouts]
+        why = (f"rank(s) {late} never reached it (hung, crashed or much slower)" if late else
+               "every rank waited: the collectives did not match (different order or sizes) or the network is stuck")
+        return first, (f"rank {first} of {nproc}: {timeouts[first]}. Hint: {why}; raise the timeout only if the run "
+                       "is just slow.")
     if rc == -signal.SIGKILL:
         hint = "SIGKILL usually comes from the out-of-memory killer (see `dmesg`)"
         hint += f", or from {FAULT_ENV}={fault}" if fault else ""
@@ -293,6 +301,29 @@ def _diagnose(results: Path, nproc: int, code: int | None, timeout: float, launc
     else:
         hint = "the whole error is in " + (f"rank{rank}.err" if rank is not None else "launcher.log")
     return rank, f"{what}" + (f': "{line}"' if line else "") + f". Hint: {hint}."
+
+
+_WATCHDOG = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d+), OpType=(\w+)"
+                       r".*?Timeout\(ms\)=(\d+)\) ran for (\d+) milliseconds")
+
+
+def nccl_timeout(path: Path) -> str | None:
+    """One line for the NCCL watchdog timeout in a rank's log ``path``, or None.
+
+    When a collective waits longer than the process group's timeout, NCCL's watchdog thread logs
+    ``Watchdog caught collective operation timeout: WorkNCCL(SeqNum=S, OpType=OP, ..., Timeout(ms)=T)
+    ran for M milliseconds before timing out`` and aborts the process (torch's
+    ``ProcessGroupNCCL.cpp``), so the log ends in faulthandler's "Fatal Python error: Aborted".
+    """
+    try:
+        found = _WATCHDOG.search(path.read_text(errors="replace"))
+    except OSError:
+        return None
+    if found is None:
+        return None
+    seq, op, limit_ms, ran_ms = found.groups()
+    return (f"NCCL {op.lower()} (collective #{seq}) timed out: it waited {int(ran_ms) / 1e3:g} s against a "
+            f"{int(limit_ms) / 1e3:g} s timeout (NCCL watchdog)")
 
 
 def _last_line(path: Path) -> str:
