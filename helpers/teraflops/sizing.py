@@ -83,6 +83,8 @@ class Preset:
     decode_prompt_len: int = 16
     decode_new_tokens: int = 64  # greedy tokens per generate() call
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch sweep of one decode step
+    decode_fit_batch: int = 64  # the largest batch meant to fit (Unit 6's batched decode); on a GPU the sweep's
+    # last batch is one past the whole memory, its out-of-memory step (gpu_fit.fit_preset)
     # Unit 5 §1: the collective bandwidth sweep (collectives.py): float32 messages of powers of two
     # from collective_min_bytes to collective_max_bytes (capped by the memory free at run time), each
     # timed over volume_bytes / size iterations, clamped to [collective_min_iters, collective_iters],
@@ -118,7 +120,7 @@ PRESETS = {
                    dp_d_model=64, dp_steps=6, dp_overlap_steps=4, dp_bucket_mb=0.05,
                    straggler_steps=4, straggler_delays_ms=(0, 50), elastic_steps=8, elastic_checkpoint_every=3,
                    elastic_kill_step=5, decode_vocab=256, decode_d_model=64, decode_layers=2, decode_heads=2,
-                   decode_max_seq_len=32, decode_prompt_len=4, decode_new_tokens=8, decode_batches=(1, 2, 4),
+                   decode_max_seq_len=32, decode_prompt_len=4, decode_new_tokens=8, decode_batches=(1, 2, 4), decode_fit_batch=4,
                    collective_ranks_cpu=2, collective_max_bytes=4 * MiB, collective_iters=5,
                    collective_min_iters=2, collective_warmup=1, remedy_micro_batches=16,
                    ladder_bytes=8 * MiB, contention_bytes=4 * MiB, contention_seconds=0.1),
@@ -134,6 +136,7 @@ PRESETS = {
                   straggler_steps=30, elastic_steps=60, elastic_checkpoint_every=10, elastic_kill_step=33,
                   decode_vocab=32768, decode_d_model=2048, decode_layers=16, decode_heads=16, decode_max_seq_len=1024,
                   decode_prompt_len=128, decode_new_tokens=256, decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                  decode_fit_batch=256,
                   collective_max_bytes=8192 * MiB, collective_warmup=5, collective_volume_bytes=1 << 40,
                   remedy_micro_batches=64, ladder_bytes=256 * MiB, contention_bytes=256 * MiB,
                   contention_seconds=0.5),
@@ -141,7 +144,8 @@ PRESETS = {
 
 
 def preset(name: str | None = None) -> Preset:
-    """The preset for this machine (``"gpu"`` with CUDA, else ``"cpu"``), or the one named.
+    """The preset for this machine (``"gpu"`` with CUDA, else ``"cpu"``), or the one named. The GPU
+    preset is fitted to the GPU's memory and compute capability (:func:`teraflops.gpu_fit.fit_preset`).
 
     Raises:
         ValueError: unknown name (in the argument or ``TERAFLOPS_PRESET``).
@@ -150,8 +154,13 @@ def preset(name: str | None = None) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[name]
-    if p.device == "cuda" and detect().device != "cuda":
-        raise ValueError(f"preset {name!r} needs a CUDA GPU and none is visible")
+    if p.device == "cuda":
+        gpus = detect().gpus
+        if not gpus:
+            raise ValueError(f"preset {name!r} needs a CUDA GPU and none is visible")
+        from .gpu_fit import fit_preset
+
+        p = fit_preset(p, min(gpus, key=lambda g: g.memory_bytes))  # sized for the smallest GPU a rank may get
     return p
 
 

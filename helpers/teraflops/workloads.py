@@ -103,7 +103,7 @@ def _local_fn(name: str, scale: float = 1.0, seed: int = 0) -> Callable[[], obje
             prompt = torch.randint(0, 64, (1, 4), generator=g).to(dev)
             return lambda: decode.generate(model, prompt, max(4, int(16 * scale)))
         model = decode.decode_model(p, seed=seed).eval()
-        prompt = torch.randint(0, p.decode_vocab, (max(p.decode_batches), p.decode_prompt_len), generator=g).to(dev)
+        prompt = torch.randint(0, p.decode_vocab, (p.decode_fit_batch, p.decode_prompt_len), generator=g).to(dev)
         return lambda: decode.generate(model, prompt, 8)
     raise CourseError(f"unknown in-process workload {name!r}. Hint: one of {', '.join(LOCAL)}")
 

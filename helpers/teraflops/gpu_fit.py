@@ -1,0 +1,142 @@
+"""The GPU preset fitted to the GPU found: memory models of every GPU-preset workload, and sizes
+chosen so that each fits the device's memory with headroom.
+
+:data:`teraflops.sizing.PRESETS` ``["gpu"]`` is written for an 80 GB H100. :func:`fit_preset` keeps its
+sizes where they fit and shrinks the ones that do not, for the GPU it is given (a
+:class:`teraflops.machine.GPU`: total memory in bytes, compute capability), so nothing runs out of
+memory by accident on a 16 GB T4, 24 GB L4 / A10 / RTX 4090, 40 or 80 GB A100, 80 GB H100 or
+141 GB H200. The two out-of-memory points the course *wants* stay: naive attention's N² scores in
+the attention sweep, and one batch beyond what fits in the decode batch sweep (Unit 4's memory
+ceiling).
+
+The dtype: bf16 only where the GPU has bf16 tensor cores (sm80, Ampere, and newer: the
+``bfloat16`` rows of the CUDA C Programming Guide's "Arithmetic Instructions" table; on sm75 torch
+emulates it, so a bf16 roofline would measure an emulated peak); fp16 otherwise.
+
+Memory models (bytes on one GPU, the largest point of each workload; GB = 1e9, GiB = 2**30):
+
+* **Training a GPT** in fp32 with Adam: model states 16 B per parameter (weights 4, gradients 4,
+  Adam's two moments 8; Rajbhandari et al. 2019, "ZeRO", §3.1, for fp32 training), plus activations
+  ``68 · s · b · h`` bytes per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation
+  in Large Transformer Models", eq. 1: ``s·b·h·34`` bytes in 16-bit without the ``5·a·s/h`` score
+  term, which fused attention does not store; twice that in fp32), plus the logits and their
+  gradient (``3 · b · s · V · 4`` bytes: logits, softmax and its gradient).
+* **Stale gradients** (``workers/data_parallel.py``): every τ of the sweep keeps its own model and
+  Adam states (16 B/parameter each) and up to ``τ + 1`` flat fp32 gradients in flight.
+* **Decode** (``decode.py``): the weights (``2`` B/parameter in 16-bit) and the static KV cache,
+  ``2 · layers · batch · positions · d_model`` elements (keys and values, every head), plus the
+  prefill's logits ``batch · prompt · vocab`` in fp32.
+* **Collectives**: send, receive and a reference buffer of the message size (``3 · S``).
+* **Probes**: the matmul probe's three ``n × n`` matrices, the copy probe's source and destination.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+HEADROOM = 0.8  # fraction of the GPU's memory a workload may plan to use
+MiB = 2**20
+
+
+@lru_cache(maxsize=64)
+def gpt_params(vocab: int, d_model: int, layers: int, heads: int, seq_len: int) -> int:
+    """Parameter elements of :class:`teraflops.models.GPT` of these sizes (built on the meta
+    device: the real module's count, no memory)."""
+    import torch
+
+    from .models import GPT
+
+    with torch.device("meta"):
+        return GPT(vocab, d_model, layers, heads, seq_len).num_params()
+
+
+def llama_params(vocab: int, d_model: int, layers: int) -> int:
+    """Parameter elements of :class:`teraflops.models.Llama`: embedding and head (untied), per layer
+    four ``d × d`` attention projections, SwiGLU's three ``d × 4d`` matrices and two RMSNorm weights,
+    and the final norm (``tests/test_gpu_fit.py`` checks it against a built model)."""
+    return 2 * vocab * d_model + layers * (4 * d_model ** 2 + 3 * d_model * 4 * d_model + 2 * d_model) + d_model
+
+
+def training_bytes(params: int, *, layers: int, d_model: int, seq_len: int, micro_batch: int, vocab: int) -> int:
+    """One rank training a GPT in fp32 with Adam (module docstring): ``16·Ψ + 68·s·b·h·L + 12·b·s·V``."""
+    return 16 * params + 68 * seq_len * micro_batch * d_model * layers + 12 * micro_batch * seq_len * vocab
+
+
+def staleness_bytes(p, taus=(0, 1, 4, 16)) -> int:
+    """The stale-gradient sweep on one rank: a model and Adam per τ, ``Σ (τ + 1)`` gradients in flight."""
+    psi = gpt_params(p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len)
+    act = training_bytes(0, layers=p.dp_layers, d_model=p.dp_d_model, seq_len=p.dp_seq_len,
+                         micro_batch=p.dp_micro_batch, vocab=p.dp_vocab)
+    return len(taus) * 16 * psi + sum(t + 1 for t in taus) * 4 * psi + act
+
+
+def decode_bytes(p, batch: int) -> int:
+    """Unit 4's decode model at ``batch``: 16-bit weights, the static KV cache, the prefill's fp32 logits."""
+    weights = 2 * llama_params(p.decode_vocab, p.decode_d_model, p.decode_layers)
+    cache = 2 * 2 * p.decode_layers * batch * p.decode_max_seq_len * p.decode_d_model
+    return weights + cache + 4 * batch * p.decode_prompt_len * p.decode_vocab
+
+
+def workload_bytes(p) -> dict[str, int]:
+    """The memory model (bytes on one GPU) of each GPU-preset workload at its largest planned point
+    that is meant to fit (the intended OOM points excluded: naive attention, the decode sweep's last)."""
+    elem = 2  # the probes' and attention's 16-bit elements
+    gpt = dict(layers=p.gpt_layers, d_model=p.gpt_d_model, seq_len=p.gpt_seq_len, vocab=p.gpt_vocab)
+    gpt_psi = gpt_params(p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len)
+    dp_psi = gpt_params(p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len)
+    n_max = max(p.attn_seq_lens)
+    return {
+        "ceilings probes": max(3 * p.probe_matmul_n ** 2 * elem, 2 * p.probe_copy_bytes),
+        "roofline": max(3 * max(p.matmul_sizes) ** 2 * elem, 3 * p.elementwise_numel * 4),
+        "flash attention at the largest N": 4 * p.attn_batch * p.attn_heads * n_max * p.attn_head_dim * elem,
+        "transformer block (fwd + bwd)": training_bytes(12 * p.block_d_model ** 2, layers=1, d_model=p.block_d_model,
+                                                       seq_len=p.block_seq, micro_batch=p.block_batch, vocab=0),
+        "ZeRO stage 0 (GPT)": training_bytes(gpt_psi, micro_batch=p.dp_micro_batch, **gpt),
+        "stragglers / elastic (GPT)": training_bytes(gpt_psi, micro_batch=p.straggler_micro_batch, **gpt),
+        "stale gradients (τ sweep)": staleness_bytes(p),
+        "remedies (DDP)": training_bytes(dp_psi, layers=p.dp_layers, d_model=p.dp_d_model, seq_len=p.dp_seq_len,
+                                         micro_batch=p.dp_micro_batch, vocab=p.dp_vocab) + 4 * dp_psi,
+        "decode at the largest batch that fits": decode_bytes(p, p.decode_fit_batch),
+        "collectives (largest message)": 3 * p.collective_max_bytes,
+        "contention (8 streams)": 2 * 8 * p.contention_bytes,
+        "bandwidth ladder": 2 * p.ladder_bytes,
+    }
+
+
+def supports_bf16(capability: tuple[int, int]) -> bool:
+    """bf16 tensor cores: sm80 (Ampere) and newer (module docstring)."""
+    return tuple(capability) >= (8, 0)
+
+
+def fit_preset(base, gpu):
+    """``base`` (the GPU preset) with sizes and dtype fitted to ``gpu`` (memory, capability).
+
+    Shrinks, in this order and only where a workload's model exceeds ``HEADROOM`` of the memory:
+    the collective sweep's largest message, the ZeRO / straggler micro-batches, the stale-gradient
+    GPT's width, and the decode batch sweep (the largest batch that fits, then one power of two
+    past the whole memory as the intended OOM step).
+    """
+    import torch
+
+    budget = HEADROOM * gpu.memory_bytes
+    p = replace(base, name=base.name, dtype=torch.bfloat16 if supports_bf16(gpu.capability) else torch.float16)
+    top = p.collective_max_bytes
+    while 3 * top > budget and top > 64 * MiB:
+        top //= 2
+    p = replace(p, collective_max_bytes=top)
+    gpt = dict(layers=p.gpt_layers, d_model=p.gpt_d_model, seq_len=p.gpt_seq_len, vocab=p.gpt_vocab)
+    psi = gpt_params(p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len)
+    for field in ("dp_micro_batch", "straggler_micro_batch"):
+        while getattr(p, field) > 1 and training_bytes(psi, micro_batch=getattr(p, field), **gpt) > budget:
+            p = replace(p, **{field: getattr(p, field) // 2})
+    while p.dp_d_model > 256 and staleness_bytes(p) > budget:
+        p = replace(p, dp_d_model=p.dp_d_model - 256)
+    fit = 1
+    while decode_bytes(p, 2 * fit) <= budget and 2 * fit <= max(base.decode_batches):
+        fit *= 2
+    over = 2 * fit
+    while decode_bytes(p, over) <= gpu.memory_bytes:  # the first batch past the whole memory: the OOM step
+        over *= 2
+    batches = tuple(b for b in base.decode_batches if b <= fit)
+    return replace(p, decode_fit_batch=fit, decode_batches=batches + ((over,) if over > fit else ()))
