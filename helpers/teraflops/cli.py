@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("doctor", help="report versions, devices and what is skipped on this machine")
 
+    preflight = sub.add_parser("preflight", help="exercise every GPU path at small sizes before a session "
+                                                 "(a table of checks; exit 0 only if all pass)")
+    preflight.add_argument("--out", default="build/preflight", help="folder for results.json (default: build/preflight)")
+    preflight.add_argument("--only", nargs="+", metavar="CHECK", help="run only these checks (names as in the table)")
+
     grade = sub.add_parser("grade", help="grade a lab notebook")
     grade.add_argument("notebook", type=Path, metavar="NOTEBOOK")
     grade.add_argument("--timeout", type=int, default=120, metavar="S",
@@ -152,6 +157,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_preflight(args: argparse.Namespace) -> int:
+    from . import preflight
+
+    return preflight.main(args.out, only=args.only)
+
+
 def _cmd_grade(args: argparse.Namespace) -> int:
     from .grading.core import grade_notebook
 
@@ -215,7 +226,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"run": _cmd_run, "bench": _cmd_bench, "doctor": _cmd_doctor, "grade": _cmd_grade, "labs": _cmd_labs,
+_COMMANDS = {"run": _cmd_run, "preflight": _cmd_preflight, "bench": _cmd_bench, "doctor": _cmd_doctor, "grade": _cmd_grade, "labs": _cmd_labs,
              "cluster": _cmd_cluster, "triage": _cmd_triage}
 
 

@@ -1,0 +1,75 @@
+"""``teraflops preflight``: checks run or skip with a reason, a failure is one line naming the check,
+and results.json is in the report card's reference format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from teraflops import preflight, report_card
+from teraflops.machine import GPU, Machine
+
+CHEAP = ["device", "triton-flash", "ceilings", "profiler-verdicts", "ladder-contention", "triage"]
+
+
+def test_checks_needing_gpus_are_skipped_with_the_reason(monkeypatch):
+    ran = []
+    checks = (preflight.Check("a", "runs everywhere", lambda: ran.append("a") or (1.0, "x", "fine")),
+              preflight.Check("b", "needs two GPUs", lambda: ran.append("b") or (2.0, "y", "fine"), gpus=2),
+              preflight.Check("c", "fails", lambda: preflight._need(False, "measured 3, expected 4")))
+    monkeypatch.setattr("teraflops.machine.detect", lambda: Machine("cpu", cpu_cores=2))
+    results = preflight.run(checks, progress=False)
+    assert ran == ["a"] and [r.status for r in results] == ["passed", "skipped", "failed"]
+    assert "needs 2 GPUs, this machine has 0" in results[1].detail and results[2].detail == "measured 3, expected 4"
+    monkeypatch.setattr("teraflops.machine.detect", lambda: Machine("cuda", (GPU(0, "g", 1, (8, 0)),) * 2))
+    assert [r.status for r in preflight.run(checks[:2], progress=False)] == ["passed", "passed"]
+    with pytest.raises(preflight.CourseError, match="no preflight check named nope"):
+        preflight.run(checks, only=["nope"])
+
+
+def test_an_unexpected_exception_is_one_line_with_its_place():
+    def broken():
+        raise KeyError("max_error")
+
+    r, = preflight.run((preflight.Check("k", "broken", broken),), progress=False)
+    assert r.status == "failed" and r.detail.startswith("KeyError: 'max_error' (test_preflight.py:") and "\n" not in r.detail
+
+
+def test_results_json_is_a_reference_the_report_card_reads(tmp_path):
+    results = [preflight.CheckResult("ceilings", "peak", "passed", "ok", 1.0, 12.5, "FLOP/byte"),
+               preflight.CheckResult("zero", "zero", "failed", "boom", 2.0)]
+    machine = Machine("cuda", (GPU(0, "NVIDIA H200", 141 << 30, (9, 0)),))
+    (tmp_path / "h200.json").write_text(json.dumps(preflight.results_json(machine, results)))
+    ref, = report_card.load_references(tmp_path)
+    assert ref["gpu"] == "NVIDIA H200" and ref["notebooks"]["preflight"] == {
+        "ceilings": {"value": 12.5, "unit": "FLOP/byte", "label": "peak"}}
+    assert [c["status"] for c in ref["checks"]] == ["passed", "failed"]
+
+
+def _preflight(tmp_path, *args, env=None):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "teraflops.cli", "preflight", "--out", str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.slow
+def test_cheap_checks_pass_on_this_machine_and_write_results(tmp_path):
+    out = _preflight(tmp_path, "--only", *CHEAP)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    for name in CHEAP:
+        assert any(line.startswith("ok") and f" {name} " in line for line in out.stdout.splitlines()), out.stdout
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {c["name"] for c in data["checks"]} == set(CHEAP)
+
+
+@pytest.mark.slow
+def test_a_check_made_to_fail_exits_non_zero_with_one_line_naming_it(tmp_path):
+    # a stand-in fault: the GPU preset forced on a machine without a GPU
+    out = _preflight(tmp_path, "--only", "ceilings", env={"TERAFLOPS_PRESET": "gpu"})
+    assert out.returncode == 1
+    failed = [line for line in out.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and failed[0].startswith("FAILED ceilings: ValueError") and "needs a CUDA GPU" in failed[0]
