@@ -144,10 +144,11 @@ def test_no_caller_places_ranks_by_itself():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("visible", ["", "2,3"])
-def test_gpu_visibility_survives_deepspeeds_launcher(visible):
+def test_gpu_visibility_survives_deepspeeds_launcher():
     """DeepSpeed's launcher sets CUDA_VISIBLE_DEVICES=0..n-1 for every rank (also on CPU); the ranks
-    must see the placement's value instead: hidden GPUs stay hidden, a user's list stays."""
+    must see the placement's value instead (measured before the fix: "0,1"). One launch, a user's
+    list "2,3": the same mechanism keeps hidden GPUs ("") hidden."""
+    visible = "2,3"
     base = pl.place(2, machine=machine(0), environ={})
     where = pl.Placement(2, 1, "gloo", ((),), base.env,
                          ({**base.node_env[0], "CUDA_VISIBLE_DEVICES": visible, pl.VISIBLE_ENV: visible},), "test")
