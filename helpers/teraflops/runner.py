@@ -183,9 +183,10 @@ def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[s
     try:
         with _environ({"TQDM_DISABLE": "1", **(env or {})}), client.setup_kernel():
             _set_language_info(client, nb)
-            with tqdm(total=len(nb.cells), desc=desc, unit="cell", disable=False) as bar:
+            with tqdm(total=len(nb.cells), desc=desc, unit="cell", disable=False) as bar, _ticking(bar) as running:
                 for index, cell in enumerate(nb.cells):
                     failure = None
+                    running(index, cell)
                     try:
                         client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
                     except CellExecutionError as e:
@@ -205,6 +206,38 @@ def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[s
         if not failures:
             failures.append(CellFailure(None, type(e).__name__, _one_line(str(e))))
     return failures
+
+
+TICK_SECONDS = 1.0  # how often the progress bar says how long the running cell has taken
+
+
+@contextlib.contextmanager
+def _ticking(bar, every: float = TICK_SECONDS):
+    """While a cell runs, refresh ``bar``'s postfix every ``every`` seconds with the cell's number
+    and elapsed time ("cell 12: 95 s"), so a long cell (a one-off compile, a multi-process run) shows
+    that it is alive, in a terminal as in Jupyter. Yields ``running(index, cell)``, called as each
+    cell starts."""
+    import threading
+
+    current: dict = {}
+    stop = threading.Event()
+
+    def running(index, cell) -> None:
+        current.update(index=index, start=time.perf_counter(), code=cell.cell_type == "code")
+        bar.set_postfix_str(f"cell {index}", refresh=False)
+
+    def tick() -> None:
+        while not stop.wait(every):
+            if current.get("code"):
+                bar.set_postfix_str(f"cell {current['index']}: {time.perf_counter() - current['start']:.0f} s")
+
+    thread = threading.Thread(target=tick, name="teraflops-progress", daemon=True)
+    thread.start()
+    try:
+        yield running
+    finally:
+        stop.set()
+        thread.join()
 
 
 def make_client(nb, path: Path, timeout: int, allow_errors: bool = False):
