@@ -74,16 +74,19 @@ def exercise(number: int, title: str):
 
         @functools.wraps(check_fn)
         def run(*args, **kwargs):
+            _RUNNING.append(ex.name)
             try:
                 check_fn(*args, **kwargs)
             except NotAttempted:
                 raise
             except ExerciseFailed as e:
+                FAILURES[ex.name] = FAILURES.get(ex.name, 0) + 1
                 raise ExerciseFailed(f"{ex.label}: {e}") from None
             except Exception as e:  # noqa: BLE001 - anything the learner's code raised
                 if _looks_unattempted(e):
                     raise NotAttempted(f"{ex.label}: not attempted. Replace the `raise NotImplementedError` "
                                        "line with your code, run that cell, then this check again.") from None
+                FAILURES[ex.name] = FAILURES.get(ex.name, 0) + 1
                 hint = _hint_for(e, getattr(check_fn, "hints", {}))
                 if isinstance(e, CourseError):
                     detail = _first_line(e)
@@ -91,12 +94,32 @@ def exercise(number: int, title: str):
                     message = f": {_first_line(e)}" if str(e).strip() else " (with no message)"
                     detail = f"your code raised {type(e).__name__}{message}"
                 raise ExerciseFailed(f"{ex.label}: {detail}{hint}") from None
+            finally:
+                _RUNNING.pop()
             print(f"{PASS_MARK} {ex.label}: passed")
 
         run.exercise = ex
         return run
 
     return deco
+
+
+FAILURES: dict[str, int] = {}  # check name -> failures so far in this kernel (process)
+_RUNNING: list[str] = []  # the check running now (innermost last)
+AGAIN = "(if it fails again, the hint shows the formula)"
+
+
+def reveal(what_is_wrong: str, formula: str) -> str:
+    """A hint that names the mistake first and hands over the answer only on a repeated failure.
+
+    The first failure of a check in this kernel gets ``what_is_wrong`` and a note that the formula
+    follows on the next failure; every later failure of the same check gets
+    ``"<what_is_wrong>; <formula>"``. Outside a check (no check running) the formula is shown.
+    """
+    name = _RUNNING[-1] if _RUNNING else None
+    if name is not None and FAILURES.get(name, 0) == 0:
+        return f"{what_is_wrong} {AGAIN}"
+    return f"{what_is_wrong}; {formula}"
 
 
 def _hint_for(e: BaseException, hints: dict[str, str]) -> str:
@@ -146,7 +169,7 @@ def check_cases(fn, what: str, unit: str, cases, reference, mistakes, default_hi
 
     On a mismatch, fail on the first wrong case with the hint of the first mistake that holds for
     *every* answer given, so that a mistake is named only when it fits all the evidence; else
-    ``default_hint``. ``mistakes``: ``(holds(got, want, case) -> bool, hint)`` pairs;
+    ``default_hint`` (the formula), shown only from the check's second failure (:func:`reveal`). ``mistakes``: ``(holds(got, want, case) -> bool, hint)`` pairs;
     ``describe(case)`` and ``compare(got, want)`` word the message.
     """
     answers = [(expect_number(what, fn(*case), unit), reference(*case), case) for case in cases]
@@ -154,7 +177,8 @@ def check_cases(fn, what: str, unit: str, cases, reference, mistakes, default_hi
     if not wrong:
         return
     got, want, case = wrong[0]
-    hint = next((h for holds, h in mistakes if all(holds(*a) for a in answers)), default_hint)
+    hint = next((h for holds, h in mistakes if all(holds(*a) for a in answers)), None) or reveal(
+        "your answers fit none of the usual mistakes; recheck each term against the exercise text", default_hint)
     fail(f"for {describe(case)}: {compare(got, want)}. Hint: {hint}")
 
 
