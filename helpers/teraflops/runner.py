@@ -61,6 +61,7 @@ class NotebookResult:
         ok: every cell ran without error.
         error: the failure when not ``ok``, else ``None``.
         headline: entries from :mod:`teraflops.report` (key -> value, unit, label).
+        takeaway: the notebook's one-line verdict (:func:`teraflops.report.takeaway`), if it gave one.
         executed: path of the executed notebook.
         html: path of the HTML rendering, ``None`` if not requested or it failed.
         html_error: one line if the HTML export failed.
@@ -71,6 +72,7 @@ class NotebookResult:
     ok: bool
     error: CellFailure | None = None
     headline: dict[str, dict] = field(default_factory=dict)
+    takeaway: str | None = None
     executed: Path | None = None
     html: Path | None = None
     html_error: str | None = None
@@ -107,9 +109,10 @@ def _one_line(text: str, limit: int = 200) -> str:
 
 
 def run_notebook(
-    path: Path, out_dir: Path, timeout_per_cell: int = 600, html: bool = True
+    path: Path, out_dir: Path, timeout_per_cell: int = 600, html: bool = True, env: dict[str, str] | None = None
 ) -> NotebookResult:
-    """Execute one notebook, write it (and its HTML) to ``out_dir``; never raises on cell errors."""
+    """Execute one notebook, write it (and its HTML) to ``out_dir``; never raises on cell errors.
+    ``env`` is added to the kernel's environment (the run's shared ceilings, say)."""
     import nbformat
 
     path = Path(path)
@@ -123,13 +126,14 @@ def run_notebook(
     client = make_client(nb, path, timeout_per_cell)
 
     start = time.perf_counter()
-    failures = execute_cells(client, nb, name, stop_on_error=True, env={report.ENV_VAR: str(report_path)})
+    failures = execute_cells(client, nb, name, stop_on_error=True, env={**(env or {}), report.ENV_VAR: str(report_path)})
     failure = failures[0] if failures else None
     seconds = time.perf_counter() - start
 
     result = NotebookResult(name=name, seconds=seconds, ok=failure is None, error=failure)
     try:
         result.headline = report.read(report_path)
+        result.takeaway = report.read_takeaway(report_path)
     except ValueError as e:  # unreadable report file: keep the run, say why
         result.headline = {}
         if result.error is None:
@@ -318,11 +322,36 @@ def run_units(
                 f"available units: {available}"
             )
         selected = list(dict.fromkeys(units))  # keep the order given, drop repeats
+    env = machine_context(Path(out_dir))
     return [
-        run_notebook(path, Path(out_dir), timeout_per_cell=timeout_per_cell, html=html)
+        run_notebook(path, Path(out_dir), timeout_per_cell=timeout_per_cell, html=html, env=env)
         for unit in selected
         for path in found[unit]
     ]
+
+
+MACHINE_FILE = "machine.json"  # in out_dir: {"ceilings": Ceilings.to_json(), "busy_warning": str | None}
+
+
+def machine_context(out_dir: Path) -> dict[str, str]:
+    """Before the first notebook of a run: sample whether other processes keep the CPUs busy
+    (:func:`teraflops.machine.busy_warning`) and measure the ceilings once
+    (:func:`teraflops.ceilings.measure_ceilings`, the preset's probe); write both to
+    ``out_dir/machine.json`` (the report card reads it) and the ceilings to ``out_dir/ceilings.json``.
+    Returns the environment that hands the ceilings to every notebook's kernel
+    (``$TERAFLOPS_CEILINGS``), so that all units of one run share one roof."""
+    import json
+
+    from . import ceilings
+    from .machine import busy_warning
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    busy = busy_warning()
+    c = ceilings.measure_ceilings()
+    shared = (out_dir / "ceilings.json").resolve()
+    shared.write_text(json.dumps(c.to_json()) + "\n")
+    (out_dir / MACHINE_FILE).write_text(json.dumps({"ceilings": c.to_json(), "busy_warning": busy}, indent=1) + "\n")
+    return {ceilings.SHARED_ENV: str(shared)}
 
 
 def format_value(value: float) -> str:
