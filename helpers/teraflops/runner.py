@@ -212,17 +212,21 @@ def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[s
     return failures
 
 
-TICK_SECONDS = 1.0  # how often the progress bar says how long the running cell has taken
+TICK_SECONDS = 1.0  # how often the progress bar says how long the running cell has taken, in a terminal
+TICK_SECONDS_LOG = 10.0  # the same when stderr is a file or a pipe (a CI log keeps every refresh)
 
 
 @contextlib.contextmanager
-def _ticking(bar, every: float = TICK_SECONDS):
+def _ticking(bar, every: float | None = None):
     """While a cell runs, refresh ``bar``'s postfix every ``every`` seconds with the cell's number
-    and elapsed time ("cell 12: 95 s"), so a long cell (a one-off compile, a multi-process run) shows
+    and elapsed time ("cell 12: 95 s"; every 10 s when stderr is not a terminal), so a long cell (a one-off compile, a multi-process run) shows
     that it is alive, in a terminal as in Jupyter. Yields ``running(index, cell)``, called as each
     cell starts."""
+    import sys
     import threading
 
+    if every is None:
+        every = TICK_SECONDS if getattr(sys.stderr, "isatty", lambda: False)() else TICK_SECONDS_LOG
     current: dict = {}
     stop = threading.Event()
 
