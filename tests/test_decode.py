@@ -161,3 +161,14 @@ def test_num_params_counts_zero3_partitioned_parameters(make):
         p.ds_numel = p.numel()
         p.data = torch.empty(0, dtype=p.dtype)
     assert model.num_params() == full > 0
+
+
+@pytest.mark.slow
+def test_recompile_reasons_name_the_guard_of_the_graph_that_last_ran():
+    """Issue 18: the second recompile was attributed to guard 0/0 (expected 8), not 0/1 (expected 9)."""
+    assert D._newest_failure("Recompiling function f\n    triggered by the following guard failure(s):\n"
+                             "    - 0/1: tensor 'x' size mismatch at index 0. expected 9, actual 10\n"
+                             "    - 0/0: tensor 'x' size mismatch at index 0. expected 8, actual 10") \
+        == "- 0/1: tensor 'x' size mismatch at index 0. expected 9, actual 10"
+    reasons = D.recompile_demo((8, 9, 10), dynamic=False).reasons
+    assert [r.split(":")[0] for r in reasons] == ["- 0/0", "- 0/1"] and "expected 9, actual 10" in reasons[1]
