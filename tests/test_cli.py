@@ -173,3 +173,12 @@ def test_checked_output_mismatches_compares_check_cells_as_nbval(tmp_path):
     nbformat.write(new_notebook(cells=[new_code_cell("print(1)")]), other)
     with pytest.raises(CourseError, match="same cells"):
         checked_output_mismatches(other, committed)
+
+
+def test_run_measures_the_ceilings_once_for_every_notebook(cli_run):
+    """Issue 18: the run's one probe is in machine.json (for the card) and in ceilings.json (for the kernels)."""
+    _, _, out = cli_run
+    machine = json.loads((out / "machine.json").read_text())
+    assert machine["ceilings"] == json.loads((out / "ceilings.json").read_text())
+    assert machine["ceilings"]["peak_flops"] > 0 and "busy_warning" in machine
+    assert "measured once at the start of this run" in (out / "report_card.html").read_text()

@@ -333,3 +333,18 @@ def test_cpu_sweep_covers_1kb_to_64mb_correctly_and_fits(monkeypatch):
     fit = co.fit_rows(rows, "all_reduce")
     print(fit, f"sweep {elapsed:.1f} s")
     assert fit.r2 >= 0.95 and fit.alpha > 0 and fit.bandwidth > 0
+
+
+def test_plot_sweep_labels_stay_in_the_frame_apart_and_off_the_data():
+    """Issue 18: "InfiniBand NDR" ran past the frame and the "80 % of B" note sat on a data line."""
+    from figure_checks import assert_text_off_lines, assert_texts_inside_and_apart
+
+    matplotlib.use("Agg")
+    rows = fake_rows()
+    fig = co.plot_sweep(rows, co.fit_rows(rows))
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    assert_texts_inside_and_apart(ax)
+    measured = [line for line in ax.lines if "ranks" in str(line.get_label())]
+    assert measured and assert_text_off_lines(ax, "80% of B", measured) is None
+    matplotlib.pyplot.close(fig)

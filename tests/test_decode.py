@@ -148,3 +148,27 @@ def test_batch_sweep_stops_at_out_of_memory_with_a_warning():
     with pytest.warns(UserWarning, match="batch 4: out of memory"):
         rows = D.batch_sweep(model, (1, 2, 4, 8), step_fn=step, bandwidth=1e10, min_run_time=0.01)
     assert [r.batch for r in rows] == [1, 2]
+
+
+@pytest.mark.parametrize("make", [lambda: GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=24),
+                                  lambda: Llama(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=24, seed=0)])
+def test_num_params_counts_zero3_partitioned_parameters(make):
+    """Issue 18: the Unit 6 trace worker counted parameters after ZeRO-3's initialize and read 0.
+    DeepSpeed empties a partitioned parameter (numel() 0) and keeps its size as ds_numel."""
+    model = make()
+    full = model.num_params()
+    for p in model.parameters():
+        p.ds_numel = p.numel()
+        p.data = torch.empty(0, dtype=p.dtype)
+    assert model.num_params() == full > 0
+
+
+@pytest.mark.slow
+def test_recompile_reasons_name_the_guard_of_the_graph_that_last_ran():
+    """Issue 18: the second recompile was attributed to guard 0/0 (expected 8), not 0/1 (expected 9)."""
+    assert D._newest_failure("Recompiling function f\n    triggered by the following guard failure(s):\n"
+                             "    - 0/1: tensor 'x' size mismatch at index 0. expected 9, actual 10\n"
+                             "    - 0/0: tensor 'x' size mismatch at index 0. expected 8, actual 10") \
+        == "- 0/1: tensor 'x' size mismatch at index 0. expected 9, actual 10"
+    reasons = D.recompile_demo((8, 9, 10), dynamic=False).reasons
+    assert [r.split(":")[0] for r in reasons] == ["- 0/0", "- 0/1"] and "expected 9, actual 10" in reasons[1]

@@ -29,6 +29,8 @@ def test_idle_fraction_mistakes(wrong, hint):
 
 @pytest.mark.parametrize("wrong, hint", [
     (check._mean_std, "median and the MAD"),
+    (check._mean_centred, "centre on the median, not the mean"),
+    (lambda busy: check._mean_centred(busy, 0.05), "centre on the median, not the mean"),
     (check._no_floor, "floor the MAD"),
     (check._two_sided, "only slow ranks"),
     (lambda busy: [], "flagged \\[\\], expected \\[3\\]"),
@@ -90,3 +92,18 @@ def test_placeholder_is_not_attempted():
     for name in ("idle_fraction", "straggler_detector", "rebalance", "backfill_policy"):
         with pytest.raises(NotAttempted):
             getattr(check, name)(placeholder)
+
+
+def test_a_mean_centred_detector_fails_on_its_telling_case():
+    """Issue 18: a detector centred on the mean with a 1 % MAD floor passed every case before."""
+    with pytest.raises(ExerciseFailed, match=r"three equal ranks, one 30 % slower': flagged \[\], expected \[3\]"):
+        check.straggler_detector(check._mean_centred)
+
+
+def test_an_unrecognised_detector_gets_the_formula_only_when_it_fails_again():
+    never = lambda busy: [0]  # noqa: E731 - none of the modelled mistakes
+    with pytest.raises(ExerciseFailed) as first:
+        check.straggler_detector(never)
+    assert "0.6745" not in str(first.value) and "if it fails again" in str(first.value)
+    with pytest.raises(ExerciseFailed, match="0.6745"):
+        check.straggler_detector(never)

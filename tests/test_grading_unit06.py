@@ -134,7 +134,7 @@ def test_exposed_other_correct_forms_pass(capsys):
     (lambda o, c, s: check._overlap(_merge(c), _merge(o)) / _len(_merge(c)) if c else 0.0,
      "Holistic Trace Analysis"),
     (lambda o, c, s: 1 - exposed_communication(o, c, s), "1 minus the answer"),
-    (lambda o, c, s: exposed_communication(o, c, s) * 1.01, "merge the collective intervals and the op intervals"),
+    (lambda o, c, s: exposed_communication(o, c, s) * 1.01, "fit none of the usual mistakes"),
 ])
 def test_exposed_mistakes(wrong, hint):
     fails(check.exposed_communication, wrong, match=hint)
@@ -204,7 +204,7 @@ def test_waited_other_correct_forms_pass(capsys):
     (lambda w, r: float(np.mean(_ex(w)[:, r] / _a(w)[:, r])), "not the mean of per-step ratios"),
     (lambda w, r: 100 * waited_fraction(w, r), "not a percentage"),
     (lambda w, r: 1 - waited_fraction(w, r), "the transfer's share"),
-    (lambda w, r: waited_fraction(w, r) + 0.01, "per step, excess = w\\[s, rank\\] - min\\(w\\[s, :\\]\\)"),
+    (lambda w, r: waited_fraction(w, r) + 0.01, "fit none of the usual mistakes"),
 ])
 def test_waited_mistakes(wrong, hint):
     fails(check.waited_fraction, wrong, match=hint)

@@ -192,5 +192,39 @@ def test_real_run_plot_has_loss_curves_and_byte_bars(tiny_run):
     matplotlib.use("Agg")
     fig = rm.plot_remedies(tiny_run.rows)
     ax_loss, ax_bytes = fig.axes
-    assert len(ax_loss.lines) == len(tiny_run.rows) and len(ax_bytes.patches) == len(tiny_run.rows)
+    curves = {(r.get("samples_per_micro_batch", 1), tuple(r["losses"])) for r in tiny_run.rows}
+    assert len(ax_loss.lines) == len(curves) and len(ax_bytes.patches) == len(tiny_run.rows)
+    legend = [t.get_text() for t in ax_loss.get_legend().get_texts()]
+    assert len(set(legend)) == len(legend) == len(ax_loss.lines)
+    matplotlib.pyplot.close(fig)
+
+
+def _synthetic_rows():
+    rows = []
+    for i, (name, per_sample, losses) in enumerate([
+            ("baseline", 4e6, [3.0, 2.5, 2.0]), ("accumulate", 1e6, [3.0, 2.4, 1.9]),
+            ("accumulate-sync", 1e6, [3.0, 2.4, 1.9]), ("fp16", 2e6, [3.0, 2.6, 2.1]),
+            ("bf16", 2e6, [3.0, 2.6, 2.1]), ("powersgd", 0.3e6, [3.0, 2.7, 2.3])]):
+        rows.append({"setting": name, "k": 4 if "acc" in name else 1, "steps": 3, "bytes_per_step": per_sample * 4,
+                     "bytes_per_sample": per_sample, "step_ms": 10.0, "eval_loss": losses[-1], "losses": losses,
+                     "samples_per_micro_batch": 4 if "acc" in name else 1, "label": name})
+    return rows
+
+
+def test_plot_merges_identical_curves_and_keeps_bar_ratios():
+    """Issue 18: six legend entries for three visible lines, and log-scale bars that distorted the ratios."""
+    matplotlib.use("Agg")
+    fig = rm.plot_remedies(_synthetic_rows())
+    ax_loss, ax_bytes = fig.axes
+    legend = [t.get_text() for t in ax_loss.get_legend().get_texts()]
+    assert len(ax_loss.lines) == len(legend) == len(set(legend)) == 4
+    assert "accumulate = accumulate-sync (identical losses)" in legend
+    assert ax_bytes.get_xscale() == "linear"
+    widths = sorted(p.get_width() for p in ax_bytes.patches)
+    assert widths[-1] / widths[0] == pytest.approx(4e6 / 0.3e6)
+    fig.canvas.draw()
+    frame = ax_bytes.get_window_extent()
+    for t in ax_bytes.texts:
+        box = t.get_window_extent()
+        assert frame.x0 <= box.x0 and box.x1 <= frame.x1, t.get_text()
     matplotlib.pyplot.close(fig)

@@ -59,3 +59,40 @@ def test_without_a_tag_the_first_figure_and_references_sit_beside(tmp_path):
     written = json.loads((tmp_path / "build" / "results.json").read_text())
     assert written["notebooks"] == {"01_model_definition": ok.headline} and written["gpu"] == detect().gpu_name
     assert report_card.load_references(tmp_path / "build") == ([] if detect().gpu_name is None else [written])
+
+
+def test_sections_are_titled_by_question_with_takeaway_at_most_five_numbers_and_caption(tmp_path):
+    """Issue 18: sections were titled by file name, with no takeaway and up to 11 numbers."""
+    path = executed(tmp_path, "01_model_definition", tagged_second=True)
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[1].metadata["caption"] = "This machine's roofline <measured>"
+    nbformat.write(nb, path)
+    headline = {f"k{i}": {"value": i, "unit": "x", "label": f"number {i}"} for i in range(7)}
+    headline["k1"]["card"] = False
+    ok = NotebookResult("01_model_definition", 95.0, True, headline=headline, executed=path,
+                        takeaway="memory-bound: naive attention held 63× the memory of flash at N = 1024")
+    page = report_card.render(detect(), [ok], references=[])
+    assert f"Unit 1: {report_card.QUESTIONS[1]}" in page
+    assert "<p class='takeaway'>memory-bound: naive attention held 63× the memory of flash at N = 1024</p>" in page
+    shown = [f"number {i}" for i in range(7) if f"<td>number {i}</td>" in page]
+    assert shown == ["number 0", "number 2", "number 3", "number 4", "number 5"]
+    assert "<figcaption>This machine&#x27;s roofline &lt;measured&gt;</figcaption>" in page
+
+
+def test_the_card_carries_the_runs_ceilings_and_busy_warning(tmp_path):
+    (tmp_path / "machine.json").write_text(json.dumps({
+        "ceilings": {"peak_flops": 2e11, "bandwidth": 1e10, "dtype": "float32", "device": "cpu",
+                     "matmul_n": 512, "copy_bytes": 2**26},
+        "busy_warning": "other processes are using 93% of the CPU right now: timings will be noisy"}))
+    page = report_card.render(detect(), [], references=[], context=report_card.read_machine(tmp_path))
+    assert "measured once at the start of this run" in page and "ridge point 20 FLOP/byte" in page
+    assert "Busy machine:" in page and "93% of the CPU" in page
+
+
+def test_questions_are_the_readmes():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| (\d) \| [^|]+ \| ([^|]+) \|", readme, re.M)
+    assert {int(u): q.strip() for u, q in rows} == report_card.QUESTIONS

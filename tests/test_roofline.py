@@ -46,3 +46,28 @@ def test_measured_roofline_separates_matmul_from_elementwise():
     verdicts = {p.name.split()[0]: p.bound(c) for p in points}
     assert verdicts == {"matmul": "compute", "add": "memory", "softmax": "memory", "copy": "memory"}
     assert "verdict" in roofline.roofline_table(points, c)
+
+
+def test_roofline_labels_do_not_overlap_and_stay_inside():
+    """Issue 18: "softmax 16384×1024" sat on "matmul 16×16"."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    from figure_checks import assert_texts_inside_and_apart
+    from teraflops.ceilings import Ceilings
+    from teraflops.roofline import RooflinePoint, plot_roofline
+
+    c = Ceilings(2e11, 1e10, torch.float32, "cpu", 512, 2**26)
+    points = [RooflinePoint("matmul 16×16", 2 * 16**3, 3 * 16 * 16 * 4, 2 * 16**3 / 6e9),
+              RooflinePoint("softmax 16384×1024", 5 * 2**24, 8 * 2**24, 5 * 2**24 / 6.2e9),
+              RooflinePoint("add 2^24", 2**24, 12 * 2**24, 2**24 / 0.8e9),
+              RooflinePoint("matmul 4096×4096", 2 * 4096**3, 3 * 4096**2 * 4, 2 * 4096**3 / 1.9e11),
+              RooflinePoint("matmul 256×256", 2 * 256**3, 3 * 256**2 * 4, 2 * 256**3 / 1.5e11),
+              RooflinePoint("copy 2^24", 0, 8 * 2**24, 8 * 2**24 / 9e9)]
+    ax = plot_roofline(points, c)
+    ax.figure.canvas.draw()
+    assert_texts_inside_and_apart(ax)
+    plt.close(ax.figure)

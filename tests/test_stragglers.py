@@ -256,3 +256,14 @@ def test_a_killed_rank_ends_the_run_with_one_line(monkeypatch):
         st.run(plan, delays_ms=(0,), steps=3, experiments="sweep", timeout=60)
     assert "\n" not in str(info.value)
     shutil.rmtree(info.value.logs, ignore_errors=True)
+
+
+def test_timeline_title_says_the_injection_once():
+    """Issue 18: Unit 3's timeline was titled "200 ms: constant 200 ms"."""
+    from types import SimpleNamespace
+
+    from teraflops.stragglers import timeline_title
+
+    constant = SimpleNamespace(kind="constant", label="constant 200 ms")
+    assert timeline_title(SimpleNamespace(name="200 ms", injection=constant)) == "injected: constant 200 ms"
+    assert timeline_title(SimpleNamespace(name="rank 3 slow", injection=constant)) == "rank 3 slow: constant 200 ms"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numbers
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -110,6 +111,7 @@ class Ceilings:
     device: str
     matmul_n: int
     copy_bytes: int
+    source: str = "measured"  # "measured" here, or where they came from (SHARED_ENV's file, "given")
 
     @property
     def ridge_point(self) -> float:
@@ -133,11 +135,40 @@ class Ceilings:
         return replace(self, peak_flops=peak, bandwidth=bandwidth)
 
     def __str__(self) -> str:
+        where = "" if self.source == "measured" else f" [{self.source}]"
         return (
             f"{self.device} ceilings ({str(self.dtype).replace('torch.', '')}): "
             f"peak {self.peak_flops / 1e12:.3g} TFLOP/s, copy bandwidth {self.bandwidth / 1e9:.3g} GB/s, "
-            f"ridge point {self.ridge_point:.3g} FLOP/byte"
+            f"ridge point {self.ridge_point:.3g} FLOP/byte{where}"
         )
+
+    def to_json(self) -> dict:
+        return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "dtype": str(self.dtype).replace("torch.", ""),
+                "device": self.device, "matmul_n": self.matmul_n, "copy_bytes": self.copy_bytes}
+
+
+SHARED_ENV = "TERAFLOPS_CEILINGS"  # a JSON file of Ceilings.to_json(): the run's one probe (teraflops run)
+SHARED_SOURCE = "measured once for this teraflops run"
+
+
+def shared_ceilings(dtype: torch.dtype, device: str, matmul_n: int, copy_bytes: int) -> Ceilings | None:
+    """The ceilings ``teraflops run`` measured once before its first notebook (the file named by
+    ``$TERAFLOPS_CEILINGS``), when they answer the same probe (dtype, device, sizes); else ``None``
+    (unset, missing, unreadable or another probe: the caller measures)."""
+    import json
+    import os
+
+    path = os.environ.get(SHARED_ENV)
+    if not path:
+        return None
+    try:
+        d = json.loads(Path(path).read_text())
+        shared = Ceilings(float(d["peak_flops"]), float(d["bandwidth"]), getattr(torch, d["dtype"]), str(d["device"]),
+                          int(d["matmul_n"]), int(d["copy_bytes"]), SHARED_SOURCE)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    same = (shared.dtype, shared.device, shared.matmul_n, shared.copy_bytes) == (dtype, device, matmul_n, copy_bytes)
+    return shared if same else None
 
 
 def measure_peak_flops(n: int, dtype: torch.dtype, device: str, min_run_time: float = 0.3) -> float:
@@ -172,7 +203,9 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
         device: ``"cpu"`` or ``"cuda"`` (default this machine's, :func:`teraflops.machine.detect`).
 
     Defaults (``None``) come from :func:`teraflops.sizing.preset` for this machine; any other value
-    is checked, so 0 is an error, not the default.
+    is checked, so 0 is an error, not the default. Under ``teraflops run`` (``$TERAFLOPS_CEILINGS``
+    names its probe's file) the same probe is not run again: the run's ceilings are returned, with
+    ``source`` saying so, so that every unit of one run uses the same roof.
 
     Raises:
         CeilingsError: ``matmul_n`` not an int >= 2, ``copy_bytes`` not an int >= 4 (one float32),
@@ -196,6 +229,9 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
     if not isinstance(device, str) or not device:
         raise CeilingsError(f"device must be 'cpu' or 'cuda', got {device!r}. Hint: leave it None for this machine's")
     matmul_n, copy_bytes = int(matmul_n), int(copy_bytes)
+    shared = shared_ceilings(dtype, device, matmul_n, copy_bytes)
+    if shared is not None:  # one probe per teraflops run: every unit uses the same roof
+        return shared
     # The best of two sizes: one probe on a shared CPU can land on a slow moment.
     flops = max(measure_peak_flops(n, dtype, device) for n in (matmul_n // 2, matmul_n))
     bw = measure_copy_bandwidth(copy_bytes, device)

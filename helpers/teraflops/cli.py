@@ -6,7 +6,8 @@ Subcommands::
                                         execute lecture notebooks, print the summary table, write
                                         the report card (build/report_card.html)
     teraflops doctor                    versions, devices, compilers and what is skipped here
-    teraflops grade NOTEBOOK            check a lab notebook's exercises
+    teraflops grade NOTEBOOK [--unit N] [--json]
+                                        check a lab notebook's exercises (any file name)
     teraflops bench attention [...]     Triton FlashAttention vs SDPA on this machine, as ratios
     teraflops labs build|check|refresh  generate labs/ from solutions/, check they agree, or
                                         (maintainers) re-execute notebooks keeping nbval-checked outputs
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("notebook", type=Path, metavar="NOTEBOOK")
     grade.add_argument("--timeout", type=int, default=120, metavar="S",
                        help="seconds a single cell may run before it is interrupted (default: 120)")
+    grade.add_argument("--unit", type=int, metavar="N",
+                       help="the lab's unit (default: the notebook's metadata, else its NN_ file-name prefix)")
+    grade.add_argument("--json", action="store_true",
+                       help='print one JSON object {"notebook", "unit", "checks": [{"name", "passed", "message"}], '
+                            '"passed", "total"} instead of the table')
 
     bench = sub.add_parser("bench", help="benchmark the course's Triton FlashAttention against SDPA")
     bench.add_argument("what", choices=["attention"])
@@ -164,11 +170,16 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def _cmd_grade(args: argparse.Namespace) -> int:
-    from .grading.core import grade_notebook
+    from .grading.core import grade
 
-    table, all_passed = grade_notebook(args.notebook, timeout=args.timeout)
-    print(table)
-    return 0 if all_passed else 1
+    report = grade(args.notebook, timeout=args.timeout, unit=args.unit)
+    if args.json:
+        import json
+
+        print(json.dumps(report.as_json(), ensure_ascii=False))
+    else:
+        print(report.table())
+    return 0 if report.all_passed else 1
 
 
 def _cmd_labs(args: argparse.Namespace) -> int:

@@ -543,6 +543,14 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _newest_failure(message: str) -> str:
+    """The guard failure that caused a recompile: dynamo lists one per cached graph, newest first
+    ("- 0/1: ... expected 9, actual 10", then "- 0/0: ... expected 8, actual 10"); the first is the
+    graph the call last ran, the one whose guard the new shape broke."""
+    failures = [ln.strip() for ln in message.splitlines() if ln.strip().startswith("- ")]
+    return failures[0] if failures else message.strip().splitlines()[-1].strip()
+
+
 def _toy_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.layer_norm(x @ w, (w.shape[1],)).relu()
 
@@ -576,5 +584,5 @@ def recompile_demo(seq_lens=(8, 9, 10, 11), dynamic: bool | None = False, fn=_to
         log.removeHandler(handler)
         torch._logging.set_logs()
     compiles = int(counters["stats"]["unique_graphs"])
-    reasons = [line.strip().splitlines()[-1].strip() for line in handler.lines]
+    reasons = [_newest_failure(line) for line in handler.lines]
     return Recompiles(dynamic, tuple(seq_lens), compiles, reasons)

@@ -6,7 +6,9 @@ indentation::
 
     raise NotImplementedError("Exercise: replace this line with your code")
 
-Cells tagged ``solution-only`` are dropped, all outputs and execution counts are cleared.
+Cells tagged ``solution-only`` are dropped, all outputs and execution counts are cleared. A
+solution's metadata names its unit (``{"teraflops": {"unit": N}}``, :data:`UNIT_KEY`); the lab keeps
+it, so ``teraflops grade`` knows the unit of a copy under any file name.
 ``teraflops labs build`` writes ``labs/`` from ``solutions/``; ``teraflops labs check`` reports
 every lab that differs from what build would write (CI fails on drift).
 """
@@ -24,6 +26,7 @@ from .errors import PLACEHOLDER_MESSAGE, CourseError
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 PLACEHOLDER = f'raise NotImplementedError("{PLACEHOLDER_MESSAGE}")'
 SOLUTION_ONLY_TAG = "solution-only"
+UNIT_KEY = "teraflops"  # notebook metadata: {"teraflops": {"unit": N}} (read by grading.core.unit_of)
 # Like nbgrader, any comment line naming the marker counts, whatever its case or number of '#'.
 _MARKER = re.compile(r"^\s*#+\s*(BEGIN|END)\s+SOLUTION\s*$", re.IGNORECASE)
 _ANY_MARKER = re.compile(r"(BEGIN|END)\s+SOLUTION", re.IGNORECASE)
@@ -116,6 +119,12 @@ def check_labs(root: str | Path = ".") -> list[str]:
             problems.append(f"{lab} is missing: run `teraflops labs build`")
         elif lab.read_text(encoding="utf-8") != expected_lab(sol):
             problems.append(f"{lab} differs from what {sol} generates: run `teraflops labs build`")
+    for sol, _ in pairs:
+        prefix = re.match(r"(\d+)_", sol.name)
+        unit = nbformat.read(sol, as_version=4).metadata.get(UNIT_KEY, {}).get("unit")
+        if prefix and unit != int(prefix.group(1)):
+            problems.append(f"{sol} should carry its unit in its metadata ({UNIT_KEY}.unit = {int(prefix.group(1))}, "
+                            f"found {unit!r}): labs copy it, and teraflops grade reads it")
     names = {s.name for s, _ in pairs}
     for lab in sorted((root / "labs").glob("*.ipynb")):
         if lab.name not in names:

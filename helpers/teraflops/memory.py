@@ -8,9 +8,12 @@
   not counted. Docs: https://pytorch.org/docs/stable/torch_cuda_memory.html
 * CPU: the PyTorch profiler with ``profile_memory=True`` records every allocation and free made
   by PyTorch's CPU allocator, with a timestamp (https://pytorch.org/docs/stable/profiler.html).
-  We sum those records in time order and report the highest level reached above the start.
-  It counts tensor storage created by torch operators in the region (including temporaries
-  freed before the region ends); it does not count memory of other allocators, e.g. the NumPy
+  We sum those records in time order and report the highest level they reach: the most bytes
+  the region's own allocations held at once. It counts tensor storage created by torch operators
+  in the region (including temporaries freed before the region ends). The profiler does not
+  record the free of a tensor allocated before the region (it warns "Memory block of unknown size
+  was allocated before the profiling started"), so a region that frees earlier tensors is not
+  credited for them: the CPU figure is then an upper bound on the rise above what was live before; it does not count memory of other allocators, e.g. the NumPy
   arrays the Triton interpreter uses for a kernel's tiles, which stand in for on-chip SRAM on a
   GPU and should not count as "HBM" traffic anyway.
 
@@ -54,8 +57,10 @@ def _cuda_peak(fn: Callable[[], object], device) -> tuple[int, object]:
 def peak_memory(fn: Callable[[], object], device: str | torch.device = "cpu") -> tuple[int, object]:
     """Run ``fn()`` once and return ``(peak_bytes, result)``.
 
-    ``peak_bytes`` is the largest amount of tensor memory allocated at once during the call,
-    above what was live before it (see the module docstring for what each device counts).
+    ``peak_bytes`` is the largest amount of tensor memory allocated at once during the call. On a
+    GPU it is the rise above what was live before (frees of earlier tensors included); on a CPU
+    it counts only the region's own allocations and frees, so a region that frees a tensor made
+    before it still counts what it allocates in its place (an upper bound; module docstring).
     ``torch.cuda.OutOfMemoryError`` propagates: catch it to turn an OOM into a data point.
 
     Raises:

@@ -315,7 +315,8 @@ def plot_model_states(rows: list[ModelStates], ax=None, highlight: int | None = 
     ax.set_ylim(0, top * 1.1)
     ax.set_ylabel("model states per device (GB = 1e9 bytes)")
     r = rows[0]
-    ax.set_title(f"Ψ = {r.psi / 1e9:.3g} billion parameters, Nd = {r.nd}, {r.precision.name}", fontsize=10)
+    ax.set_title(f"computed from ZeRO's formulas, not measured: Ψ = {r.psi / 1e9:.3g} billion parameters, "
+                 f"Nd = {r.nd}, {r.precision.name}", fontsize=10)
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     if own:
         ax.figure.tight_layout()

@@ -27,6 +27,12 @@ import torch.nn.functional as F
 from .errors import ShapeError
 
 
+def _numel(p: torch.Tensor) -> int:
+    """A parameter's full element count, also when DeepSpeed ZeRO-3 has partitioned it away (then
+    ``p.numel()`` is 0 and DeepSpeed keeps the full count as ``p.ds_numel``)."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
 class TransformerBlock(nn.Module):
     """One GPT-style block.
 
@@ -187,8 +193,9 @@ class GPT(CachedLM):
             nn.init.normal_(emb.weight, std=0.02)
 
     def num_params(self) -> int:
-        """Distinct parameter elements (the tied head counted once): Ψ in the ZeRO paper."""
-        return sum(p.numel() for p in self.parameters())
+        """Distinct parameter elements (the tied head counted once): Ψ in the ZeRO paper. Under
+        DeepSpeed ZeRO-3 a partitioned parameter's ``numel()`` reads 0; its full size is ``ds_numel``."""
+        return sum(_numel(p) for p in self.parameters())
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 input_pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -314,8 +321,9 @@ class Llama(CachedLM):
                     m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.02)
 
     def num_params(self) -> int:
-        """Parameter elements (embedding and head counted separately: they are not tied)."""
-        return sum(p.numel() for p in self.parameters())
+        """Parameter elements (embedding and head counted separately: they are not tied); ZeRO-3
+        partitioned parameters by their ``ds_numel`` (see :meth:`GPT.num_params`)."""
+        return sum(_numel(p) for p in self.parameters())
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 input_pos: torch.Tensor | None = None) -> torch.Tensor:

@@ -61,6 +61,7 @@ class NotebookResult:
         ok: every cell ran without error.
         error: the failure when not ``ok``, else ``None``.
         headline: entries from :mod:`teraflops.report` (key -> value, unit, label).
+        takeaway: the notebook's one-line verdict (:func:`teraflops.report.takeaway`), if it gave one.
         executed: path of the executed notebook.
         html: path of the HTML rendering, ``None`` if not requested or it failed.
         html_error: one line if the HTML export failed.
@@ -71,6 +72,7 @@ class NotebookResult:
     ok: bool
     error: CellFailure | None = None
     headline: dict[str, dict] = field(default_factory=dict)
+    takeaway: str | None = None
     executed: Path | None = None
     html: Path | None = None
     html_error: str | None = None
@@ -107,9 +109,10 @@ def _one_line(text: str, limit: int = 200) -> str:
 
 
 def run_notebook(
-    path: Path, out_dir: Path, timeout_per_cell: int = 600, html: bool = True
+    path: Path, out_dir: Path, timeout_per_cell: int = 600, html: bool = True, env: dict[str, str] | None = None
 ) -> NotebookResult:
-    """Execute one notebook, write it (and its HTML) to ``out_dir``; never raises on cell errors."""
+    """Execute one notebook, write it (and its HTML) to ``out_dir``; never raises on cell errors.
+    ``env`` is added to the kernel's environment (the run's shared ceilings, say)."""
     import nbformat
 
     path = Path(path)
@@ -123,13 +126,14 @@ def run_notebook(
     client = make_client(nb, path, timeout_per_cell)
 
     start = time.perf_counter()
-    failures = execute_cells(client, nb, name, stop_on_error=True, env={report.ENV_VAR: str(report_path)})
+    failures = execute_cells(client, nb, name, stop_on_error=True, env={**(env or {}), report.ENV_VAR: str(report_path)})
     failure = failures[0] if failures else None
     seconds = time.perf_counter() - start
 
     result = NotebookResult(name=name, seconds=seconds, ok=failure is None, error=failure)
     try:
         result.headline = report.read(report_path)
+        result.takeaway = report.read_takeaway(report_path)
     except ValueError as e:  # unreadable report file: keep the run, say why
         result.headline = {}
         if result.error is None:
@@ -183,9 +187,10 @@ def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[s
     try:
         with _environ({"TQDM_DISABLE": "1", **(env or {})}), client.setup_kernel():
             _set_language_info(client, nb)
-            with tqdm(total=len(nb.cells), desc=desc, unit="cell", disable=False) as bar:
+            with tqdm(total=len(nb.cells), desc=desc, unit="cell", disable=False) as bar, _ticking(bar) as running:
                 for index, cell in enumerate(nb.cells):
                     failure = None
+                    running(index, cell)
                     try:
                         client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
                     except CellExecutionError as e:
@@ -205,6 +210,42 @@ def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[s
         if not failures:
             failures.append(CellFailure(None, type(e).__name__, _one_line(str(e))))
     return failures
+
+
+TICK_SECONDS = 1.0  # how often the progress bar says how long the running cell has taken, in a terminal
+TICK_SECONDS_LOG = 10.0  # the same when stderr is a file or a pipe (a CI log keeps every refresh)
+
+
+@contextlib.contextmanager
+def _ticking(bar, every: float | None = None):
+    """While a cell runs, refresh ``bar``'s postfix every ``every`` seconds with the cell's number
+    and elapsed time ("cell 12: 95 s"; every 10 s when stderr is not a terminal), so a long cell (a one-off compile, a multi-process run) shows
+    that it is alive, in a terminal as in Jupyter. Yields ``running(index, cell)``, called as each
+    cell starts."""
+    import sys
+    import threading
+
+    if every is None:
+        every = TICK_SECONDS if getattr(sys.stderr, "isatty", lambda: False)() else TICK_SECONDS_LOG
+    current: dict = {}
+    stop = threading.Event()
+
+    def running(index, cell) -> None:
+        current.update(index=index, start=time.perf_counter(), code=cell.cell_type == "code")
+        bar.set_postfix_str(f"cell {index}", refresh=False)
+
+    def tick() -> None:
+        while not stop.wait(every):
+            if current.get("code"):
+                bar.set_postfix_str(f"cell {current['index']}: {time.perf_counter() - current['start']:.0f} s")
+
+    thread = threading.Thread(target=tick, name="teraflops-progress", daemon=True)
+    thread.start()
+    try:
+        yield running
+    finally:
+        stop.set()
+        thread.join()
 
 
 def make_client(nb, path: Path, timeout: int, allow_errors: bool = False):
@@ -285,11 +326,36 @@ def run_units(
                 f"available units: {available}"
             )
         selected = list(dict.fromkeys(units))  # keep the order given, drop repeats
+    env = machine_context(Path(out_dir))
     return [
-        run_notebook(path, Path(out_dir), timeout_per_cell=timeout_per_cell, html=html)
+        run_notebook(path, Path(out_dir), timeout_per_cell=timeout_per_cell, html=html, env=env)
         for unit in selected
         for path in found[unit]
     ]
+
+
+MACHINE_FILE = "machine.json"  # in out_dir: {"ceilings": Ceilings.to_json(), "busy_warning": str | None}
+
+
+def machine_context(out_dir: Path) -> dict[str, str]:
+    """Before the first notebook of a run: sample whether other processes keep the CPUs busy
+    (:func:`teraflops.machine.busy_warning`) and measure the ceilings once
+    (:func:`teraflops.ceilings.measure_ceilings`, the preset's probe); write both to
+    ``out_dir/machine.json`` (the report card reads it) and the ceilings to ``out_dir/ceilings.json``.
+    Returns the environment that hands the ceilings to every notebook's kernel
+    (``$TERAFLOPS_CEILINGS``), so that all units of one run share one roof."""
+    import json
+
+    from . import ceilings
+    from .machine import busy_warning
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    busy = busy_warning()
+    c = ceilings.measure_ceilings()
+    shared = (out_dir / "ceilings.json").resolve()
+    shared.write_text(json.dumps(c.to_json()) + "\n")
+    (out_dir / MACHINE_FILE).write_text(json.dumps({"ceilings": c.to_json(), "busy_warning": busy}, indent=1) + "\n")
+    return {ceilings.SHARED_ENV: str(shared)}
 
 
 def format_value(value: float) -> str:

@@ -139,6 +139,15 @@ class Injection:
                 "compute": f"compute ×{self.factor:g}"}[self.kind]
 
 
+def timeline_title(timeline) -> str:
+    """A timeline plot's title: the setting's name and its injection, said once (a name such as
+    ``"200 ms"`` that the injection's label ``"constant 200 ms"`` already holds is not repeated)."""
+    name, label = str(timeline.name).strip(), timeline.injection.label
+    if not name or name in label or name == timeline.injection.kind:
+        return f"injected: {label}"
+    return f"{name}: {label}"
+
+
 @dataclass(frozen=True, eq=False)
 class Timeline:
     """One training setting of a launch, per timed step and rank (arrays ``[steps, ranks]``).
@@ -529,7 +538,7 @@ def plot_timeline(timeline: Timeline, steps: int = 6, first: int = 0, ax=None):
                   [f"rank {r}" + (" (injected)" if r in timeline.injected_ranks else "")
                    for r in range(timeline.step.shape[1])])
     ax.invert_yaxis()
-    ax.set(xlabel="time (ms)", title=f"{timeline.name}: {timeline.injection.label}")
+    ax.set(xlabel="time (ms)", title=timeline_title(timeline))
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
     fig.tight_layout()
     return fig

@@ -202,12 +202,12 @@ def plot_tradeoff(runs: list[StageRun]):
     mem.set_title("memory falls with each stage", fontsize=10)
     com.bar(x, [r.comm_bytes / 1e6 for r in runs], color="tab:purple", label="measured (comms logger)")
     com.scatter(x, [comm_volume(r.psi, r.stage, 4) / 1e6 for r in runs], color="black", marker="_", s=600,
-                label="paper: 2Ψ, 3Ψ", zorder=3)
+                label="paper's formula for this Ψ: 2Ψ, 3Ψ", zorder=3)
     com.set_xticks(x, labels)
     com.set_ylabel("bytes sent per rank per step (MB)")
     com.legend(fontsize=8)
     com.set_title("communication rises at stage 3", fontsize=10)
-    fig.suptitle(f"ZeRO on {runs[0].world_size} ranks ({runs[0].backend}), Ψ = {runs[0].psi:,} parameters, fp32",
-                 fontsize=11)
+    fig.suptitle(f"measured here on the course's small model: ZeRO on {runs[0].world_size} ranks ({runs[0].backend}), "
+                 f"Ψ = {runs[0].psi:,} parameters, fp32", fontsize=11)
     fig.tight_layout()
     return fig

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import roofline
 from ..profiling import classify, count_ops
-from .core import kernel_setting, check_cases, close, exercise, expect_tensor, fail, max_error
+from .core import check_cases, close, exercise, expect_tensor, fail, kernel_setting, max_error, reveal
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -114,7 +114,7 @@ def naive_attention(fn) -> None:
         if max_error(out, _attention64(q, k, v, dim=-2)) <= tol:
             fail(f"max error {err:.2e} against the reference. Hint: the softmax runs over the keys, the last dimension (dim=-1)")
         fail(f"max error {err:.2e} against the reference for shape {shape} (tolerance {tol:.1e}). "
-             "Hint: scores = q @ kᵀ / √d, softmax over the last dim, then @ v")
+             f"Hint: {reveal('compare each step with the exercise text: the scores, their softmax and the product with v', 'scores = q @ kᵀ / √d, softmax over the last dim, then @ v')}")
 
 
 naive_attention.__wrapped__.hints = {
@@ -199,9 +199,9 @@ def online_softmax(fn) -> None:
         if math.isnan(err):
             fail(f"NaN/inf on '{name}' (block_size={block}). Hint: exp(x - m) with m the running maximum "
                  "never overflows, and never divides 0 by 0; start m at -inf and l at 0")
-        fail(f"max error {err:.2e} on '{name}' (block_size={block}). Hint: when a block raises the running "
-             "max from m to m_new, rescale the running sum: l = l·exp(m − m_new) + Σ exp(x_block − m_new); "
-             "start m at -inf, not 0")
+        fail(f"max error {err:.2e} on '{name}' (block_size={block}). Hint: " + reveal(
+            "when a block raises the running max, the sum so far was taken against the old max and must be rescaled",
+            "l = l·exp(m − m_new) + Σ exp(x_block − m_new); start m at -inf, not 0"))
 
 
 _TORCH_MATH = {"mm", "bmm", "addmm", "baddbmm", "matmul", "_softmax", "softmax", "exp", "div", "mul"}
@@ -241,8 +241,9 @@ def flash_attention(fn) -> None:
             if max_error(out, unnormalised) <= 100 * tol:
                 fail(f"max error {err:.2e} against SDPA for shape {shape}: the output is not normalised. "
                      "Hint: divide acc by l once, after the loop")
-            fail(f"max error {err:.2e} against SDPA for shape {shape} (tolerance {tol:g}). Hint: rescale acc "
-                 "and l by alpha = exp(m_old − m_new) before adding the new tile, and divide by l once at the end")
+            fail(f"max error {err:.2e} against SDPA for shape {shape} (tolerance {tol:g}). Hint: " + reveal(
+                "acc and l were summed against the old running max: rescale both when a tile raises it",
+                "multiply acc and l by alpha = exp(m_old − m_new) before adding the new tile, and divide by l once at the end"))
 
 
 flash_attention.__wrapped__.hints = _KERNEL_HINTS

@@ -15,7 +15,7 @@ import numpy as np
 from ..detection import flag_stragglers as reference_flags
 from ..scheduling import Job, fifo, make_trace, simulate
 from ..stragglers import idle_fraction as reference_idle
-from .core import exercise, fail
+from .core import exercise, fail, reveal
 
 
 def _array(what: str, got, shape: tuple) -> np.ndarray:
@@ -79,8 +79,9 @@ def idle_fraction(fn) -> None:
         (lambda s, w: w.sum(0) / (s - w).sum(0), "divide by the step time, not the busy time"),
     ]
     got, want, (step, _) = wrong[0]
-    hint = _named_mistake(answers, mistakes, lambda g, x: np.allclose(g, x, rtol=1e-6)) or \
-        "idle fraction of rank r = sum over steps of wait_s[:, r] / sum of step_s[:, r]"
+    hint = _named_mistake(answers, mistakes, lambda g, x: np.allclose(g, x, rtol=1e-6)) or reveal(
+        "your fractions are none of the usual mistakes; check what you sum and what you divide by",
+        "idle fraction of rank r = sum over steps of wait_s[:, r] / sum of step_s[:, r]")
     fail(f"on a {step.shape[0]}-step, {step.shape[1]}-rank timeline: got {np.round(got, 3).tolist()}, expected "
          f"{np.round(want, 3).tolist()}. Hint: {hint}")
 
@@ -108,7 +109,10 @@ def _detector_cases():
     equal = np.full((5, 4), 0.04)  # MAD = 0
     close = np.full((5, 4), 0.04) + [0, 1e-4, 0, 4e-4]  # rank 3 is 1 % slower: MAD ~ 0 makes that an outlier
     quiet = jitter(8, 6, spread=0.006)
-    return [("one rank 50 ms slower", one), ("two of eight ranks slow", two), ("rank 0 slow every third step", bursty),
+    # three equal ranks and one 30 % slower: the median is 1 and the MAD 0 (floored at 5 %), so z = 4.05; a
+    # detector centred on the mean (1.075) measures the straggler against itself and finds z = 2.0
+    pulled = np.tile([1.0, 1.0, 1.0, 1.3], (5, 1)) * 0.04
+    return [("three equal ranks, one 30 % slower", pulled), ("one rank 50 ms slower", one), ("two of eight ranks slow", two), ("rank 0 slow every third step", bursty),
             ("one rank faster than the rest", fast), ("identical ranks", equal), ("ranks within 1 %", close), ("jitter only", quiet),
             ("a rank 4 MADs above the median (z < 3.5)", spread), ("one slow step on rank 1", spike)]
 
@@ -124,6 +128,17 @@ def _two_sided(busy):
     med = np.median(m)
     mad = max(np.median(np.abs(m - med)), 0.05 * med)
     return [int(r) for r in np.flatnonzero(np.abs(0.6745 * (m - med) / mad) > 3.5)]
+
+
+def _mean_centred(busy, floor=0.01):
+    m = busy.mean(axis=0)
+    centre = m.mean()
+    mad = max(np.median(np.abs(m - centre)), floor * centre)
+    return [int(r) for r in np.flatnonzero(0.6745 * (m - centre) / mad > 3.5)]
+
+
+_MEAN_CENTRED = ("centre on the median, not the mean: a straggler pulls the mean (and the spread measured from it) "
+                 "towards itself, so on [1, 1, 1, 1.3] it hides; use the median and the MAD")
 
 
 def _no_floor(busy):
@@ -174,6 +189,8 @@ def straggler_detector(fn) -> None:
     if not wrong:
         return
     mistakes = [
+        (_mean_centred, _MEAN_CENTRED),
+        (lambda busy: _mean_centred(busy, 0.05), _MEAN_CENTRED),
         (_mean_std, "your detector flags nobody, even a rank 50 ms slower: with mean and standard deviation the "
                     "straggler inflates the spread it is measured against (z <= (n-1)/sqrt(n)); use the median and the MAD"),
         (_no_floor, "when the ranks agree, the MAD is ~0 and any jitter looks infinite: floor the MAD at 5 % of "
@@ -184,8 +201,9 @@ def straggler_detector(fn) -> None:
         (_any_step, "average each rank's busy time over the steps first: one slow step is not a straggler"),
     ]
     (got, want, _), name = wrong[0]
-    hint = _named_mistake(answers, mistakes, lambda g, x: sorted(g) == sorted(x)) or \
-        "per rank: the mean busy time over steps; z = 0.6745 (x - median) / max(MAD, 0.05 * median); flag z > 3.5"
+    hint = _named_mistake(answers, mistakes, lambda g, x: sorted(g) == sorted(x)) or reveal(
+        "your detector is none of the usual mistakes; compare it step by step with the exercise text on this case",
+        "per rank: the mean busy time over steps; z = 0.6745 (x - median) / max(MAD, 0.05 * median); flag z > 3.5")
     fail(f"on '{name}': flagged {got}, expected {want}. Hint: {hint}")
 
 

@@ -21,7 +21,7 @@ from ..decode import (VIEW_OPS, count_launches as reference_launches, decode_mod
 from ..profiling import count_ops
 from ..quantization import QMAX, dequantize as reference_dequantize, quantize_per_channel as reference_quantize
 from ..sizing import PRESETS
-from .core import kernel_setting, check_cases, exercise, expect_number, expect_tensor, fail, max_error
+from .core import check_cases, exercise, expect_number, expect_tensor, fail, kernel_setting, max_error, reveal
 
 
 # --- exercise 1: launches per token from a profile ------------------------------------------------
@@ -270,7 +270,8 @@ def silu_mul(fn) -> None:
         if max_error(out, F.silu(a.float())) <= 100 * tol:
             fail(f"max error {err:.2e} for shape {shape}: that is silu(a) alone. Hint: multiply by b")
         fail(f"max error {err:.2e} against F.silu(a) * b for shape {shape} (tolerance {tol:g}). "
-             "Hint: out = a * tl.sigmoid(a) * b, computed in float32")
+             "Hint: " + reveal("compare with silu(a)·b element by element, in float32",
+                               "out = a * tl.sigmoid(a) * b, computed in float32"))
 
 
 silu_mul.__wrapped__.hints = _KERNEL_HINTS
@@ -317,7 +318,8 @@ def _check_quantize(fn) -> None:
                             (QMAX / w.abs().amax(dim=1), "scale is max|w| / 127 (a step size), not its inverse")]:
             if torch.allclose(s, other, rtol=1e-3):
                 fail(f"scale[o] should be max|w[o, :]| / 127. Hint: {hint}")
-        fail("scale[o] should be max|w[o, :]| / 127. Hint: w.abs().amax(dim=1) / 127")
+        fail("scale[o] should be max|w[o, :]| / 127. Hint: " + reveal(
+            "the scale of a row comes from that row's largest magnitude", "w.abs().amax(dim=1) / 127"))
     wq = reference_dequantize(q, s)
     if ((wq - w).abs() > s[:, None] / 2 * (1 + 1e-4) + 1e-12).any():
         fail("dequantize(q, scale) is off by more than scale/2 somewhere. "
@@ -387,8 +389,9 @@ def int8_linear(fn) -> None:
         if max_error(got, unscaled) <= 1e-3 * max(1.0, unscaled.abs().max().item()):
             fail(f"max error {err:.2e}: the output is not scaled. Hint: y = (x @ q.T) * scale + bias; each output "
                  "channel o is scaled by scale[o]")
-        fail(f"max error {err:.2e} against x @ dequantize(q, scale).T + bias. Hint: multiply the product by the scale "
-             "once, along its last dimension (one value per output channel): (x @ q.T) * scale + bias")
+        fail(f"max error {err:.2e} against x @ dequantize(q, scale).T + bias. Hint: " + reveal(
+            "multiply the product by the scale once, along its last dimension (one value per output channel)",
+            "(x @ q.T) * scale + bias"))
 
 
 int8_linear.__wrapped__.hints = {

@@ -18,7 +18,7 @@ import numpy as np
 from ..collectives import (PUBLISHED_LINKS, accumulation_for_fraction, bus_factor,
                            fit_alpha_beta as reference_fit, ring_allreduce_seconds)
 from ..errors import CourseError
-from .core import check_cases, close, exercise, expect_number, fail, finite_answer, holds
+from .core import check_cases, close, exercise, expect_number, fail, finite_answer, holds, reveal
 
 
 # --- exercise 1: bus bandwidth from algorithm bandwidth --------------------------------------------
@@ -67,6 +67,39 @@ _BUS_MISTAKES = [
 ]
 
 
+_OTHER_SPELLINGS = {"all_reduce": ("allreduce", "all-reduce", "AllReduce", "all_reduce_perf"),
+                    "all_gather": ("allgather", "all-gather", "AllGather", "all_gather_perf"),
+                    "reduce_scatter": ("reducescatter", "reduce-scatter", "ReduceScatter", "reduce_scatter_perf")}
+
+
+def _names_spelt_otherwise(fn) -> None:
+    """Fail, naming the collective's name, when ``fn`` gives another spelling of it (``"allreduce"``) the
+    factor the exercise's name (``"all_reduce"``) should get but not the name itself: the learner's
+    factors are right, their branch never matches."""
+    a, n = _ALGBWS[0], 4
+
+    def answer(name):
+        try:
+            return float(fn(a, name, n))
+        except Exception:  # noqa: BLE001 - the usual checks report what the learner's code raised
+            return None
+
+    unknown = answer("no_such_collective")  # what a name no branch matches gets: a value, or an error
+    for name, others in _OTHER_SPELLINGS.items():
+        want = a * bus_factor(name, n)
+        mine = answer(name)
+        if mine is not None and close(mine, want):
+            continue
+        if not (mine is None and unknown is None or mine is not None and unknown is not None and close(mine, unknown)):
+            continue  # the name reaches a branch of its own: a wrong factor, which the usual checks name
+        for other in others:
+            got = answer(other)
+            if got is not None and close(got, want):
+                fail(f"busbw(algbw, {other!r}, n) gets the factor of {name!r}, but busbw(algbw, {name!r}, n) does not: "
+                     f"the collective is called {name!r}. Hint: compare with the names "
+                     f"{', '.join(map(repr, _BUS_COLLECTIVES))}, exactly as spelt")
+
+
 def _describe_bus(case) -> str:
     a, c, n = case
     return f"algbw={a:g} bytes/s ({a / 1e9:g} GB/s), collective={c!r}, n={n}"
@@ -76,6 +109,7 @@ def _describe_bus(case) -> str:
 def busbw(fn) -> None:
     """``fn(algbw, collective, n) -> busbw`` in bytes/s for ``"all_reduce"``, ``"all_gather"`` and
     ``"reduce_scatter"`` on ``n`` = 2, 3, 4 and 8 ranks (nccl-tests doc/PERFORMANCE.md)."""
+    _names_spelt_otherwise(fn)
     check_cases(finite_answer(fn, "busbw", "bytes/s", _describe_bus), "busbw", "bytes/s", _BUS_CASES,
                 lambda a, c, n: a * bus_factor(c, n),
                 [(holds(f), h) for f, h in _BUS_MISTAKES],
@@ -140,8 +174,8 @@ def _log_fit(log, exp):
     return fit
 
 
-_TWO_POINTS = ("use every point in a least-squares fit (np.polyfit(sizes, seconds, 1) or np.linalg.lstsq), "
-               "not a line through two of them: one noisy point then decides B")
+_TWO_POINTS = ("your line goes through two of the points: one noisy point then decides B; use every point in a "
+               "least-squares fit")
 _MIN_TIME = ("α is the fitted line's intercept, not the smallest measured time (which also holds S·β and noise): "
              "fit α and β together by least squares")
 _LOG_LOG = ("fit T = α + β·S to the times themselves: a straight line on log-log axes is a power law T = c·S^k, "
@@ -233,7 +267,8 @@ def fit_alpha_beta(fn, sizes=None, seconds=None) -> None:
     wrong = [a for a in answers if not a[4]]
     if not wrong:
         return
-    hint = "least squares of T = α + β·S over every point: beta, alpha = np.polyfit(sizes, seconds, 1)"
+    hint = reveal("fit the line T = α + β·S by least squares over every point",
+                  "beta, alpha = np.polyfit(sizes, seconds, 1)")
     for model, h in _FIT_MISTAKES:
         try:
             if all(_same_fit(got, model(*case), case[1]) for got, _, case, _, _ in answers):

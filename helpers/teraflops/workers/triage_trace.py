@@ -71,7 +71,8 @@ def zero3(w, a):
     from teraflops.workers.zero_train import config
 
     model = _model(a, "zero", w.device)
-    cfg = config(3, a.zero_micro_batch, model.num_params())
+    params = model.num_params()  # before initialize: ZeRO-3 partitions the parameters (numel() then reads 0)
+    cfg = config(3, a.zero_micro_batch, params)
     cfg["comms_logger"] = {"enabled": False}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                       config=cfg)
@@ -84,7 +85,7 @@ def zero3(w, a):
     def close():
         engine.destroy()
 
-    return step, {"params": model.num_params()}, close
+    return step, {"params": params}, close
 
 
 def straggler(w, a):
