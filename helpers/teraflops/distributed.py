@@ -35,6 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
+from . import stale
 from .errors import CourseError
 
 RESULTS_ENV, FAULT_ENV, FAULT_KINDS = "TERAFLOPS_RESULTS_DIR", "TERAFLOPS_FAULT", ("kill", "hang", "raise")
@@ -131,8 +132,11 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
     world = nproc * nodes
     if fault is not None and fault.rank >= world:
         raise ValueError(f"{FAULT_ENV} names rank {fault.rank}, but the launch has ranks 0-{world - 1}")
+    stale.sweep()  # what launches of dead notebooks left: folders, /dev/shm buffers, torchelastic_* folders
     port, results = port or free_port(), Path(tempfile.mkdtemp(prefix="teraflops-launch-"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    stale.record(results, port)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--log-dir", str(results / "torchelastic")]  # not a torchelastic_* folder in /tmp per launch
     if launcher == "deepspeed":
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(port), "--no_local_rank"]
@@ -146,8 +150,8 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
     tail = [*launcher_args, str(_WRAPPER), module, *map(str, args)]
     child_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(_extensions_dir()), RESULTS_ENV: str(results),
                  "OMP_NUM_THREADS": str(max(1, detect().cpu_cores // world)), "PYTHONUNBUFFERED": "1",
-                 "PYTHONFAULTHANDLER": "1", **{k: str(v) for k, v in (env or {}).items()}}
-    procs, keep = [], False  # the results directory is kept for a LaunchFailed, which names it
+                 "PYTHONFAULTHANDLER": "1", **stale.owner_env(), **{k: str(v) for k, v in (env or {}).items()}}
+    procs, keep, watchdog = [], False, None  # the results directory is kept for a LaunchFailed, which names it
     try:
         for node in range(nodes):
             node_cmd, node_env = cmd + tail, child_env
@@ -159,6 +163,7 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
             with open(results / ("launcher.log" if node == 0 else f"launcher{node}.log"), "wb") as log:
                 procs.append(subprocess.Popen(node_cmd, env=node_env, stdin=subprocess.DEVNULL, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))
+        watchdog = stale.start_watchdog(results, port, [p.pid for p in procs])  # stops it all if we die
         code = _wait(procs, results, timeout, desc or module.rsplit(".", 1)[-1], verbose)
         out = [_read_json(results / f"rank{r}.json") for r in range(world)]
         if code == 0 and None not in out:
@@ -168,6 +173,8 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
             return out
         keep = True
         rank, why = _diagnose(results, world, code, timeout, launcher, child_env.get(FAULT_ENV))
+        gone = cluster.taken_down() if cluster is not None else None
+        why = f"{gone} {why}" if gone else why
     finally:  # also on KeyboardInterrupt: nothing of this launch may outlive the call
         try:
             _stop_uninterrupted(procs, results)
@@ -179,6 +186,9 @@ def launch(module: str, nproc: int, args: Sequence[str] = (), *, launcher: str =
             if launcher == "deepspeed" or deepspeed:
                 clear_stale_build_lock()
         finally:  # a second Ctrl-C cuts the wait for the port short, not the clean-up of the folder
+            if watchdog is not None:
+                watchdog.kill()
+                watchdog.wait()
             if not keep:
                 shutil.rmtree(results, ignore_errors=True)
     err = LaunchFailed(f"{desc or module}: {why} Logs: {results}")
@@ -372,6 +382,52 @@ def clear_stale_build_lock() -> bool:
     return True
 
 
+def _builds(ext: Path) -> list[int]:
+    """Pids of other processes building (or loading) DeepSpeed's CPU op into ``ext`` now."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        with suppress(psutil.Error):
+            if p.pid != os.getpid() and any("ShareMemCommBuilder" in a for a in p.cmdline()) and \
+                    p.environ().get("TORCH_EXTENSIONS_DIR") == str(ext):
+                found.append(p.pid)
+    return found
+
+
+def _compiler_error(log: Path) -> bool:
+    """True if the build log has a compiler or ninja error (not just a missing ``.so`` after a wait)."""
+    with suppress(OSError):
+        text = log.read_text(errors="replace")
+        return bool(re.search(r"error:|FAILED:|ninja: build stopped|Error building extension", text))
+    return False
+
+
+def _build_once(ext: Path, log_path: Path, timeout: float) -> tuple[int | None, float]:
+    """One build of the op in a subprocess: (its exit code, None after ``timeout`` s; seconds taken)."""
+    from tqdm.auto import tqdm
+
+    script = ("from deepspeed.accelerator import get_accelerator\n"
+              "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+              "if b is not None and b.is_compatible(): b.load()\n")
+    proc, start = None, time.monotonic()
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)})
+        with tqdm(desc="compiling DeepSpeed's CPU comm op (once)", bar_format="{desc}: {elapsed}") as bar:
+            while proc.poll() is None and time.monotonic() - start < timeout:
+                time.sleep(0.5)
+                bar.refresh()
+        timed_out = proc.poll() is None
+    finally:
+        _stop(proc, None)
+        if proc is not None and proc.returncode != 0 and not _builds(ext):  # torch's lock outlives a killed build
+            (ext / _SHM_OP / "lock").unlink(missing_ok=True)
+    return (None if timed_out else proc.returncode), time.monotonic() - start
+
+
 def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None:
     """Compile DeepSpeed's CPU comm op once, behind a progress bar; a fast no-op once done.
 
@@ -385,8 +441,7 @@ def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None
     Raises:
         OpBuildFailed: the build failed (it needs g++ and ninja) or took over ``timeout`` s.
     """
-    from tqdm.auto import tqdm
-
+    from . import warmup
     from .machine import detect
 
     ext, v = _extensions_dir(), importlib.metadata.version
@@ -394,31 +449,36 @@ def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None
     cpu = detect().device != "cuda" if cpu is None else cpu
     if not cpu or sys.platform != "linux":
         return
+    why = warmup.unwritable_reason(ext)  # a TERAFLOPS_CACHE of another user
+    if why:
+        raise OpBuildFailed(why)
+    warmup.seed_op(ext)  # the host's `teraflops warmup` build, copied: nothing to compile
     clear_stale_build_lock()  # a killed run's lock would make every rank wait forever
     if stamp.exists():
         return
     ext.mkdir(parents=True, exist_ok=True)
-    log_path, proc, start = ext / f"{_SHM_OP}.build.log", None, time.monotonic()
-    script = ("from deepspeed.accelerator import get_accelerator\n"
-              "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
-              "if b is not None and b.is_compatible(): b.load()\n")
-    try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)})
-        with tqdm(desc="compiling DeepSpeed's CPU comm op (once)", bar_format="{desc}: {elapsed}") as bar:
-            while proc.poll() is None and time.monotonic() - start < timeout:
-                time.sleep(0.5)
-                bar.refresh()
-    finally:
-        _stop(proc, None)
-        if proc is not None and proc.returncode != 0:  # torch's lock outlives a killed build; the next would wait
-            (ext / _SHM_OP / "lock").unlink(missing_ok=True)
-    if proc.returncode != 0:
-        line = _last_line(log_path) if proc.returncode > 0 else f"not done after {timeout:g} s"
-        raise OpBuildFailed(f"compiling DeepSpeed's {_SHM_OP} op failed: \"{line}\". Hint: it needs g++ and ninja "
-                            f"(pip install ninja); DeepSpeed cannot start on CPU without it. Log: {log_path}")
+    log_path = ext / f"{_SHM_OP}.build.{os.getpid()}.log"  # one per process: a waiter must not clobber the builder's
+    for attempt in range(2):  # a second try when another process's build, that we waited for, died
+        others = _builds(ext)
+        code, elapsed = _build_once(ext, log_path, timeout)
+        if code == 0:
+            break
+        line = _last_line(log_path)
+        if code > 0 and others and attempt == 0 and not _compiler_error(log_path):
+            continue  # we waited on the other build's lock; it ended without the op: build it ourselves
+        if code is None:
+            what = f"not done after {timeout:g} s"
+        elif code < 0:
+            what = f"the build was killed by {signal.Signals(-code).name} after {elapsed:.0f} s"
+        else:
+            what = f'"{line}"'
+        if others:
+            what += f" (after waiting for another build of it, pid {', '.join(map(str, others))}, that did not finish it)"
+        missing = [tool for tool in ("g++", "ninja") if shutil.which(tool) is None]
+        hint = (f"it needs {' and '.join(missing)} (apt install g++; pip install ninja)" if missing else
+                "the compiler's whole error is in the log" if code and code > 0 else "run it again")
+        raise OpBuildFailed(f"compiling DeepSpeed's {_SHM_OP} op failed: {what}. Hint: {hint}; "
+                            f"DeepSpeed cannot start on CPU without it. Log: {log_path}")
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.touch()
 

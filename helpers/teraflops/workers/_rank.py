@@ -7,6 +7,12 @@ Runs ``python -m MODULE ARGS`` with its stdout and stderr appended to ``rank{RAN
 so the notebook can name the rank that failed first, even one killed by SIGKILL. SIGTERM and
 SIGINT are passed on to the rank; the wrapper then ends the way the rank did.
 
+``$TERAFLOPS_OWNER`` (``pid:start``, :func:`teraflops.stale.owner_env`) names the notebook-side
+process of the launch: a thread checks twice a second that it still runs (same pid, same start time,
+field 22 of ``/proc/<pid>/stat``) and, once it is gone, SIGKILLs the rank and exits, so that a killed
+kernel does not leave its ranks running (``prctl(PR_SET_PDEATHSIG)`` would fire on the death of the
+parent *thread*, and the owner is not the parent anyway).
+
 Started as a script, not with ``-m``: importing the ``teraflops`` package would import torch here too.
 """
 
@@ -15,7 +21,26 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+
+
+def _start(pid: int):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _watch_owner(child: subprocess.Popen, spec: str) -> None:
+    pid, _, start = spec.partition(":")
+    while child.poll() is None:
+        if _start(int(pid)) != start:
+            child.kill()
+            child.wait()
+            os._exit(128 + signal.SIGKILL)
+        time.sleep(0.5)
 
 
 def main(argv: list[str]) -> None:
@@ -25,6 +50,8 @@ def main(argv: list[str]) -> None:
         child = subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=err)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _frame: child.send_signal(s))
+    if os.environ.get("TERAFLOPS_OWNER", "").count(":") == 1:
+        threading.Thread(target=_watch_owner, args=(child, os.environ["TERAFLOPS_OWNER"]), daemon=True).start()
     code = child.wait()
     with open(base + ".exit.tmp", "w") as f:
         json.dump({"rank": int(rank), "returncode": code, "time": time.time(),
