@@ -94,3 +94,95 @@ def test_concurrent_ups_both_work_or_one_refuses_and_down_spares_live_owners(sam
                 s.wait()
             cl.down(only=[ns for ns in cl.namespaces() if (cl.cluster_of(ns) or "").startswith(("w20t", "cli"))
                           and not ownership.alive(ownership.read(cl.cluster_of(ns)))])
+
+
+def _members(results: str) -> list:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TERAFLOPS_RESULTS_DIR") == results:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_a_killed_notebook_takes_its_run_with_it(tmp_path, launcher):
+    """SIGKILL of the notebook-side process: within 10 s no launcher or rank runs, its files are gone."""
+    import glob
+
+    from teraflops import distributed, stale
+
+    if launcher == "deepspeed":
+        distributed.prepare_deepspeed_ops(cpu=True)
+    script = tmp_path / "notebook.py"
+    args = ["--timeout", "600"] + (["--deepspeed"] if launcher == "deepspeed" else [])
+    script.write_text(
+        "from teraflops.distributed import launch\n"
+        f"launch('teraflops.workers.selftest', 2, {args!r}, launcher={launcher!r}, timeout=600,"
+        " env={'TERAFLOPS_FAULT': 'hang:rank=1:step=1', 'CUDA_VISIBLE_DEVICES': ''})\n")
+    before = set(glob.glob("/tmp/teraflops-launch-*"))
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # another learner's run's owner
+    other = f"/dev/shm/{stale.SHM_PREFIX}_{os.getuid()}_127.0.0.1_1_0"
+    with open(other, "wb"):
+        pass  # a buffer no launch of a dead owner made: it is left alone while mapped... or owned
+    victim = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            folders = set(glob.glob("/tmp/teraflops-launch-*")) - before
+            members = [p for f in folders for p in _members(f)]
+            ranks = [p for p in members if "selftest" in " ".join(p.cmdline()) and "_rank.py" not in " ".join(p.cmdline())]
+            shm = stale.shm_files() if launcher == "deepspeed" else ["-"]
+            if len(ranks) >= 2 and [s for s in shm if str(s) != other]:
+                break
+            assert time.monotonic() < deadline and victim.poll() is None, "the run did not start"
+            time.sleep(0.5)
+        time.sleep(2)
+        (folder,) = folders
+        port = __import__("json").loads(open(f"{folder}/owner.json").read())["port"]
+        os.kill(victim.pid, signal.SIGKILL)  # as a kernel killed by a restart: its finally never runs
+        victim.wait()
+        killed = time.monotonic()
+        while time.monotonic() - killed < 10 and (_members(folder) or os.path.exists(folder)):
+            time.sleep(0.2)
+        assert _members(folder) == [], f"still running 10 s after the kill: {[p.cmdline() for p in _members(folder)]}"
+        assert not os.path.exists(folder)
+        assert stale.shm_files(port) == []
+        assert glob.glob(f"{folder}/torchelastic*") == []
+    finally:
+        victim.kill()
+        live.kill()
+        live.wait()
+        if os.path.exists(other):
+            os.unlink(other)
+
+
+def test_the_sweep_removes_a_dead_owners_leftovers_and_never_a_live_ones(tmp_path, monkeypatch):
+    import json
+    import tempfile
+
+    from teraflops import stale
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(stale, "SHM", tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    uid = os.getuid()
+    for tag, pid, port in (("dead", dead.pid, 41001), ("live", os.getpid(), 41002)):
+        folder = tmp_path / f"teraflops-launch-{tag}"
+        folder.mkdir()
+        record = {**ownership.owner(pid if pid == os.getpid() else None), "pid": pid, "port": port, "addr": "127.0.0.1"}
+        if pid != os.getpid():
+            record["start"] = 1.0
+        (folder / "owner.json").write_text(json.dumps(record))
+        (tmp_path / "shm" / f"{stale.SHM_PREFIX}_{uid}_127.0.0.1_{port}_0").write_bytes(b"x")
+    removed = {p.name for p in stale.sweep()}
+    assert "teraflops-launch-dead" in removed and f"{stale.SHM_PREFIX}_{uid}_127.0.0.1_41001_0" in removed
+    assert (tmp_path / "teraflops-launch-live").exists()
+    assert (tmp_path / "shm" / f"{stale.SHM_PREFIX}_{uid}_127.0.0.1_41002_0").exists()
