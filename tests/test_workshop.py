@@ -186,3 +186,66 @@ def test_the_sweep_removes_a_dead_owners_leftovers_and_never_a_live_ones(tmp_pat
     assert "teraflops-launch-dead" in removed and f"{stale.SHM_PREFIX}_{uid}_127.0.0.1_41001_0" in removed
     assert (tmp_path / "teraflops-launch-live").exists()
     assert (tmp_path / "shm" / f"{stale.SHM_PREFIX}_{uid}_127.0.0.1_41002_0").exists()
+
+
+def test_a_learner_copies_the_warm_op_without_its_lock(tmp_path, monkeypatch):
+    from teraflops import warmup
+
+    monkeypatch.setenv(warmup.WARM_ENV, str(tmp_path / "warm"))
+    ext = tmp_path / "mine" / "torch_extensions" / "py311-abc"
+    source = warmup.warm_op_dir(ext)
+    source.mkdir(parents=True)
+    (source / warmup._stamp_name()).touch()
+    (source / "deepspeed_shm_comm.so").write_bytes(b"\x7fELF")
+    (source / "lock").touch()
+    os.utime(source / "deepspeed_shm_comm.so", (1e9, 1e9))
+    assert warmup.seed_op(ext)
+    copied = ext / warmup.OP
+    assert (copied / "deepspeed_shm_comm.so").stat().st_mtime == 1e9  # ninja sees it up to date
+    assert not (copied / "lock").exists() and not warmup.seed_op(ext)  # once
+
+
+def test_a_cache_of_another_user_says_why_in_one_line(tmp_path, monkeypatch):
+    from teraflops import warmup
+
+    (tmp_path / warmup.OP).mkdir()
+    monkeypatch.setattr(warmup.os, "access", lambda path, mode: False)
+    why = warmup.unwritable_reason(tmp_path)
+    assert "lock" in why and "TERAFLOPS_CACHE" in why and "\n" not in why
+
+
+@pytest.mark.parametrize("code, words, not_words", [
+    (-9, "killed by SIGKILL after 10 s", "900"), (None, "not done after 900 s", "killed by"),
+])
+def test_a_build_killed_elsewhere_says_so_and_no_compiler_hint_when_one_is_there(tmp_path, monkeypatch, code, words,
+                                                                                 not_words):
+    import shutil
+
+    from teraflops import distributed, warmup
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(distributed, "_build_once", lambda ext, log, timeout: (code, 10.0))
+    monkeypatch.setattr(distributed, "_builds", lambda ext: [])
+    monkeypatch.setattr(warmup, "seed_op", lambda ext: False)
+    monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    with pytest.raises(distributed.OpBuildFailed) as err:
+        distributed.prepare_deepspeed_ops(cpu=True)
+    assert words in str(err.value) and not_words not in str(err.value) and "g++" not in str(err.value)
+
+
+def test_a_waiter_whose_other_build_died_builds_it_itself(tmp_path, monkeypatch):
+    from teraflops import distributed, warmup
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    calls = []
+
+    def build(ext, log, timeout):
+        calls.append(1)
+        log.write_text("ImportError: deepspeed_shm_comm.so: cannot open shared object file\n")
+        return (1 if len(calls) == 1 else 0), 1.0
+
+    monkeypatch.setattr(distributed, "_build_once", build)
+    monkeypatch.setattr(distributed, "_builds", lambda ext: [4242] if not calls else [])
+    monkeypatch.setattr(warmup, "seed_op", lambda ext: False)
+    distributed.prepare_deepspeed_ops(cpu=True)
+    assert len(calls) == 2

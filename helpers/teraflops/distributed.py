@@ -464,7 +464,7 @@ def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None
         if code == 0:
             break
         line = _last_line(log_path)
-        if code > 0 and others and attempt == 0 and not _compiler_error(log_path):
+        if code is not None and code > 0 and others and attempt == 0 and not _compiler_error(log_path):
             continue  # we waited on the other build's lock; it ended without the op: build it ourselves
         if code is None:
             what = f"not done after {timeout:g} s"
