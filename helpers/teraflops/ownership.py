@@ -143,7 +143,12 @@ def release(name: str) -> None:
 
 
 def mark_taken_down(name: str, by: dict) -> None:
-    """Leave a note that cluster ``name`` was removed by ``by`` (an owner record) for its own jobs to read."""
+    """Leave a note that cluster ``name`` was removed by ``by`` (an owner record) for its own jobs to read
+    (notes older than an hour are removed here)."""
+    for old in cluster_dir().glob("*.down"):
+        with suppress(OSError):
+            if time.time() - old.stat().st_mtime > 3600:
+                old.unlink()
     with suppress(OSError):
         (cluster_dir() / f"{name}.down").write_text(json.dumps({**by, "time": time.time()}))
 
