@@ -25,6 +25,7 @@ Exit codes: 0 success; 1 a notebook failed, a check failed or labs are out of sy
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -78,11 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     labs = sub.add_parser("labs", help="build labs from solutions, or check they are in sync")
     labs.add_argument("action", choices=["build", "check", "refresh"])
 
-    cluster = sub.add_parser("cluster", help="emulated nodes on this machine: up, down (removes leftovers), status")
+    cluster = sub.add_parser("cluster", help="emulated nodes on this machine: up, down (yours and leftovers), status")
     cluster.add_argument("action", choices=["up", "down", "status"])
+    cluster.add_argument("--name", help="the cluster's name (letters, digits): default cli<pid of your shell>")
+    cluster.add_argument("--all", action="store_true",
+                         help="with 'down': every cluster, also other owners' live ones (the host's command)")
     cluster.add_argument("--nodes", type=int, default=2, help="nodes to make with 'up' (default: 2)")
     cluster.add_argument("--rate", type=float, metavar="MB/s",
                          help="each node's link rate in MB/s (1e6 bytes/s) for 'up' (default: unshaped)")
+
+    warm = sub.add_parser("warmup", help="the workshop host: build DeepSpeed's CPU op once into a cache every learner reads")
+    warm.add_argument("--dest", type=Path, help="default: $TERAFLOPS_WARM_CACHE or /var/cache/teraflops")
 
     triage = sub.add_parser("triage", help="is a profiled step compute-, memory-, overhead- or communication-bound?")
     triage.add_argument("trace", type=Path, metavar="TRACE",
@@ -209,36 +216,77 @@ def _cmd_labs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_warmup(args: argparse.Namespace) -> int:
+    from .warmup import warmup
+
+    op = warmup(args.dest)
+    print(f"built {op} (readable by all); learners' runs copy it into their own cache and compile nothing")
+    return 0
+
+
 def _cmd_cluster(args: argparse.Namespace) -> int:
     from . import cluster as cl
+    from . import ownership
 
+    caller = os.getppid()  # the shell: it owns what `up` makes, and `down` there removes it
     if args.action == "down":
-        found = cl.namespaces()
-        removed = cl.down()
+        groups, mine, skipped = cl.by_cluster(), [], []
+        left = cl.leftovers()
+        for name, found in groups.items():
+            held = ownership.read(name) if name else None
+            if name in left or (held and held.get("pid") == caller) or (args.name and name == args.name and held
+                                                                          and held.get("uid") in (os.getuid(), None)):
+                mine.append(name)
+            elif args.all:
+                ownership.mark_taken_down(name, ownership.owner())
+                mine.append(name)
+            else:
+                skipped.append(f"{name} of {ownership.describe(held)}")
+        found = [ns for name in mine for ns in groups[name]]
+        removed = cl.down(only=found) if found else []
+        for name in mine:
+            if name and not any(ns in groups[name] for ns in set(found) - set(removed)):
+                ownership.release(name)
+        for name, held in ownership.records().items():  # records of dead owners whose namespaces are gone
+            if name not in groups and not ownership.alive(held):
+                ownership.release(name)
         print(f"removed {len(removed)} namespace(s)" + (": " + ", ".join(removed) if removed else ""))
-        left = [ns for ns in found if ns not in removed]
-        if left:
-            raise cl.ClusterError(f"could not remove {', '.join(left)}. Hint: removing namespaces needs root (sudo).")
+        if skipped:
+            print("left running (other owners'; --all removes them): " + ", ".join(skipped))
+        failed = [ns for ns in found if ns not in removed]
+        if failed:
+            raise cl.ClusterError(f"could not remove {', '.join(failed)}. Hint: removing namespaces needs root (sudo).")
         return 0
     if args.action == "status":
-        names = cl.namespaces()
-        print("\n".join(f"{ns}  processes: {len(cl.pids(ns))}" for ns in names) or "no emulated nodes")
+        groups = cl.by_cluster()
+        rows = []
+        for name, found in sorted(groups.items()):
+            held = ownership.read(name) if name else None
+            n_jobs, n_procs = cl.jobs(found)
+            nodes = sum(1 for ns in found if "-node" in ns)
+            rows.append(f"{name or '(leftover)':<20}  owner: {ownership.describe(held):<28}  nodes: {nodes}  "
+                        f"running jobs: {n_jobs} ({n_procs} processes)")
+        print("\n".join(rows) or "no emulated nodes")
         return 0
     if args.rate is not None and not 0.01 <= args.rate <= cl.MAX_RATE / 1e6:
         raise cl.ClusterError(f"--rate is in MB/s (1e6 bytes/s), between 0.01 and {cl.MAX_RATE / 1e6:g}; got {args.rate:g}. "
                               "Hint: --rate 25 makes 25 MB/s = 200 Mbit/s links.")
-    made = cl.Cluster(args.nodes, cl.Link(rate=None if args.rate is None else args.rate * 1e6), name="cli")
-    if made.namespaces():
-        raise cl.ClusterError("the command line's cluster is already up. Hint: `teraflops cluster down` first.")
+    made = cl.Cluster(args.nodes, cl.Link(rate=None if args.rate is None else args.rate * 1e6),
+                      name=args.name or f"cli{caller}", owner_pid=caller)
+    held = ownership.read(made.name)
+    if held and ownership.alive(held) and held.get("pid") == caller and made.namespaces():
+        raise cl.ClusterError(f"your cluster {made.name!r} is already up. Hint: `teraflops cluster down` first, "
+                              "or --name another.")
     made.up()
     print(made.describe())
-    print(f"run a command on node i with: ip netns exec {made.node_name(0)[:-1]}<i> <command>; "
-          "remove with: teraflops cluster down")
+    print(f"cluster {made.name!r}, owner {ownership.describe(ownership.read(made.name))}; run a command on node i "
+          f"with: ip netns exec {made.node_name(0)[:-1]}<i> <command>; remove with: teraflops cluster down")
     return 0
 
 
-_COMMANDS = {"run": _cmd_run, "preflight": _cmd_preflight, "bench": _cmd_bench, "doctor": _cmd_doctor, "grade": _cmd_grade, "labs": _cmd_labs,
-             "cluster": _cmd_cluster, "triage": _cmd_triage}
+_COMMANDS = {"run": _cmd_run, "preflight": _cmd_preflight, "bench": _cmd_bench, "doctor": _cmd_doctor,
+             "grade": _cmd_grade, "labs": _cmd_labs, "cluster": _cmd_cluster, "warmup": _cmd_warmup,
+             "triage": _cmd_triage}
 
 
 def main(argv: list[str] | None = None) -> int:

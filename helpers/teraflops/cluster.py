@@ -5,7 +5,9 @@ addresses and routes, so processes started in it see only the emulated network. 
 Linux bridge in a namespace of its own, and each node's **link** is a veth pair (a virtual cable;
 man ``veth(4)``) from the node's ``eth0`` to a switch port. Every name starts with
 :data:`PREFIX`, so :func:`down` (``teraflops cluster down``) finds and removes whatever a crashed
-run left.
+run left. Each cluster belongs to an owner process (:mod:`teraflops.ownership`: pid, start time and
+user, recorded before any namespace is made): on a shared machine nobody's ``up`` or ``down``
+touches a live cluster of another owner (only the host's ``teraflops cluster down --all`` does).
 
 A link's settings apply in both directions (on the node's ``eth0`` and on its switch port), with
 traffic control (man ``tc(8)``):
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import numbers
 import os
 import shutil
@@ -41,6 +44,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
+from . import ownership
 from .errors import CourseError
 
 PREFIX = "teraflops-"  # every namespace this module makes: teraflops-<name>-switch, teraflops-<name>-node0, ...
@@ -206,6 +210,46 @@ def pids(ns: str) -> list[int]:
     return [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
 
 
+def cluster_of(ns: str) -> str | None:
+    """The cluster name in namespace ``ns`` (``teraflops-<name>-switch`` or ``-node<i>``), else None."""
+    m = re.fullmatch(re.escape(PREFIX) + r"([A-Za-z0-9]+)-(switch|node\d+)", ns)
+    return m.group(1) if m else None
+
+
+def by_cluster() -> dict[str, list[str]]:
+    """The course's namespaces now, by cluster name (a probe namespace of a dead process under ``""``)."""
+    out: dict[str, list[str]] = {}
+    for ns in namespaces():
+        name = cluster_of(ns)
+        if name is None:
+            probe = re.fullmatch(re.escape(PREFIX) + r"probe(\d+)", ns)
+            if probe and ownership.start_time(int(probe.group(1))) is not None:
+                continue  # a live process's probe
+            name = ""
+        out.setdefault(name, []).append(ns)
+    return out
+
+
+def leftovers() -> dict[str, list[str]]:
+    """Namespaces whose owner is gone (or was never recorded), by cluster name: anyone may remove them."""
+    return {name: found for name, found in by_cluster().items()
+            if not name or not ownership.alive(ownership.read(name))}
+
+
+def jobs(found: list[str]) -> tuple[int, int]:
+    """(jobs, processes) running in namespaces ``found``: a job is one launch (its results folder)."""
+    import psutil
+
+    procs = [p for ns in found for p in pids(ns)]
+    dirs = set()
+    for pid in procs:
+        try:
+            dirs.add(psutil.Process(pid).environ().get("TERAFLOPS_RESULTS_DIR"))
+        except psutil.Error:
+            pass
+    return len(dirs - {None}), len(procs)
+
+
 def down(grace: float = 3.0, only: list[str] | None = None) -> list[str]:
     """Remove every namespace of the course (or ``only`` these), after stopping the processes in it.
 
@@ -268,6 +312,8 @@ class Cluster:
         link: every node's link (one :class:`Link`), or one per node (a list).
         name: the cluster's part of its namespaces' names (default: unique to this process and
             cluster), so that clusters do not meet; each has its own bridge (the same subnet on each).
+        owner_pid: the process the cluster belongs to (default: this one). While it lives, no other
+            owner's ``up`` of the same name or ``teraflops cluster down`` touches the cluster.
 
     Raises:
         ClusterError: the machine cannot host it (:func:`unavailable`), bad arguments, or an
@@ -277,6 +323,7 @@ class Cluster:
     nodes: int
     link: Link | list[Link] = field(default_factory=Link)
     name: str = field(default_factory=lambda: f"{os.getpid()}c{next(_COUNTER)}")
+    owner_pid: int | None = None  # the process it belongs to (default: this one; the CLI gives its shell)
     links: list[Link] = field(init=False, default_factory=list)
     up_: bool = field(init=False, default=False)
 
@@ -315,11 +362,18 @@ class Cluster:
         reason = unavailable()
         if reason:
             raise ClusterError(reason + ".")
+        claimed, held = ownership.claim(self.name, self.nodes, self.owner_pid)
+        if not claimed:  # nothing of the other owner's cluster is touched
+            raise ClusterError(f"a cluster named {self.name!r} belongs to {ownership.describe(held)}. "
+                               "Hint: use another name (Cluster(2, name=...), `teraflops cluster up --name ...`), "
+                               "or leave the name out for one of your own.")
+        ownership.clear_taken_down(self.name)
         mine = self.namespaces()
         if any(pids(ns) for ns in mine):
+            ownership.release(self.name)
             raise ClusterError(f"a cluster named {self.name!r} is up with processes running on it. "
                                "Hint: take that one down first (Cluster.down(), or `teraflops cluster down`), or use another name.")
-        down(only=mine)  # leftovers of a crashed cluster of the same name, idle
+        down(only=mine)  # leftovers of a crashed cluster of the same name (its owner is gone), idle
         try:
             _ip("netns", "add", self.switch)
             _ip("link", "add", "br0", "type", "bridge", ns=self.switch)
@@ -336,6 +390,7 @@ class Cluster:
             self.up_ = True
         except BaseException:
             _down_uninterrupted(self.namespaces())  # a second Ctrl-C must not leave half a cluster
+            ownership.release(self.name)  # only ours: the claim above made the name ours
             self.up_ = False
             raise
         return self
@@ -383,8 +438,23 @@ class Cluster:
     def down(self) -> None:
         """Stop every process on the nodes and remove them, the switch and the links (also through a
         second Ctrl-C)."""
-        _down_uninterrupted(self.namespaces())
+        held = ownership.read(self.name)
+        if self._mine() or not ownership.alive(held):  # never a live cluster of another owner of the name
+            _down_uninterrupted(self.namespaces())
+            ownership.release(self.name)
         self.up_ = False
+
+    def _mine(self) -> bool:
+        held = ownership.read(self.name)
+        return bool(held) and held.get("pid") == (self.owner_pid or os.getpid())
+
+    def taken_down(self) -> str | None:
+        """Why this cluster is gone though it was up (one line: who removed it), else None."""
+        if not self.up_ or len(self.namespaces()) == self.nodes + 1:
+            return None
+        by = ownership.taken_down_by(self.name)
+        who = f"{ownership.describe(by).replace(', gone', '')} with `teraflops cluster down --all`" if by else "someone"
+        return f"cluster {self.name!r} was taken down by {who} while the job ran."
 
     def describe(self) -> str:
         """One line per node: name, address, link."""

@@ -35,6 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
+from . import stale
 from .errors import CourseError
 
 RESULTS_ENV, FAULT_ENV, FAULT_KINDS = "TERAFLOPS_RESULTS_DIR", "TERAFLOPS_FAULT", ("kill", "hang", "raise")
@@ -145,19 +146,22 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
     world, nproc = where.world_size, where.ranks_per_node
     if fault is not None and fault.rank >= world:
         raise ValueError(f"{FAULT_ENV} names rank {fault.rank}, but the launch has ranks 0-{world - 1}")
+    stale.sweep()  # what launches of dead notebooks left: folders, /dev/shm buffers, torchelastic_* folders
     port, results = port or free_port(), Path(tempfile.mkdtemp(prefix="teraflops-launch-"))
+    stale.record(results, port)
     cmds = launch_commands(where, module, args, launcher=launcher, port=port, rdzv_id=results.name,
-                           launcher_args=launcher_args, cluster=cluster)
+                           launcher_args=launcher_args, cluster=cluster, log_dir=results / "torchelastic")
     child_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(_extensions_dir()), RESULTS_ENV: str(results),
-                 "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **where.env,
+                 "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **where.env, **stale.owner_env(),
                  **{k: str(v) for k, v in (env or {}).items()}}
-    procs, keep = [], False  # the results directory is kept for a LaunchFailed, which names it
+    procs, keep, watchdog = [], False, None  # the results directory is kept for a LaunchFailed, which names it
     try:
         for node, node_cmd in enumerate(cmds):
             node_env = {**child_env, **where.node_env[node], **{k: str(v) for k, v in (env or {}).items()}}
             with open(results / ("launcher.log" if node == 0 else f"launcher{node}.log"), "wb") as log:
                 procs.append(subprocess.Popen(node_cmd, env=node_env, stdin=subprocess.DEVNULL, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))
+        watchdog = stale.start_watchdog(results, port, [p.pid for p in procs])  # stops it all if we die
         code = _wait(procs, results, timeout, desc or module.rsplit(".", 1)[-1], verbose)
         out = [_read_json(results / f"rank{r}.json") for r in range(world)]
         if code == 0 and None not in out:
@@ -167,6 +171,8 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
             return out
         keep = True
         rank, why = _diagnose(results, world, code, timeout, launcher, child_env.get(FAULT_ENV))
+        gone = cluster.taken_down() if cluster is not None else None
+        why = f"{gone} {why}" if gone else why
     finally:  # also on KeyboardInterrupt: nothing of this launch may outlive the call
         try:
             _stop_uninterrupted(procs, results)
@@ -178,6 +184,9 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
             if launcher == "deepspeed" or deepspeed:
                 clear_stale_build_lock()
         finally:  # a second Ctrl-C cuts the wait for the port short, not the clean-up of the folder
+            if watchdog is not None:
+                watchdog.kill()
+                watchdog.wait()
             if not keep:
                 shutil.rmtree(results, ignore_errors=True)
     err = LaunchFailed(f"{desc or module}: {why} Logs: {results}")
@@ -187,18 +196,20 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
 
 def launch_commands(where, module: str, args: Sequence[str] = (), *, launcher: str = "torchrun",
                     port: int = 29500, rdzv_id: str = "teraflops", launcher_args: Sequence[str] = (),
-                    cluster=None) -> list[list[str]]:
+                    cluster=None, log_dir: Path | None = None) -> list[list[str]]:
     """The command line of each node's launcher for placement ``where`` (one per node; what
     :func:`launch` starts): torchrun (``torch.distributed.run``) with ``--nproc-per-node``, or
     DeepSpeed's launcher with ``--num_gpus``; on emulated nodes, inside the node's namespace with
     c10d rendezvous on node 0 (``is_host`` and ``--local-addr`` said, as torch finds both by hostname,
-    which a namespace shares with the machine). Each rank runs ``workers/_rank.py MODULE ARGS``."""
+    which a namespace shares with the machine). Each rank runs ``workers/_rank.py MODULE ARGS``.
+    ``log_dir``: torchrun's ``--log-dir`` (inside the launch folder: no ``/tmp/torchelastic_*`` per launch)."""
     nproc = str(where.ranks_per_node)
     tail = [*launcher_args, str(_WRAPPER), module, *map(str, args)]
     if launcher == "deepspeed":
         return [[sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", nproc, "--master_addr",
                  "127.0.0.1", "--master_port", str(port), "--no_local_rank", *tail]]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc,
+           *(["--log-dir", str(log_dir)] if log_dir is not None else [])]
     if cluster is not None:
         cmd += ["--nnodes", str(where.nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                 f"{cluster.address(0)}:{port}", "--rdzv-id", rdzv_id]
@@ -420,6 +431,52 @@ def clear_stale_build_lock() -> bool:
     return True
 
 
+def _builds(ext: Path) -> list[int]:
+    """Pids of other processes building (or loading) DeepSpeed's CPU op into ``ext`` now."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        with suppress(psutil.Error):
+            if p.pid != os.getpid() and any("ShareMemCommBuilder" in a for a in p.cmdline()) and \
+                    p.environ().get("TORCH_EXTENSIONS_DIR") == str(ext):
+                found.append(p.pid)
+    return found
+
+
+def _compiler_error(log: Path) -> bool:
+    """True if the build log has a compiler or ninja error (not just a missing ``.so`` after a wait)."""
+    with suppress(OSError):
+        text = log.read_text(errors="replace")
+        return bool(re.search(r"error:|FAILED:|ninja: build stopped|Error building extension", text))
+    return False
+
+
+def _build_once(ext: Path, log_path: Path, timeout: float) -> tuple[int | None, float]:
+    """One build of the op in a subprocess: (its exit code, None after ``timeout`` s; seconds taken)."""
+    from tqdm.auto import tqdm
+
+    script = ("from deepspeed.accelerator import get_accelerator\n"
+              "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+              "if b is not None and b.is_compatible(): b.load()\n")
+    proc, start = None, time.monotonic()
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)})
+        with tqdm(desc="compiling DeepSpeed's CPU comm op (once)", bar_format="{desc}: {elapsed}") as bar:
+            while proc.poll() is None and time.monotonic() - start < timeout:
+                time.sleep(0.5)
+                bar.refresh()
+        timed_out = proc.poll() is None
+    finally:
+        _stop(proc, None)
+        if proc is not None and proc.returncode != 0 and not _builds(ext):  # torch's lock outlives a killed build
+            (ext / _SHM_OP / "lock").unlink(missing_ok=True)
+    return (None if timed_out else proc.returncode), time.monotonic() - start
+
+
 def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None:
     """Compile DeepSpeed's CPU comm op once, behind a progress bar; a fast no-op once done.
 
@@ -433,8 +490,7 @@ def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None
     Raises:
         OpBuildFailed: the build failed (it needs g++ and ninja) or took over ``timeout`` s.
     """
-    from tqdm.auto import tqdm
-
+    from . import warmup
     from .machine import detect
 
     ext, v = _extensions_dir(), importlib.metadata.version
@@ -442,31 +498,36 @@ def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None
     cpu = detect().device != "cuda" if cpu is None else cpu
     if not cpu or sys.platform != "linux":
         return
+    why = warmup.unwritable_reason(ext)  # a TERAFLOPS_CACHE of another user
+    if why:
+        raise OpBuildFailed(why)
+    warmup.seed_op(ext)  # the host's `teraflops warmup` build, copied: nothing to compile
     clear_stale_build_lock()  # a killed run's lock would make every rank wait forever
     if stamp.exists():
         return
     ext.mkdir(parents=True, exist_ok=True)
-    log_path, proc, start = ext / f"{_SHM_OP}.build.log", None, time.monotonic()
-    script = ("from deepspeed.accelerator import get_accelerator\n"
-              "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
-              "if b is not None and b.is_compatible(): b.load()\n")
-    try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)})
-        with tqdm(desc="compiling DeepSpeed's CPU comm op (once)", bar_format="{desc}: {elapsed}") as bar:
-            while proc.poll() is None and time.monotonic() - start < timeout:
-                time.sleep(0.5)
-                bar.refresh()
-    finally:
-        _stop(proc, None)
-        if proc is not None and proc.returncode != 0:  # torch's lock outlives a killed build; the next would wait
-            (ext / _SHM_OP / "lock").unlink(missing_ok=True)
-    if proc.returncode != 0:
-        line = _last_line(log_path) if proc.returncode > 0 else f"not done after {timeout:g} s"
-        raise OpBuildFailed(f"compiling DeepSpeed's {_SHM_OP} op failed: \"{line}\". Hint: it needs g++ and ninja "
-                            f"(pip install ninja); DeepSpeed cannot start on CPU without it. Log: {log_path}")
+    log_path = ext / f"{_SHM_OP}.build.{os.getpid()}.log"  # one per process: a waiter must not clobber the builder's
+    for attempt in range(2):  # a second try when another process's build, that we waited for, died
+        others = _builds(ext)
+        code, elapsed = _build_once(ext, log_path, timeout)
+        if code == 0:
+            break
+        line = _last_line(log_path)
+        if code is not None and code > 0 and others and attempt == 0 and not _compiler_error(log_path):
+            continue  # we waited on the other build's lock; it ended without the op: build it ourselves
+        if code is None:
+            what = f"not done after {timeout:g} s"
+        elif code < 0:
+            what = f"the build was killed by {signal.Signals(-code).name} after {elapsed:.0f} s"
+        else:
+            what = f'"{line}"'
+        if others:
+            what += f" (after waiting for another build of it, pid {', '.join(map(str, others))}, that did not finish it)"
+        missing = [tool for tool in ("g++", "ninja") if shutil.which(tool) is None]
+        hint = (f"it needs {' and '.join(missing)} (apt install g++; pip install ninja)" if missing else
+                "the compiler's whole error is in the log" if code and code > 0 else "run it again")
+        raise OpBuildFailed(f"compiling DeepSpeed's {_SHM_OP} op failed: {what}. Hint: {hint}; "
+                            f"DeepSpeed cannot start on CPU without it. Log: {log_path}")
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.touch()
 

@@ -9,6 +9,12 @@ SIGINT are passed on to the rank; the wrapper then ends the way the rank did. Th
 GPUs its placement chose (``TERAFLOPS_CUDA_VISIBLE_DEVICES``, :mod:`teraflops.placement`) as its
 ``CUDA_VISIBLE_DEVICES``, whatever the launcher set there.
 
+``$TERAFLOPS_OWNER`` (``pid:start``, :func:`teraflops.stale.owner_env`) names the notebook-side
+process of the launch: a thread checks twice a second that it still runs (same pid, same start time,
+field 22 of ``/proc/<pid>/stat``) and, once it is gone, SIGKILLs the rank and exits, so that a killed
+kernel does not leave its ranks running (``prctl(PR_SET_PDEATHSIG)`` would fire on the death of the
+parent *thread*, and the owner is not the parent anyway).
+
 Started as a script, not with ``-m``: importing the ``teraflops`` package would import torch here too.
 """
 
@@ -17,9 +23,28 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 VISIBLE_ENV = "TERAFLOPS_CUDA_VISIBLE_DEVICES"  # teraflops.placement.VISIBLE_ENV (not imported: no torch here)
+
+
+def _start(pid: int):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _watch_owner(child: subprocess.Popen, spec: str) -> None:
+    pid, _, start = spec.partition(":")
+    while child.poll() is None:
+        if _start(int(pid)) != start:
+            child.kill()
+            child.wait()
+            os._exit(128 + signal.SIGKILL)
+        time.sleep(0.5)
 
 
 def main(argv: list[str]) -> None:
@@ -32,6 +57,8 @@ def main(argv: list[str]) -> None:
         child = subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=err, env=env)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _frame: child.send_signal(s))
+    if os.environ.get("TERAFLOPS_OWNER", "").count(":") == 1:
+        threading.Thread(target=_watch_owner, args=(child, os.environ["TERAFLOPS_OWNER"]), daemon=True).start()
     code = child.wait()
     with open(base + ".exit.tmp", "w") as f:
         json.dump({"rank": int(rank), "returncode": code, "time": time.time(),
