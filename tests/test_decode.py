@@ -148,3 +148,13 @@ def test_batch_sweep_stops_at_out_of_memory_with_a_warning():
     with pytest.warns(UserWarning, match="batch 4: out of memory"):
         rows = D.batch_sweep(model, (1, 2, 4, 8), step_fn=step, bandwidth=1e10, min_run_time=0.01)
     assert [r.batch for r in rows] == [1, 2]
+
+
+def test_generate_moves_a_prompt_to_the_model_device():
+    # A GPU model with a prompt made by torch.randint on the CPU (issue 16): `meta` stands in for the GPU.
+    meta = Llama(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=24, seed=0).to("meta").eval()
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    out = D.generate(meta, prompt, 4)
+    assert out.tokens.device.type == "meta" and tuple(out.tokens.shape) == (2, 9)
+    logits = D.prefill(meta, meta.new_cache(2), prompt)
+    assert logits.device.type == "meta" and tuple(logits.shape) == (2, 64)

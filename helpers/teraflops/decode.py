@@ -71,9 +71,19 @@ def _device(model: Model) -> torch.device:
 # Prefill, one decode step, greedy generation
 # ----------------------------------------------------------------------------------------------
 
+def on_model_device(model: Model, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` on the device of ``model``'s parameters (moved if elsewhere, e.g. a prompt made
+    with ``torch.randint`` on the CPU for a model on a GPU): the model's device decides, since the
+    embedding, the KV cache and the positions all live there."""
+    device = _device(model)
+    return tokens if tokens.device == device else tokens.to(device)
+
+
 def prefill(model: Model, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
     """Run the whole prompt ``(batch, P)`` int64 at positions ``0..P-1``, filling ``cache``; return
-    the logits of the last position, float ``(batch, vocab)``."""
+    the logits of the last position, float ``(batch, vocab)``. The prompt and the positions are
+    put on the model's device (:func:`on_model_device`)."""
+    prompt = on_model_device(model, prompt)
     pos = torch.arange(prompt.shape[1], device=prompt.device)
     return model(prompt, cache=cache, input_pos=pos)[:, -1]
 
@@ -142,10 +152,13 @@ def generate(model: Model, prompt: torch.Tensor, new_tokens: int, step_fn: StepF
 
     ``cache`` defaults to a fresh ``model.new_cache(batch)``; a given one is reset first (a compiled
     CUDA-graph step must be called with the cache it was compiled with). The prefill is always
-    eager. Raises :class:`ShapeError` / :class:`CourseError` for a prompt that is not int64
-    ``(batch, P)`` or when ``P + new_tokens`` exceeds the cache length.
+    eager. A prompt on another device than the model (a CPU prompt for a GPU model) is moved to
+    the model's device; the returned tokens live there. Raises :class:`ShapeError` /
+    :class:`CourseError` for a prompt that is not int64 ``(batch, P)`` or when ``P + new_tokens``
+    exceeds the cache length.
     """
     check_prompt(model, prompt, new_tokens, cache)
+    prompt = on_model_device(model, prompt)
     if cache is None:
         cache = model.new_cache(prompt.shape[0])
     else:
