@@ -158,3 +158,54 @@ def test_generate_moves_a_prompt_to_the_model_device():
     assert out.tokens.device.type == "meta" and tuple(out.tokens.shape) == (2, 9)
     logits = D.prefill(meta, meta.new_cache(2), prompt)
     assert logits.device.type == "meta" and tuple(logits.shape) == (2, 64)
+
+
+def test_batch_sweep_frees_each_cache_before_the_next_is_allocated():
+    import gc
+    import weakref
+
+    model = D.decode_model(PRESETS["tiny"])
+    made, alive_at_alloc = [], []
+    new_cache = model.new_cache
+
+    def tracked(batch, *args, **kwargs):  # records whether an earlier batch's cache is still alive
+        gc.collect()
+        alive_at_alloc.append([r() is not None for r in made])
+        cache = new_cache(batch, *args, **kwargs)
+        made.append(weakref.ref(cache))
+        return cache
+
+    model.new_cache = tracked
+    rows = D.batch_sweep(model, (1, 2, 4), bandwidth=1e10, min_run_time=0.01)
+    assert [r.batch for r in rows] == [1, 2, 4]
+    assert alive_at_alloc == [[], [False], [False, False]], "the sweep kept a previous KV cache alive"
+
+
+def test_batch_sweep_releases_memory_after_the_except_block(monkeypatch):
+    import gc
+    import sys
+    import weakref
+
+    from teraflops import attention
+
+    model = D.decode_model(PRESETS["tiny"])
+    caches, seen = [], []
+
+    class InjectedOOM(RuntimeError):  # stands in for torch.cuda.OutOfMemoryError
+        pass
+
+    def step(m, cache, token, pos):
+        caches.append(weakref.ref(cache))
+        if cache.batch >= 2:
+            raise InjectedOOM("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return D.decode_step(m, cache, token, pos)
+
+    def release(device):  # what empty_cache would see: no exception in flight, the failed cache gone
+        gc.collect()
+        seen.append((sys.exc_info()[0], caches[-1]() is None))
+
+    monkeypatch.setattr(attention, "release_cached_memory", release)
+    with pytest.warns(UserWarning, match="batch 2: out of memory"):
+        rows = D.batch_sweep(model, (1, 2, 4), step_fn=step, bandwidth=1e10, min_run_time=0.01)
+    assert [r.batch for r in rows] == [1]
+    assert seen == [(None, True)], seen

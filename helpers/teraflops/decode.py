@@ -426,30 +426,35 @@ def batch_sweep(model: Model, batches, cache_len: int | None = None, step_fn: St
     ``bandwidth`` (bytes/s): default measured here with a large copy
     (:func:`teraflops.ceilings.measure_copy_bandwidth`, STREAM "Copy" bytes, 128 MiB on a CPU).
     A compiled ``step_fn`` compiles once per batch size (``dynamic=False``). A batch whose cache or
-    step runs out of memory ends the sweep with a warning (the rows so far are returned).
+    step runs out of memory ends the sweep with a warning (the rows so far are returned). Each
+    batch's cache is freed before the next one is allocated, so the peak is one cache, not two,
+    and the batch that runs out of memory is the first whose own cache and step do not fit.
     """
     from .ceilings import measure_copy_bandwidth
 
     device = _device(model)
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(128 * 2**20 if device.type == "cpu" else 2**31, str(device.type))
-    from .attention import _is_oom
+    from .attention import _is_oom, release_cached_memory
 
     rows = []
     for b in batches:
+        cache = oom = None  # the previous batch's cache is freed before this one is allocated
         try:
             cache = model.new_cache(int(b), cache_len)
             t = step_seconds(step_fn, model, cache, min_run_time)
+            nbytes = decode_bytes_per_step(model, cache)
         except (RuntimeError, MemoryError) as e:
             if not _is_oom(e):
                 raise
-            cache = None
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            oom = True
+        cache = None
+        if oom:  # outside the except: the traceback no longer holds the failed step's tensors
+            release_cached_memory(device)
             warnings.warn(f"batch {b}: out of memory (its KV cache alone is {_cache_bytes(model, int(b), cache_len) / 1e9:.3g} "
                           "GB); the sweep stops at the largest batch that fit: the memory ceiling of decode", stacklevel=2)
             break
-        rows.append(BatchRow(int(b), t, decode_bytes_per_step(model, cache), bandwidth))
+        rows.append(BatchRow(int(b), t, nbytes, bandwidth))
     return rows
 
 
