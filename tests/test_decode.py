@@ -209,3 +209,23 @@ def test_batch_sweep_releases_memory_after_the_except_block(monkeypatch):
         rows = D.batch_sweep(model, (1, 2, 4), step_fn=step, bandwidth=1e10, min_run_time=0.01)
     assert [r.batch for r in rows] == [1]
     assert seen == [(None, True)], seen
+
+
+def test_cuda_launches_are_the_cpu_side_launch_calls():
+    # A synthetic GPU profile of a compiled, CUDA-graph step: one cudaGraphLaunch replays 40 kernels;
+    # a Triton kernel outside the graph goes through cuLaunchKernelEx, an extern GEMM through cudaLaunchKernel.
+    from types import SimpleNamespace as E
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = ([E(name="cudaGraphLaunch", cpu_parent=None, device_type=cpu)]
+              + [E(name=f"triton_poi_fused_{i}", cpu_parent=None, device_type=cuda) for i in range(40)]
+              + [E(name="cuLaunchKernelEx", cpu_parent=None, device_type=cpu),
+                 E(name="cudaLaunchKernel_v7000", cpu_parent=None, device_type=cpu),
+                 E(name="cudaMemcpyAsync", cpu_parent=None, device_type=cpu),
+                 E(name="cudaStreamSynchronize", cpu_parent=None, device_type=cpu),
+                 E(name="triton_red_fused_0", cpu_parent=None, device_type=cuda),
+                 E(name="ampere_sgemm_64x32", cpu_parent=None, device_type=cuda)])
+    n = D.count_launches(events, "cuda")
+    assert n.total == 3, n
+    assert n.by_name == {"cudaGraphLaunch": 1, "cuLaunchKernelEx": 1, "cudaLaunchKernel_v7000": 1}
+    assert "42 kernels ran on the GPU" in n.what

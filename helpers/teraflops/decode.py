@@ -301,6 +301,25 @@ def inside_aten_op(event) -> bool:
     return False
 
 
+# The CUDA runtime/driver API calls that launch work on the GPU, as torch.profiler (Kineto/CUPTI)
+# names its cuda_runtime and cuda_driver events (CUDA Runtime API §"Execution Control" and
+# §"Graph Management"; Driver API §"Execution Control" and §"Graph Management").
+CUDA_LAUNCH_CALLS = frozenset({
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel",
+    "cudaLaunchCooperativeKernelMultiDevice", "cudaGraphLaunch",
+    "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel", "cuGraphLaunch",
+})
+
+
+def is_launch_call(name: str) -> bool:
+    """Whether a profiler event name is a CPU-side CUDA launch call (:data:`CUDA_LAUNCH_CALLS`),
+    also under CUPTI's versioned or per-thread-stream names (``cudaLaunchKernel_v7000``,
+    ``cudaLaunchKernel_ptsz``, ``cuLaunchKernelEx_ptsz``)."""
+    import re
+
+    return re.sub(r"(_v\d+)?(_ptsz|_ptds)?$", "", name) in CUDA_LAUNCH_CALLS
+
+
 def count_launches(events, device: str = "cpu") -> Launches:
     """Count the launches in profiler ``events`` (from :func:`profile_step`).
 
@@ -312,9 +331,12 @@ def count_launches(events, device: str = "cpu") -> Launches:
     ``aten::`` events are the extern calls (GEMMs, attention) and each fused kernel counts once,
     however many operators it fuses.
 
-    CUDA (``device="cuda"``): kernels that ran on the device (one profiler event per kernel; inside
-    a CUDA graph the kernels are still listed), and in ``what`` the CPU-side launch calls
-    (``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaGraphLaunch``): one graph launch replaces many.
+    CUDA (``device="cuda"``): the CPU-side launch calls, i.e. the profiler's ``cuda_runtime`` /
+    ``cuda_driver`` events of the launch APIs in :data:`CUDA_LAUNCH_CALLS` (``cudaLaunchKernel``,
+    ``cudaLaunchKernelExC``, ``cuLaunchKernel``, ``cuLaunchKernelEx`` (Triton, recent PyTorch),
+    cooperative launches, ``cudaGraphLaunch``): what the CPU pays per token. A CUDA graph replay
+    is one launch call however many kernels it holds; the kernels that ran on the device are
+    counted in ``what``, not in ``total``.
     """
     if hasattr(events, "events") and callable(events.events):  # a torch.profiler.profile: take its events
         events = events.events()
@@ -329,13 +351,13 @@ def count_launches(events, device: str = "cpu") -> Launches:
                           "profile_step or prof.events(), not prof.key_averages()")
     counts: dict[str, int] = {}
     if device == "cuda":
-        launch_calls = 0
+        kernels = 0
         for e in events:
             if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels += 1
+            elif is_launch_call(e.name):
                 counts[e.name] = counts.get(e.name, 0) + 1
-            elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch"):
-                launch_calls += 1
-        what = f"GPU kernels run per step ({launch_calls} CPU-side launch calls)"
+        what = f"CPU-side CUDA launch calls per step ({kernels} kernels ran on the GPU)"
         return Launches(sum(counts.values()), counts, what)
     for e in events:
         name = e.name
