@@ -229,3 +229,20 @@ def test_cuda_launches_are_the_cpu_side_launch_calls():
     assert n.total == 3, n
     assert n.by_name == {"cudaGraphLaunch": 1, "cuLaunchKernelEx": 1, "cudaLaunchKernel_v7000": 1}
     assert "42 kernels ran on the GPU" in n.what
+
+
+@pytest.mark.slow
+def test_compiled_batch_sweep_compiles_every_batch_size_past_the_recompile_limit():
+    # 9 batch sizes at dynamic=False are 9 compiles of the same step: one more than dynamo's default
+    # recompile limit of 8, past which the last batch would silently be timed in eager mode.
+    from torch._dynamo.utils import counters
+
+    model = Llama(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq_len=8, seed=0).eval()
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(D.decode_step, backend="eager", dynamic=False)  # dynamo only: no Inductor codegen
+    batches = tuple(range(1, 10))
+    rows = D.batch_sweep(model, batches, step_fn=step, bandwidth=1e10, min_run_time=0.0)
+    assert [r.batch for r in rows] == list(batches)
+    assert int(counters["stats"]["unique_graphs"]) == len(batches), dict(counters["stats"])
+    torch._dynamo.reset()

@@ -447,7 +447,8 @@ def batch_sweep(model: Model, batches, cache_len: int | None = None, step_fn: St
 
     ``bandwidth`` (bytes/s): default measured here with a large copy
     (:func:`teraflops.ceilings.measure_copy_bandwidth`, STREAM "Copy" bytes, 128 MiB on a CPU).
-    A compiled ``step_fn`` compiles once per batch size (``dynamic=False``). A batch whose cache or
+    A compiled ``step_fn`` compiles once per batch size (``dynamic=False``; dynamo's recompile
+    limit is raised to the number of batch sizes for the sweep, :func:`recompile_limit`). A batch whose cache or
     step runs out of memory ends the sweep with a warning (the rows so far are returned). Each
     batch's cache is freed before the next one is allocated, so the peak is one cache, not two,
     and the batch that runs out of memory is the first whose own cache and step do not fit.
@@ -459,6 +460,25 @@ def batch_sweep(model: Model, batches, cache_len: int | None = None, step_fn: St
         bandwidth = measure_copy_bandwidth(128 * 2**20 if device.type == "cpu" else 2**31, str(device.type))
     from .attention import _is_oom, release_cached_memory
 
+    batches = list(batches)
+    with recompile_limit(len(batches)):
+        return _sweep(model, batches, cache_len, step_fn, bandwidth, min_run_time, device, _is_oom,
+                      release_cached_memory)
+
+
+def recompile_limit(n: int):
+    """A context in which dynamo compiles a function for at least ``n`` distinct shapes before
+    giving up: ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before PyTorch 2.6),
+    default 8, raised to ``n`` inside the context and restored after. Past the limit dynamo stops
+    compiling and runs the frame eagerly (with a warning), so a compiled step swept over 9 batch
+    sizes at ``dynamic=False`` would time its 9th batch in eager mode. Never lowers the limit."""
+    import torch._dynamo.config as cfg
+
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    return cfg.patch(**{name: max(int(n), getattr(cfg, name))})
+
+
+def _sweep(model, batches, cache_len, step_fn, bandwidth, min_run_time, device, _is_oom, release_cached_memory):
     rows = []
     for b in batches:
         cache = oom = None  # the previous batch's cache is freed before this one is allocated
