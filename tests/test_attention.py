@@ -73,3 +73,19 @@ def test_naive_oom_becomes_a_data_point():
     res = attention.attention_sweep((n,), 1, 1, 64, torch.float32, "cuda", impls=("naive",), min_run_time=0.01,
                                     progress=False)
     assert res[0].oom and res[0].peak_bytes is None
+
+
+def test_sweep_releases_memory_after_the_except_block(monkeypatch):
+    import sys
+
+    seen = []
+
+    def oom(q, k, v):  # an injected out-of-memory error standing in for the GPU's
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    monkeypatch.setitem(attention.IMPL_FUNCS, "naive", oom)
+    monkeypatch.setattr(attention, "release_cached_memory", lambda device: seen.append(sys.exc_info()[0]))
+    res = attention.attention_sweep((64,), 1, 1, 16, torch.float32, "cpu", impls=("naive", "sdpa"),
+                                    min_run_time=0.0, progress=False)
+    assert [r.oom for r in res] == [True, False]
+    assert seen == [None], "empty_cache ran while the out-of-memory traceback was still being handled"

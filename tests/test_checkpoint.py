@@ -97,3 +97,12 @@ def test_a_kill_mid_write_leaves_the_last_complete_checkpoint(tmp_path):
     assert torch.equal(got["x"], torch.full((4 << 20,), float(got["step"])))
     save_atomic(state(0), checkpoint_path(directory, 0))  # the next save removes the dead writer's stray
     assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_save_latest_keeps_only_the_newest_checkpoint(tmp_path):
+    from teraflops.checkpoint import save_latest
+
+    for step in (3, 6, 9):
+        assert save_latest(state(step), tmp_path, step) == checkpoint_path(tmp_path, step)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{step:06d}.pt"]
+    assert load(latest(tmp_path))["step"] == 9

@@ -116,6 +116,20 @@ def test_saturation_size_is_where_achieved_bandwidth_reaches_the_fraction():
     assert co.saturation_size(fit, 0.5) == pytest.approx(1e5)
 
 
+def test_saturation_of_a_fit_whose_alpha_clamps_to_zero_is_below_the_smallest_size():
+    # Times proportional to size with the smallest one a bit fast: the free fit's α is negative, clamped to 0.
+    fit = co.fit_alpha_beta([1e3, 1e6, 1e7], [0.5e-6, 1e-3, 1e-2])
+    assert fit.alpha == 0
+    assert co.saturation_size(fit, 0.8) is None  # not "80% of B from 0 B"
+    text = co.saturation_text(fit, 0.8)
+    assert text.startswith(f"below {co.fmt_bytes(1e3)}") and "smallest size measured" in text
+    assert "80% of B from below" in str(fit)
+    assert co.saturation_text(co.AlphaBeta(1e-4, 1e9, 1.0, 0.0), 0.5) == co.fmt_bytes(1e5)
+    co.plot_sweep([{"collective": "all_reduce", "size": 1e3, "busbw": 1e9, "ranks": 2, "backend": "gloo"},
+                   {"collective": "all_reduce", "size": 1e7, "busbw": 1e9, "ranks": 2, "backend": "gloo"}],
+                  co.AlphaBeta(0.0, 1e9, 1.0, 0.0, "all_reduce", 2, (1e3, 1e7)))
+
+
 def test_ring_allreduce_formula():
     # 2(n-1)/n · S/B + 2(n-1)·alpha
     assert co.ring_allreduce_seconds(1e9, 8, 1e9) == pytest.approx(1.75)

@@ -172,3 +172,101 @@ def test_recompile_reasons_name_the_guard_of_the_graph_that_last_ran():
         == "- 0/1: tensor 'x' size mismatch at index 0. expected 9, actual 10"
     reasons = D.recompile_demo((8, 9, 10), dynamic=False).reasons
     assert [r.split(":")[0] for r in reasons] == ["- 0/0", "- 0/1"] and "expected 9, actual 10" in reasons[1]
+
+
+def test_generate_moves_a_prompt_to_the_model_device():
+    # A GPU model with a prompt made by torch.randint on the CPU (issue 16): `meta` stands in for the GPU.
+    meta = Llama(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=24, seed=0).to("meta").eval()
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    out = D.generate(meta, prompt, 4)
+    assert out.tokens.device.type == "meta" and tuple(out.tokens.shape) == (2, 9)
+    logits = D.prefill(meta, meta.new_cache(2), prompt)
+    assert logits.device.type == "meta" and tuple(logits.shape) == (2, 64)
+
+
+def test_batch_sweep_frees_each_cache_before_the_next_is_allocated():
+    import gc
+    import weakref
+
+    model = D.decode_model(PRESETS["tiny"])
+    made, alive_at_alloc = [], []
+    new_cache = model.new_cache
+
+    def tracked(batch, *args, **kwargs):  # records whether an earlier batch's cache is still alive
+        gc.collect()
+        alive_at_alloc.append([r() is not None for r in made])
+        cache = new_cache(batch, *args, **kwargs)
+        made.append(weakref.ref(cache))
+        return cache
+
+    model.new_cache = tracked
+    rows = D.batch_sweep(model, (1, 2, 4), bandwidth=1e10, min_run_time=0.01)
+    assert [r.batch for r in rows] == [1, 2, 4]
+    assert alive_at_alloc == [[], [False], [False, False]], "the sweep kept a previous KV cache alive"
+
+
+def test_batch_sweep_releases_memory_after_the_except_block(monkeypatch):
+    import gc
+    import sys
+    import weakref
+
+    from teraflops import attention
+
+    model = D.decode_model(PRESETS["tiny"])
+    caches, seen = [], []
+
+    class InjectedOOM(RuntimeError):  # stands in for torch.cuda.OutOfMemoryError
+        pass
+
+    def step(m, cache, token, pos):
+        caches.append(weakref.ref(cache))
+        if cache.batch >= 2:
+            raise InjectedOOM("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return D.decode_step(m, cache, token, pos)
+
+    def release(device):  # what empty_cache would see: no exception in flight, the failed cache gone
+        gc.collect()
+        seen.append((sys.exc_info()[0], caches[-1]() is None))
+
+    monkeypatch.setattr(attention, "release_cached_memory", release)
+    with pytest.warns(UserWarning, match="batch 2: out of memory"):
+        rows = D.batch_sweep(model, (1, 2, 4), step_fn=step, bandwidth=1e10, min_run_time=0.01)
+    assert [r.batch for r in rows] == [1]
+    assert seen == [(None, True)], seen
+
+
+def test_cuda_launches_are_the_cpu_side_launch_calls():
+    # A synthetic GPU profile of a compiled, CUDA-graph step: one cudaGraphLaunch replays 40 kernels;
+    # a Triton kernel outside the graph goes through cuLaunchKernelEx, an extern GEMM through cudaLaunchKernel.
+    from types import SimpleNamespace as E
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = ([E(name="cudaGraphLaunch", cpu_parent=None, device_type=cpu)]
+              + [E(name=f"triton_poi_fused_{i}", cpu_parent=None, device_type=cuda) for i in range(40)]
+              + [E(name="cuLaunchKernelEx", cpu_parent=None, device_type=cpu),
+                 E(name="cudaLaunchKernel_v7000", cpu_parent=None, device_type=cpu),
+                 E(name="cudaMemcpyAsync", cpu_parent=None, device_type=cpu),
+                 E(name="cudaStreamSynchronize", cpu_parent=None, device_type=cpu),
+                 E(name="triton_red_fused_0", cpu_parent=None, device_type=cuda),
+                 E(name="ampere_sgemm_64x32", cpu_parent=None, device_type=cuda)])
+    n = D.count_launches(events, "cuda")
+    assert n.total == 3, n
+    assert n.by_name == {"cudaGraphLaunch": 1, "cuLaunchKernelEx": 1, "cudaLaunchKernel_v7000": 1}
+    assert "42 kernels ran on the GPU" in n.what
+
+
+@pytest.mark.slow
+def test_compiled_batch_sweep_compiles_every_batch_size_past_the_recompile_limit():
+    # 9 batch sizes at dynamic=False are 9 compiles of the same step: one more than dynamo's default
+    # recompile limit of 8, past which the last batch would silently be timed in eager mode.
+    from torch._dynamo.utils import counters
+
+    model = Llama(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq_len=8, seed=0).eval()
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(D.decode_step, backend="eager", dynamic=False)  # dynamo only: no Inductor codegen
+    batches = tuple(range(1, 10))
+    rows = D.batch_sweep(model, batches, step_fn=step, bandwidth=1e10, min_run_time=0.0)
+    assert [r.batch for r in rows] == list(batches)
+    assert int(counters["stats"]["unique_graphs"]) == len(batches), dict(counters["stats"])
+    torch._dynamo.reset()

@@ -88,3 +88,28 @@ def test_without_restarts_a_kill_fails_the_launch_naming_the_rank(private_tmp):
     shutil.rmtree(info.value.logs)  # kept for the learner on a failure
     shutil.rmtree(checkpoints)
     assert_clean(tmp, ports)
+
+
+@pytest.mark.slow
+def test_a_launch_keeps_one_checkpoint_on_disk(private_tmp):
+    # 8 steps checkpointed every 3: steps 3 and 6 are saved, only step 6 stays (a GPU-preset checkpoint is ~1.6 GB).
+    tmp, ports = private_tmp
+    checkpoints = tmp / "checkpoints"
+    checkpoints.mkdir()
+    elastic.launch_training(checkpoints, tiny_plan(), timeout=180)
+    assert sorted(p.name for p in checkpoints.glob("step-*.pt")) == ["step-000006.pt"]
+    shutil.rmtree(checkpoints)
+    assert_clean(tmp, ports)
+
+
+def test_run_removes_its_checkpoint_folders_when_a_launch_fails(private_tmp, monkeypatch):
+    tmp, _ = private_tmp
+
+    def failing(checkpoint_dir, *args, **kwargs):
+        (checkpoint_dir / "step-000003.pt").write_bytes(b"x" * 1024)
+        raise LaunchFailed("rank 1 exited with code -9")
+
+    monkeypatch.setattr(elastic, "launch_training", failing)
+    with pytest.raises(LaunchFailed):
+        elastic.run(tiny_plan())
+    assert list(tmp.iterdir()) == []

@@ -192,3 +192,33 @@ def test_gpu_half_precision_matches_sdpa(shape, dtype, tol, causal):
     q32, k32, v32 = (t.float() for t in (q, k, v))
     o32 = ft.flash_attention(q32, k32, v32, causal=causal)
     assert _max_err(o32, _reference_attention(q32, k32, v32, causal, scale)) < FP32_TOL
+
+
+def test_tile_choice_fits_the_shared_memory_of_each_gpu_class():
+    # Stand-in device properties: shared memory per block of a T4 (sm75), an L4 / RTX 4090, an H100.
+    from types import SimpleNamespace as Cfg
+
+    from teraflops import flash_triton as ft
+
+    configs = [Cfg(kwargs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in ft._GPU_CONFIGS]
+    for smem, head_dim in ((64 * 1024, 64), (64 * 1024, 128), (99 * 1024, 128), (227 * 1024, 128)):
+        kept = ft.fitting_configs(configs, head_dim, 2, smem)
+        assert 1 <= len(kept) <= 4, (smem, head_dim, len(kept))  # a new length tunes a few kernels, not 11
+        for c in kept:
+            assert ft.tile_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, head_dim, 2) <= 0.9 * smem
+    t4 = ft.fitting_configs(configs, 64, 2, 64 * 1024)
+    assert (128, 64, 3) not in [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages) for c in t4]  # 64 KiB: too big
+
+
+def test_dtype_from_capability_and_length_buckets():
+    from teraflops import flash_triton as ft
+    from teraflops.errors import DTypeError
+
+    assert ft.tensor_core_dtype((7, 5)) == torch.float16 and ft.tensor_core_dtype((8, 0)) == torch.bfloat16
+    assert ft.tensor_core_dtype((9, 0)) == torch.bfloat16
+    with pytest.raises(DTypeError, match="sm75.*torch.float16"):
+        ft.check_dtype_for(torch.bfloat16, (7, 5))
+    ft.check_dtype_for(torch.float16, (7, 5))
+    ft.check_dtype_for(torch.bfloat16, (8, 9))
+    # The autotuner is keyed on the length's power of two: 40,000 and 65,536 share one tuning.
+    assert ft.length_bucket(40_000) == ft.length_bucket(65_536) == 65_536 and ft.length_bucket(1) == 1

@@ -112,3 +112,30 @@ def test_plot_and_widget_render_headless():
     ui.children[2].value = 1  # the stage slider
     assert ui.result.stage == 1 and ui.result.total_bytes == pytest.approx(31.40625 * GB)
     plt.close("all")
+
+
+def test_zero3_expected_volume_counts_the_tied_embedding_per_use_on_both_presets():
+    # Unit 2's check: measured / expected within 10 %. The paper's 3Ψ misses two gathers of the tied
+    # 32768 × 1024 embedding on the GPU preset (paper ratio ≈ 1.165); the per-use count does not.
+    from teraflops import zero
+    from teraflops.sizing import PRESETS
+
+    for name, paper_ratio in (("cpu", 1.05), ("gpu", 1.165)):
+        p = PRESETS[name]
+        model = zero.trained_gpt(p)
+        uses = ms.parameter_uses(model)
+        psi = sum(q.numel() for q in model.parameters())
+        assert sum(n for n, _ in uses) == psi and sorted(k for _, k in uses)[-1] == 2  # the tied weight
+        tied = p.gpt_vocab * p.gpt_d_model
+        # What DeepSpeed stage 3 gathers: each module's own parameters before its forward and its
+        # backward; then one reduce-scatter per distinct parameter.
+        gathered = sum(2 * q.numel() for m in model.modules() for q in m.parameters(recurse=False))
+        stand_in_measured = (gathered + psi) * 4
+        expected = ms.comm_volume_per_use(uses, 3, 4)
+        assert expected == stand_in_measured == ms.comm_volume(psi, 3, 4) + 2 * tied * 4
+        assert ms.comm_volume(psi, 3, 4) * paper_ratio == pytest.approx(expected, rel=0.01), name
+        assert abs(stand_in_measured / expected - 1) <= 0.10
+        for stage in (0, 1, 2):
+            assert ms.comm_volume_per_use(uses, stage, 4) == ms.comm_volume(psi, stage, 4)
+    with pytest.raises(ValueError, match="parameter_uses"):
+        ms.comm_volume_per_use([(10, 0)], 3)

@@ -83,8 +83,16 @@ def test_cpu_machine_uses_the_published_link_and_h100_peak(cpu_only):
 def test_published_peak_of_a_detected_gpu():
     assert off.published_peak("NVIDIA H200") == (989.5e12, "published H200 SXM dense 16-bit, detected")
     assert off.published_peak("NVIDIA A100-SXM4-80GB")[0] == 312e12
-    flops, source = off.published_peak("NVIDIA L40S")
-    assert flops == 989.5e12 and "L40S not listed" in source
+    assert off.published_peak("NVIDIA L40S")[0] == 362.05e12
+
+
+def test_offload_of_an_unlisted_gpu_says_no_datasheet(monkeypatch):
+    from teraflops.machine import GPU, Machine
+
+    fake = Machine("cuda", (GPU(0, "NVIDIA Mystery X1", 32 * 2**30, (9, 0)),))
+    monkeypatch.setattr(off, "detect", lambda: fake)
+    row = off.offload_rows(7e9, bandwidth=63e9)[0]
+    assert row["peak_source"].startswith("no datasheet for NVIDIA Mystery X1"), row["peak_source"]
 
 
 def test_bandwidth_is_measured_once_per_call(monkeypatch):

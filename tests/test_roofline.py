@@ -71,3 +71,23 @@ def test_roofline_labels_do_not_overlap_and_stay_inside():
     ax.figure.canvas.draw()
     assert_texts_inside_and_apart(ax)
     plt.close(ax.figure)
+
+
+@pytest.mark.parametrize("device_name, entry, dense_tflops", [
+    ("Tesla T4", "T4", 65.0), ("NVIDIA L4", "L4", 121.0), ("NVIDIA A10", "A10", 125.0),
+    ("NVIDIA L40S", "L40S", 362.05), ("NVIDIA GeForce RTX 4090", "RTX 4090", 165.2),
+    ("NVIDIA B200", "B200", 2250.0), ("NVIDIA GH200 480GB", "GH200 96GB", 989.5),
+    ("NVIDIA GH200 144G HBM3e", "GH200 144GB", 989.5), ("NVIDIA H200", "H200 SXM", 989.5),
+    ("NVIDIA A100-SXM4-40GB", "A100 40GB", 312.0)])
+def test_datasheet_lookup_of_each_gpu_class(device_name, entry, dense_tflops):
+    g = ceilings.published_for(device_name)
+    assert g is not None and g.name == entry, (device_name, g)
+    assert ceilings.published_peak(device_name)[0] == dense_tflops * 1e12
+    assert (g.bf16_tflops is None) == (entry == "T4")  # Turing has no bf16 tensor cores
+
+
+def test_unknown_gpu_has_no_datasheet_and_is_not_priced_as_an_h100():
+    assert ceilings.published_for("NVIDIA Mystery X1") is None
+    with pytest.raises(ceilings.NoDatasheetError, match="no datasheet for 'NVIDIA Mystery X1'"):
+        ceilings.published_peak("NVIDIA Mystery X1")
+    assert "no GPU here" in ceilings.published_peak(None)[1]

@@ -359,3 +359,25 @@ def test_attention_backward_has_flops_and_a_corrupt_gzip_is_one_line(tmp_path):
     with pytest.raises(tr.TriageError) as e:
         tr.load_trace(bad)
     assert "not a JSON trace" in _one_line(e)
+
+
+def test_gpu_idle_time_inside_a_host_side_collective_is_communication():
+    """Synthetic GPU trace: a GEMM, then a host-side all-reduce (c10d range) during which the device
+    runs nothing for 900 µs, then a short NCCL kernel: communication, not overhead (the CPU rule)."""
+    mm = {"Input type": ["c10::BFloat16"] * 2, "Input Dims": [[1024, 1024], [1024, 1024]], "External id": 7}
+    ev = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0.0, "dur": 10.0, "args": mm},
+          {"ph": "X", "cat": "kernel", "name": "sm80_xmma_gemm_bf16bf16_bf16f32", "pid": 0, "tid": 7, "ts": 5.0,
+           "dur": 95.0, "args": {"External id": 7}},
+          {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "pid": 1, "tid": 1, "ts": 100.0, "dur": 1000.0,
+           "args": {}},
+          {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "pid": 0, "tid": 20,
+           "ts": 1000.0, "dur": 100.0, "args": {}},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1, "ts": 1100.0, "dur": 20.0,
+           "args": {"Input type": ["c10::BFloat16"] * 2, "Input Dims": [[1024], [1024]], "External id": 9}}]
+    r = tr.triage({"traceEvents": ev}, ceilings=Ceilings(312e12, 2.0e12, torch.bfloat16, "cuda", 0, 0),
+                  launch_floor=5e-6)
+    assert r.verdict == "communication-bound", r.shares
+    assert r.shares["communication"] == pytest.approx(1000 / 1120) and r.shares["overhead"] == pytest.approx(25 / 1120)
+    rows = {e.name: e for e in r.evidence}
+    assert rows["c10d::allreduce_"].seconds == pytest.approx(900e-6) and rows["c10d::allreduce_"].category == "communication"
+    assert rows["ncclDevKernel_AllReduce_Sum_bf16_RING_LL"].seconds == pytest.approx(100e-6)

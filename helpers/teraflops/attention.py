@@ -151,6 +151,16 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+def release_cached_memory(device) -> None:
+    """After an out-of-memory error: collect garbage and, on a GPU, hand the caching allocator's
+    free blocks back (``torch.cuda.empty_cache``). Call it *after* the ``except`` block, never
+    inside: while an exception is being handled its traceback keeps the failed call's frames,
+    and so their tensors, alive, and ``empty_cache`` cannot free what is still referenced."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: str,
                     impls=IMPLEMENTATIONS, min_run_time: float = 0.1, progress: bool = True) -> list[AttentionResult]:
     """Time and peak memory of each implementation at each sequence length.
@@ -173,6 +183,7 @@ def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torc
         for impl in impls:
             fn = IMPL_FUNCS[impl]
             bar.set_postfix(N=n, impl=impl)
+            oom = False
             try:
                 fn(q, k, v)  # warm-up: first calls compile/autotune (and may allocate for that)
                 peak, out = peak_memory(lambda: fn(q, k, v), device)
@@ -185,8 +196,9 @@ def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torc
                 if not _is_oom(e):
                     raise
                 results.append(AttentionResult(impl, n, None, None, None, oom=True))
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+                oom = True
+            if oom:  # outside the except: the traceback no longer holds the failed call's tensors
+                release_cached_memory(device)
             bar.update()
         del q, k, v, ref
         if device == "cuda":

@@ -15,6 +15,7 @@ power cut, not only a killed process.
 
 Names: ``step-000020.pt`` holds the state after 20 completed steps (the step to run next is 20).
 One writer per directory (in data parallelism, rank 0; every rank holds the same state).
+:func:`save_latest` saves and then deletes the older checkpoints, so one stays on disk.
 """
 
 from __future__ import annotations
@@ -80,6 +81,24 @@ def save_atomic(obj, path) -> Path:
         os.fsync(fd)  # and so is the new directory entry
     finally:
         os.close(fd)
+    return path
+
+
+def save_latest(obj, directory, step: int) -> Path:
+    """:func:`save_atomic` of ``obj`` as ``directory/step-NNNNNN.pt``, then delete the directory's
+    checkpoints of fewer steps: a run keeps one checkpoint on disk, not one per interval (on the GPU
+    preset each is ~1.6 GB). The older files go only after the new one is complete under its name
+    and synced, so at every moment the directory holds at least one whole checkpoint. Returns
+    the new checkpoint's path.
+
+    Raises:
+        OSError: as :func:`save_atomic` (the older checkpoints are then kept).
+    """
+    path = save_atomic(obj, checkpoint_path(directory, step))
+    for old in Path(directory).glob("step-*.pt"):
+        m = _NAME.fullmatch(old.name)
+        if m and int(m.group(1)) < step:
+            old.unlink(missing_ok=True)
     return path
 
 

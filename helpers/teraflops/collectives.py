@@ -256,7 +256,7 @@ class AlphaBeta:
         bus = f" (busbw {self.bus_bandwidth / GB:.3g} GB/s)" if self.bus_bandwidth else ""
         return (f"{what}T = α + S/B with α = {fmt_seconds(self.alpha)}, B = {self.bandwidth / GB:.3g} GB/s{bus}; "
                 f"R² = {self.r2:.4f}, worst relative error {self.max_rel_error:.0%}; "
-                f"80% of B from {fmt_bytes(saturation_size(self))}")
+                f"80% of B from {saturation_text(self)}")
 
 
 def fit_alpha_beta(sizes, seconds, *, weighting: str = "ordinary", collective: str | None = None,
@@ -323,9 +323,13 @@ def fit_rows(rows: list[dict], collective: str = "all_reduce", **kwargs) -> Alph
                           ranks=mine[0].get("ranks"), **kwargs)
 
 
-def saturation_size(fit: AlphaBeta, fraction: float = 0.8) -> float:
+def saturation_size(fit: AlphaBeta, fraction: float = 0.8) -> float | None:
     """The size (bytes) at which the fitted achieved bandwidth ``S / T(S)`` reaches ``fraction`` of B:
     ``S = fraction / (1 − fraction) · α · B`` (from ``S / (α + S/B) = fraction · B``).
+
+    ``None`` when the fit has ``α = 0`` (:func:`fit_alpha_beta` clamps a negative α to 0): the
+    latency is too small for the sizes measured to resolve, so the fraction is reached somewhere
+    below the smallest size measured, not at 0 bytes (:func:`saturation_text` says so in words).
 
     Raises:
         CollectiveInputError: ``fraction`` not strictly between 0 and 1.
@@ -333,7 +337,20 @@ def saturation_size(fit: AlphaBeta, fraction: float = 0.8) -> float:
     if not 0 < fraction < 1:
         raise CollectiveInputError(f"fraction must be between 0 and 1 (exclusive), got {fraction!r}. "
                                    "Hint: 0.8 asks where 80% of the bandwidth is reached; B itself is never reached")
+    if fit.alpha <= 0:
+        return None
     return fraction / (1 - fraction) * fit.alpha * fit.bandwidth
+
+
+def saturation_text(fit: AlphaBeta, fraction: float = 0.8) -> str:
+    """:func:`saturation_size` in words: ``"4 MiB"``, or, when α = 0, ``"below 1 KiB, the smallest
+    size measured (α fitted as 0)"``."""
+    size = saturation_size(fit, fraction)
+    if size is not None:
+        return fmt_bytes(size)
+    smallest = f"below {fmt_bytes(min(fit.sizes))}, the smallest size measured" if fit.sizes else \
+        "below the smallest size measured"
+    return f"{smallest} (α fitted as 0)"
 
 
 # ---- predictions ----------------------------------------------------------------------------------
@@ -715,13 +732,16 @@ def plot_sweep(rows: list[dict], fit: AlphaBeta | None = None, links=PUBLISHED_L
         ax.plot(s, factor * s / fit.predict(s) / GB, "k--", lw=1,
                 label=f"fit: α = {fmt_seconds(fit.alpha)}, busbw → {fit.bus_bandwidth / GB:.3g} GB/s")
         sat = saturation_size(fit)
-        ax.axvline(sat, color="gray", ls=":", lw=1)
-        # left of the dotted line, in the empty band between the highest measured point and the lowest
-        # published link (geometric middle on the log axis): off the data, the links and the legend
         top = max(r["busbw"] for r in rows) / GB
         low = min((link.bandwidth / GB for link in links if link.bandwidth / GB > top), default=top * 10)
-        ax.annotate(f"80% of B at {fmt_bytes(sat)} ", (sat, (top * low) ** 0.5), ha="right", va="center",
-                    fontsize=8, color="gray")
+        if sat is not None:
+            ax.axvline(sat, color="gray", ls=":", lw=1)
+        # beside the dotted line (α = 0: at the smallest size, reached below it), in the empty band between
+        # the highest measured point and the lowest published link (geometric middle on the log axis):
+        # off the data, the links and the legend
+        ax.annotate(f"80% of B at {saturation_text(fit)} " if sat is not None else f" 80% of B {saturation_text(fit)}",
+                    (sat if sat is not None else min(fit.sizes), (top * low) ** 0.5),
+                    ha="right" if sat is not None else "left", va="center", fontsize=8, color="gray")
     ordered = sorted(links, key=lambda link: link.bandwidth)  # PCIe Gen5 and NDR are 63 and 50 GB/s
     for i, link in enumerate(ordered):  # two right-aligned columns: neighbours in bandwidth never share one
         ax.axhline(link.bandwidth / GB, color="tab:red", lw=0.8, alpha=0.6)

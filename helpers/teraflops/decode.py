@@ -71,9 +71,19 @@ def _device(model: Model) -> torch.device:
 # Prefill, one decode step, greedy generation
 # ----------------------------------------------------------------------------------------------
 
+def on_model_device(model: Model, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` on the device of ``model``'s parameters (moved if elsewhere, e.g. a prompt made
+    with ``torch.randint`` on the CPU for a model on a GPU): the model's device decides, since the
+    embedding, the KV cache and the positions all live there."""
+    device = _device(model)
+    return tokens if tokens.device == device else tokens.to(device)
+
+
 def prefill(model: Model, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
     """Run the whole prompt ``(batch, P)`` int64 at positions ``0..P-1``, filling ``cache``; return
-    the logits of the last position, float ``(batch, vocab)``."""
+    the logits of the last position, float ``(batch, vocab)``. The prompt and the positions are
+    put on the model's device (:func:`on_model_device`)."""
+    prompt = on_model_device(model, prompt)
     pos = torch.arange(prompt.shape[1], device=prompt.device)
     return model(prompt, cache=cache, input_pos=pos)[:, -1]
 
@@ -142,10 +152,13 @@ def generate(model: Model, prompt: torch.Tensor, new_tokens: int, step_fn: StepF
 
     ``cache`` defaults to a fresh ``model.new_cache(batch)``; a given one is reset first (a compiled
     CUDA-graph step must be called with the cache it was compiled with). The prefill is always
-    eager. Raises :class:`ShapeError` / :class:`CourseError` for a prompt that is not int64
-    ``(batch, P)`` or when ``P + new_tokens`` exceeds the cache length.
+    eager. A prompt on another device than the model (a CPU prompt for a GPU model) is moved to
+    the model's device; the returned tokens live there. Raises :class:`ShapeError` /
+    :class:`CourseError` for a prompt that is not int64 ``(batch, P)`` or when ``P + new_tokens``
+    exceeds the cache length.
     """
     check_prompt(model, prompt, new_tokens, cache)
+    prompt = on_model_device(model, prompt)
     if cache is None:
         cache = model.new_cache(prompt.shape[0])
     else:
@@ -288,6 +301,25 @@ def inside_aten_op(event) -> bool:
     return False
 
 
+# The CUDA runtime/driver API calls that launch work on the GPU, as torch.profiler (Kineto/CUPTI)
+# names its cuda_runtime and cuda_driver events (CUDA Runtime API §"Execution Control" and
+# §"Graph Management"; Driver API §"Execution Control" and §"Graph Management").
+CUDA_LAUNCH_CALLS = frozenset({
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel",
+    "cudaLaunchCooperativeKernelMultiDevice", "cudaGraphLaunch",
+    "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel", "cuGraphLaunch",
+})
+
+
+def is_launch_call(name: str) -> bool:
+    """Whether a profiler event name is a CPU-side CUDA launch call (:data:`CUDA_LAUNCH_CALLS`),
+    also under CUPTI's versioned or per-thread-stream names (``cudaLaunchKernel_v7000``,
+    ``cudaLaunchKernel_ptsz``, ``cuLaunchKernelEx_ptsz``)."""
+    import re
+
+    return re.sub(r"(_v\d+)?(_ptsz|_ptds)?$", "", name) in CUDA_LAUNCH_CALLS
+
+
 def count_launches(events, device: str = "cpu") -> Launches:
     """Count the launches in profiler ``events`` (from :func:`profile_step`).
 
@@ -299,9 +331,12 @@ def count_launches(events, device: str = "cpu") -> Launches:
     ``aten::`` events are the extern calls (GEMMs, attention) and each fused kernel counts once,
     however many operators it fuses.
 
-    CUDA (``device="cuda"``): kernels that ran on the device (one profiler event per kernel; inside
-    a CUDA graph the kernels are still listed), and in ``what`` the CPU-side launch calls
-    (``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaGraphLaunch``): one graph launch replaces many.
+    CUDA (``device="cuda"``): the CPU-side launch calls, i.e. the profiler's ``cuda_runtime`` /
+    ``cuda_driver`` events of the launch APIs in :data:`CUDA_LAUNCH_CALLS` (``cudaLaunchKernel``,
+    ``cudaLaunchKernelExC``, ``cuLaunchKernel``, ``cuLaunchKernelEx`` (Triton, recent PyTorch),
+    cooperative launches, ``cudaGraphLaunch``): what the CPU pays per token. A CUDA graph replay
+    is one launch call however many kernels it holds; the kernels that ran on the device are
+    counted in ``what``, not in ``total``.
     """
     if hasattr(events, "events") and callable(events.events):  # a torch.profiler.profile: take its events
         events = events.events()
@@ -316,13 +351,13 @@ def count_launches(events, device: str = "cpu") -> Launches:
                           "profile_step or prof.events(), not prof.key_averages()")
     counts: dict[str, int] = {}
     if device == "cuda":
-        launch_calls = 0
+        kernels = 0
         for e in events:
             if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels += 1
+            elif is_launch_call(e.name):
                 counts[e.name] = counts.get(e.name, 0) + 1
-            elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch"):
-                launch_calls += 1
-        what = f"GPU kernels run per step ({launch_calls} CPU-side launch calls)"
+        what = f"CPU-side CUDA launch calls per step ({kernels} kernels ran on the GPU)"
         return Launches(sum(counts.values()), counts, what)
     for e in events:
         name = e.name
@@ -412,31 +447,56 @@ def batch_sweep(model: Model, batches, cache_len: int | None = None, step_fn: St
 
     ``bandwidth`` (bytes/s): default measured here with a large copy
     (:func:`teraflops.ceilings.measure_copy_bandwidth`, STREAM "Copy" bytes, 128 MiB on a CPU).
-    A compiled ``step_fn`` compiles once per batch size (``dynamic=False``). A batch whose cache or
-    step runs out of memory ends the sweep with a warning (the rows so far are returned).
+    A compiled ``step_fn`` compiles once per batch size (``dynamic=False``; dynamo's recompile
+    limit is raised to the number of batch sizes for the sweep, :func:`recompile_limit`). A batch whose cache or
+    step runs out of memory ends the sweep with a warning (the rows so far are returned). Each
+    batch's cache is freed before the next one is allocated, so the peak is one cache, not two,
+    and the batch that runs out of memory is the first whose own cache and step do not fit.
     """
     from .ceilings import measure_copy_bandwidth
 
     device = _device(model)
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(128 * 2**20 if device.type == "cpu" else 2**31, str(device.type))
-    from .attention import _is_oom
+    from .attention import _is_oom, release_cached_memory
 
+    batches = list(batches)
+    with recompile_limit(len(batches)):
+        return _sweep(model, batches, cache_len, step_fn, bandwidth, min_run_time, device, _is_oom,
+                      release_cached_memory)
+
+
+def recompile_limit(n: int):
+    """A context in which dynamo compiles a function for at least ``n`` distinct shapes before
+    giving up: ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before PyTorch 2.6),
+    default 8, raised to ``n`` inside the context and restored after. Past the limit dynamo stops
+    compiling and runs the frame eagerly (with a warning), so a compiled step swept over 9 batch
+    sizes at ``dynamic=False`` would time its 9th batch in eager mode. Never lowers the limit."""
+    import torch._dynamo.config as cfg
+
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    return cfg.patch(**{name: max(int(n), getattr(cfg, name))})
+
+
+def _sweep(model, batches, cache_len, step_fn, bandwidth, min_run_time, device, _is_oom, release_cached_memory):
     rows = []
     for b in batches:
+        cache = oom = None  # the previous batch's cache is freed before this one is allocated
         try:
             cache = model.new_cache(int(b), cache_len)
             t = step_seconds(step_fn, model, cache, min_run_time)
+            nbytes = decode_bytes_per_step(model, cache)
         except (RuntimeError, MemoryError) as e:
             if not _is_oom(e):
                 raise
-            cache = None
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            oom = True
+        cache = None
+        if oom:  # outside the except: the traceback no longer holds the failed step's tensors
+            release_cached_memory(device)
             warnings.warn(f"batch {b}: out of memory (its KV cache alone is {_cache_bytes(model, int(b), cache_len) / 1e9:.3g} "
                           "GB); the sweep stops at the largest batch that fit: the memory ceiling of decode", stacklevel=2)
             break
-        rows.append(BatchRow(int(b), t, decode_bytes_per_step(model, cache), bandwidth))
+        rows.append(BatchRow(int(b), t, nbytes, bandwidth))
     return rows
 
 

@@ -114,12 +114,13 @@ def _flash_fwd_kernel(Q, K, V, O, LSE, sm_scale,
                       stride_kb, stride_kh, stride_kn, stride_kd,
                       stride_vb, stride_vh, stride_vn, stride_vd,
                       stride_ob, stride_oh, stride_on, stride_od,
-                      H, N_CTX,
+                      H, N_CTX, N_BUCKET,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """One program = one tile of ``BLOCK_M`` query rows of one (batch, head).
 
-    Grid: ``(cdiv(N_CTX, BLOCK_M), batch * H)``. ``LSE`` is a contiguous fp32 (batch, H, N_CTX)
+    Grid: ``(cdiv(N_CTX, BLOCK_M), batch * H)``. ``N_BUCKET`` (unused in the body) is the
+    autotuner's key for the length: :func:`length_bucket` of ``N_CTX``. ``LSE`` is a contiguous fp32 (batch, H, N_CTX)
     tensor; ``O`` has the strides given. Causal masking requires ``BLOCK_M % BLOCK_N == 0``.
     """
     start_m = tl.program_id(0)
@@ -205,17 +206,54 @@ def _smem_budget_bytes(device) -> int:
         return 160 * 1024
 
 
-def _prune_configs(configs, named_args, **kwargs):
-    """Drop tile shapes whose Q tile plus pipelined K/V tiles clearly overflow shared memory."""
-    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-    elem = named_args["Q"].element_size()
+def tile_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int) -> int:
+    """Shared memory of one program's tiles (bytes): the Q tile plus ``stages`` pipelined K and V
+    tiles, ``elem_bytes · head_dim · (BLOCK_M + 2 · BLOCK_N · stages)``. A lower bound (Triton may
+    also stage the score tile), hence the 10 % margin in :func:`fitting_configs`."""
+    return elem_bytes * head_dim * (block_m + 2 * block_n * stages)
 
+
+def fitting_configs(configs, head_dim: int, elem_bytes: int, smem_budget: int, keep: int = 4) -> list:
+    """The autotuner's candidates on a device with ``smem_budget`` bytes of shared memory per
+    block (64 KiB on a T4 (sm75), 99 KiB on an L4/A10/RTX 4090, 163 KiB on an A100, 227 KiB on an
+    H100): the tile shapes whose tiles fit in 90 % of it, at most ``keep`` of them (the listed
+    order is best-first, so autotuning a new length times a few kernels, not 11), or the
+    smallest one if none fits. ``configs``: ``triton.Config``\ s (or objects with ``.kwargs``
+    ``BLOCK_M``/``BLOCK_N`` and ``.num_stages``)."""
     def smem(c):
-        bm, bn, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
-        return elem * head_dim * (bm + 2 * bn * stages)
+        return tile_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, head_dim, elem_bytes)
 
-    kept = [c for c in configs if smem(c) <= 0.9 * _smem_budget_bytes(named_args["Q"].device)]
+    kept = [c for c in configs if smem(c) <= 0.9 * smem_budget][:keep]
     return kept or [min(configs, key=smem)]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Triton's ``early_config_prune``: :func:`fitting_configs` on the device of ``Q``."""
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    q = named_args["Q"]
+    return fitting_configs(configs, head_dim, q.element_size(), _smem_budget_bytes(q.device))
+
+
+def length_bucket(n: int) -> int:
+    """The autotuner's key for a sequence length: ``n`` rounded up to a power of two, so that the
+    kernel is tuned once per power of two, not at every new length (tuning takes about a minute
+    at N = 65,536)."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def tensor_core_dtype(capability: tuple[int, int]) -> torch.dtype:
+    """The 16-bit dtype the kernel's ``tl.dot`` runs on tensor cores on a GPU of ``capability``:
+    bf16 from Ampere (sm80) on, fp16 before (a T4, sm75, has fp16 tensor cores and no bf16 ones;
+    Triton cannot compile a bf16 ``tl.dot`` there)."""
+    return torch.bfloat16 if tuple(capability) >= (8, 0) else torch.float16
+
+
+def check_dtype_for(dtype: torch.dtype, capability: tuple[int, int]) -> None:
+    """Raise a one-line :class:`DTypeError` when ``dtype`` cannot run the compiled kernel on a GPU of
+    ``capability`` (bf16 before sm80)."""
+    if dtype == torch.bfloat16 and tuple(capability) < (8, 0):
+        raise DTypeError(f"flash_attention: bf16 needs a GPU of compute capability 8.0 or newer (this one is "
+                         f"sm{capability[0]}{capability[1]}): use torch.float16")
 
 
 def _make_autotuned():
@@ -225,7 +263,7 @@ def _make_autotuned():
     ]
     return triton.autotune(
         configs=configs,
-        key=["N_CTX", "HEAD_DIM", "CAUSAL"],  # the autotuner adds the tensors' dtypes itself
+        key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],  # the autotuner adds the tensors' dtypes itself
         prune_configs_by={"early_config_prune": _prune_configs},
     )(_flash_fwd_kernel)
 
@@ -279,6 +317,7 @@ def _check_inputs(q, k, v) -> None:
             raise DTypeError(
                 f"flash_attention: dtype must be torch.float16, torch.bfloat16 or "
                 f"torch.float32; got {q.dtype}")
+        check_dtype_for(q.dtype, torch.cuda.get_device_capability(q.device))
 
 
 def _forward(q, k, v, causal: bool, sm_scale: float, block_m: int | None = None,
@@ -295,7 +334,7 @@ def _forward(q, k, v, causal: bool, sm_scale: float, block_m: int | None = None,
         return o, lse
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # only fp32 operands care
     args = (q, k, v, o, lse, float(sm_scale),
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, N)
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, N, length_bucket(N))
     meta = dict(HEAD_DIM=D, CAUSAL=bool(causal), INPUT_PRECISION=precision)
 
     if block_m is None and _flash_fwd_autotuned is not None:

@@ -261,7 +261,8 @@ def compare(shape=None, dtype=None, *, eps: float = 1e-6, library: bool = True,
 
     Args:
         shape: shape of x, (..., D). Default (16384, 4096) on a GPU, (256, 1000) on a CPU.
-        dtype: default torch.bfloat16 on a GPU, torch.float32 on a CPU (the interpreter's only dtype).
+        dtype: default torch.bfloat16 on a GPU of sm80 or newer, torch.float16 on older GPUs (no
+            native bf16), torch.float32 on a CPU (the interpreter's only dtype).
         eps: RMSNorm's epsilon.
         library: also time ``torch.nn.functional.rms_norm`` (PyTorch ≥ 2.4), PyTorch's own kernel.
         min_run_time: seconds of measurement per implementation on a CPU.
@@ -281,7 +282,10 @@ def compare(shape=None, dtype=None, *, eps: float = 1e-6, library: bool = True,
     compiled = mode == "compiled"
     device = "cuda" if compiled else "cpu"
     shape = tuple(shape) if shape is not None else ((16384, 4096) if compiled else (256, 1000))
-    dtype = dtype or (torch.bfloat16 if compiled else torch.float32)
+    if dtype is None:  # bf16 where the GPU has it natively (sm80+), fp16 on older GPUs (a T4 emulates bf16)
+        from .flash_triton import tensor_core_dtype
+
+        dtype = tensor_core_dtype(torch.cuda.get_device_capability()) if compiled else torch.float32
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
     w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(device=device, dtype=dtype)

@@ -191,6 +191,44 @@ def comm_volume(psi: float, stage: int, bytes_per_element: int = 2) -> float:
     return (3 if stage == 3 else 2) * psi * bytes_per_element
 
 
+def parameter_uses(model) -> list[tuple[int, int]]:
+    """``(elements, modules)`` per distinct parameter of ``model`` (an ``nn.Module``): how many
+    submodules hold it directly (``parameters(recurse=False)``). 1 for an ordinary parameter; 2 for
+    a tied one such as GPT-2's token embedding, which is also the output head's weight."""
+    uses: dict[int, list] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            uses.setdefault(id(p), [p.numel(), 0])[1] += 1
+    return [(n, k) for n, k in uses.values()]
+
+
+def comm_volume_per_use(uses, stage: int, bytes_per_element: int = 2) -> float:
+    """Bytes one device sends per step, :func:`comm_volume`'s accounting applied per use of each
+    parameter: ``uses`` is :func:`parameter_uses` of the model, ``[(elements n, modules k), ...]``.
+
+    Stages 0-2: ``Σ 2n`` = 2Ψ (gradients are reduced once per parameter, however many modules use
+    it). Stage 3: ``Σ n · (2k + 1)``: DeepSpeed's stage-3 parameter coordinator all-gathers a
+    module's partitioned parameters in that module's pre-forward hook and again in its
+    pre-backward hook, and releases them after (``deepspeed/runtime/zero/parameter_offload.py``,
+    ``partitioned_param_coordinator.py``; "ZeRO-3 ... gathers parameters just before a submodule's
+    forward or backward", DeepSpeed ZeRO docs, https://deepspeed.readthedocs.io/en/latest/zero3.html),
+    so a parameter held by k modules is gathered k times per pass; its gradient is reduce-scattered
+    once. With every k = 1 this is the paper's 3Ψ; a tied embedding of V·d elements adds 2·V·d.
+
+    Raises:
+        ValueError: as :func:`comm_volume`, or an entry that is not two positive integers.
+    """
+    uses = [tuple(u) for u in uses]
+    if not uses or any(len(u) != 2 or not all(isinstance(x, numbers.Integral) and x >= 1 for x in u) for u in uses):
+        raise ValueError("uses must be [(elements, modules), ...] of positive integers. "
+                         "Hint: model_states.parameter_uses(model)")
+    psi = sum(n for n, _ in uses)
+    base = comm_volume(psi, stage, bytes_per_element)
+    if stage != 3:
+        return base
+    return sum(n * (2 * k + 1) for n, k in uses) * bytes_per_element
+
+
 def comm_volume_ring(psi: float, stage: int, nd: int, bytes_per_element: int = 2) -> float:
     """Bytes one device sends per training step with ring collectives on ``nd`` devices.
 

@@ -159,13 +159,27 @@ def host_link_bandwidth(nbytes: int | None = None) -> tuple[float, str]:
     return next(l.bandwidth for l in PUBLISHED_LINKS if l.name == HOST_LINK), f"published {HOST_LINK}, no GPU here"
 
 
+def _detected_peak() -> tuple[float, str]:
+    """:func:`published_peak` of the detected GPU; for a GPU without a datasheet entry, the H100
+    SXM reference figure, with a source that says "no datasheet for <name>"."""
+    from .ceilings import NoDatasheetError
+
+    name = detect().gpu_name
+    try:
+        return published_peak(name)
+    except NoDatasheetError:
+        flops, source = published_peak(None)
+        return flops, f"no datasheet for {name}: {source.split(',')[0]} as the reference"
+
+
 def offload_rows(params=(1e9, 7e9, 13e9, 70e9), nd: int = 8, tokens_per_gpu: int = 8192, mode: str = "optimizer",
                  bandwidth: float | None = None, *, peak_flops: float | None = None, mfu: float = 0.4,
                  recompute: bool = False, nodes: int = 1) -> list[dict]:
     """Per model size: does ZeRO-2 fit, what ``mode`` moves over PCIe per step, does it hide under compute.
 
     ``bandwidth`` (bytes/s) ``None``: :func:`host_link_bandwidth`, measured once for all rows;
-    ``peak_flops`` ``None``: :func:`published_peak` of the detected GPU. Rows (dicts): ``params``, ``nd``,
+    ``peak_flops`` ``None``: :func:`published_peak` of the detected GPU (an unlisted GPU: the H100 SXM
+    figure, its ``peak_source`` saying "no datasheet for <name>"). Rows (dicts): ``params``, ``nd``,
     ``mode``, ``zero2_gpu_bytes`` (no offload), ``fits`` (in 80 GB, :func:`teraflops.model_states.memory_capacities`;
     model states only), ``gpu_bytes``, ``offload_fits`` and ``cpu_node_bytes`` with offload (:func:`offload_memory`,
     no largest-layer term), ``pcie_bytes``, ``pcie_s``, ``compute_s``, ``ratio`` (PCIe / compute), ``hidden``
@@ -186,7 +200,7 @@ def offload_rows(params=(1e9, 7e9, 13e9, 70e9), nd: int = 8, tokens_per_gpu: int
     pcie_bytes(1.0, nd, mode, recompute=recompute)  # validates recompute
     bw, bw_source = (host_link_bandwidth() if bandwidth is None else
                      (_positive("bandwidth", bandwidth, "bytes/s: 63 GB/s is 63e9"), "given"))
-    peak, peak_source = (published_peak(detect().gpu_name) if peak_flops is None else
+    peak, peak_source = (_detected_peak() if peak_flops is None else
                          (_positive("peak_flops", peak_flops, "FLOP/s: 989.5 TFLOP/s is 989.5e12"), "given"))
     capacity, rows = memory_capacities()[0][1] * GB, []
     for p in counts:

@@ -36,7 +36,9 @@ input; in-place ops (``add_``) the first input, which ``copy_``, ``fill_``… on
 allocations move no bytes. A ``TensorList`` input has no dtype in the trace: 4 bytes per element is assumed.
 
 On a GPU trace (events with ``cat == "kernel"``) the device timeline is used instead: each kernel's
-time goes to the operator that launched it (its ``External id``), idle device time is overhead, and
+time goes to the operator that launched it (its ``External id``), idle device time is overhead
+except inside a host-side collective (``gloo:``/``c10d::`` ranges, ``record_param_comms``), where it
+is communication as on the CPU (the device waits for the collective), and
 kernels of no operator, or of one with no FLOP/byte estimate (a torch.compile'd or custom kernel), are
 classified by name (``gemm``/``flash``/… compute, NCCL communication,
 others memory). Units: seconds, FLOP, bytes (GB = 1e9).
@@ -461,7 +463,12 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
                       or any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in spans.get((e.get("pid"), e.get("tid")), ())))
     comm = [(e["ts"], e["ts"] + e["dur"], ("c", j)) for j, e in enumerate(events)
             if e.get("cat") in (("kernel",) if on_device else COMM_CATEGORIES) and is_collective(e["name"], e["cat"])]
-    label.update({key: (events[key[1]]["name"], "communication", 0.0, 0.0) for _, _, key in comm})
+    # On a GPU trace, a host-side collective (gloo's or c10d's range, DeepSpeed's record_param_comms)
+    # during which the device runs nothing is communication too, as on the CPU: the device is idle
+    # because the step waits for the collective, not for Python or launches.
+    host = [(e["ts"], e["ts"] + e["dur"], ("h", j)) for j, e in enumerate(events)
+            if on_device and e.get("cat") in ("cpu_op", "user_annotation") and is_collective(e["name"], e["cat"])]
+    label.update({key: (events[key[1]]["name"], "communication", 0.0, 0.0) for _, _, key in comm + host})
     work, light = [], []  # attributed pieces; light: operators with no work of their own (CPU, below)
     if on_device:  # the device's timeline: a kernel's time is the time of the op that launched it
         kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
@@ -481,21 +488,22 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
         for p in pieces:
             if not in_comm[p[2]]:
                 (work if label[p[2]][2] > 0 or label[p[2]][3] > 0 else light).append(p)
-    seg = np.unique([t for s, e, _ in work + light + comm for t in (s, e)]
+    seg = np.unique([t for s, e, _ in work + light + comm + host for t in (s, e)]
                     + [t for e in ops for t in (e["ts"], e["ts"] + e["dur"])])
     step = float(seg[-1] - seg[0]) * 1e-6
     if step <= 0:
         raise TriageError("the trace's operators span 0 s. Hint: profile a call that does some work")
     busy, talk = _count(work, seg), _count(comm, seg)
-    waiting = _count(light, seg)
+    waiting, hosted = _count(light, seg), _count(host, seg)
     secs = np.concatenate([_seconds(work, seg, busy, busy > 0),
                            _seconds(light, seg, waiting, (busy == 0) & (talk == 0) & (waiting > 0)),
-                           _seconds(comm, seg, talk, (busy == 0) & (talk > 0))])
-    idle = float(np.diff(seg)[(busy == 0) & (talk == 0) & (waiting == 0)].sum()) * 1e-6
+                           _seconds(comm, seg, talk, (busy == 0) & (talk > 0)),
+                           _seconds(host, seg, hosted, (busy == 0) & (talk == 0) & (waiting == 0) & (hosted > 0))])
+    idle = float(np.diff(seg)[(busy == 0) & (talk == 0) & (waiting == 0) & (hosted == 0)].sum()) * 1e-6
     shares = dict.fromkeys(CATEGORIES, 0.0)
     shares["overhead"] = idle / step
     rows: dict = {}  # (name, category) -> [keys, seconds]
-    for (_, _, key), s in zip(work + light + comm, secs):
+    for (_, _, key), s in zip(work + light + comm + host, secs):
         name, cat, _, _ = label[key]
         shares[cat] += s / step
         row = rows.setdefault((name, cat), [set(), 0.0])

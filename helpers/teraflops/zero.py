@@ -166,6 +166,27 @@ def comm_table(runs: list[StageRun], bytes_per_element: int = 4) -> str:
     return table(rows, ["stage", "measured B/step", "paper B/step", "ratio", "in Ψ", "step ms"])
 
 
+def expected_comm_bytes(run: StageRun, model) -> float:
+    """Bytes per step per rank the run should log: the paper's 2Ψ / 3Ψ counted per use of each
+    parameter of ``model`` (the trained GPT; the ``meta`` device will do),
+    :func:`teraflops.model_states.comm_volume_per_use`; fp32 runs, 4 bytes per element. At stage 3
+    the tied token embedding / output head is gathered once per module that uses it."""
+    from .model_states import comm_volume_per_use, parameter_uses
+
+    return comm_volume_per_use(parameter_uses(model), run.stage, 4)
+
+
+def trained_gpt(p):
+    """The GPT that :func:`run_zero` trains at preset ``p``'s ``gpt_*`` sizes, on the ``meta``
+    device (shapes only, no memory), for :func:`expected_comm_bytes`."""
+    import torch
+
+    from .models import GPT
+
+    with torch.device("meta"):
+        return GPT(p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len)
+
+
 def ops_table(run: StageRun) -> str:
     """One stage's comms log per collective: calls and logged bytes per step, bytes by the paper's count."""
     rows = []

@@ -14,7 +14,8 @@ so all ranks keep identical parameters and the logged loss is the global batch's
 Recovery: at start every rank loads the newest checkpoint in ``--checkpoint-dir``
 (:func:`teraflops.checkpoint.latest`; model, optimizer, step, loss history) or starts from
 scratch if there is none. After every ``--checkpoint-every`` completed steps rank 0 saves
-``step-NNNNNN.pt`` atomically (:func:`teraflops.checkpoint.save_atomic`), then all ranks pass a
+``step-NNNNNN.pt`` atomically and deletes the older ones (:func:`teraflops.checkpoint.save_latest`:
+one checkpoint on disk per run), then all ranks pass a
 barrier, so a rank that fails later can only lose the steps after a checkpoint that is on disk.
 Each step begins at :func:`~teraflops.distributed.fault_point`, so ``TERAFLOPS_FAULT=kill:rank=1:step=17``
 kills rank 1 before step 17 in the first attempt. Rank 0 appends ``{"step", "loss", "attempt",
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from teraflops.checkpoint import checkpoint_path, latest, load, save_atomic
+from teraflops.checkpoint import latest, load, save_latest
 from teraflops.data import markov_tokens
 from teraflops.models import lm_loss
 from teraflops.workers.data_parallel import (add_config_arguments, build_model, config_from_args, rank_batch,
@@ -89,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
             log.flush()
         if (step + 1) % a.checkpoint_every == 0:
             if w.rank == 0:
-                save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
-                             "losses": losses}, checkpoint_path(a.checkpoint_dir, step + 1))
+                save_latest({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                             "losses": losses}, a.checkpoint_dir, step + 1)
             dist.barrier()
         report_progress(step + 1, a.steps)
     if log:
