@@ -300,15 +300,18 @@ def _tiny_plan():
 
 def check_zero():
     """A tiny ZeRO run (stages 0 and 3) under the placement: same losses, stage 3 holds 1/N of the
-    parameters on each rank."""
-    from .zero import max_loss_difference, run_zero
+    parameters on each rank and sends what the paper's 3Ψ counts per use of each parameter (±10 %)."""
+    from .zero import expected_comm_bytes, max_loss_difference, run_zero, trained_gpt
 
-    runs = run_zero(stages=(0, 3), plan=_tiny_plan(), steps=3, timeout=300)
+    plan = _tiny_plan()
+    runs = run_zero(stages=(0, 3), plan=plan, steps=3, timeout=300)
     diff = max_loss_difference(runs)
     _need(diff < 1e-3, f"ZeRO-3's losses differ from stage 0's by {diff:.3g}")
     z3 = runs[1]
     held, want = z3.held[0]["params"], z3.calculator().params_elements
     _need(held == want, f"stage 3 holds {held} parameter elements per rank, the calculator {want}")
+    ratio = z3.comm_bytes / expected_comm_bytes(z3, trained_gpt(plan.preset))
+    _need(abs(ratio - 1) <= 0.10, f"stage 3 sent {ratio:.3f}× the expected 3Ψ (per use) bytes per step")
     return diff, "max loss difference", f"{z3.world_size} ranks ({z3.backend}), stage 3 holds {held} of {z3.psi}"
 
 
