@@ -227,7 +227,9 @@ def _wait(procs, results: Path, timeout: float, desc: str, verbose: bool) -> int
         while True:
             code, progress = _launchers_code(procs), _read_json(results / "progress.json")
             if progress:
-                bar.total, bar.n = progress["total"], progress["done"]
+                if bar.total != progress["total"]:  # tqdm's notebook bar only takes its width in reset(total=)
+                    bar.reset(total=progress["total"])
+                bar.n = progress["done"]
             if shown != (bar.n, int(time.monotonic() - start)):  # redraw on progress and every second
                 shown = (bar.n, int(time.monotonic() - start))
                 bar.refresh()
