@@ -123,7 +123,7 @@ def browser():
 @pytest.fixture
 def page(browser, server):
     url, token = server
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context = browser.new_context(viewport={"width": 1100, "height": 1000})  # a check's line wraps
     p = context.new_page()
     p.errors = []
     p.on("console", lambda m: p.errors.append(m.text) if m.type == "error" else None)
@@ -177,6 +177,37 @@ class Notebook:
         self.page.keyboard.press("Escape")
 
 
+WRAPS = """el => {  // where the rendered text breaks lines: the characters either side of each break
+  const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT), range = document.createRange();
+  let top = null, prev = "", breaks = [];
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    for (let k = 0; k < node.length; k++) {
+      range.setStart(node, k); range.setEnd(node, k + 1);
+      const r = range.getClientRects()[0], ch = node.data[k];
+      if (r && top !== null && r.top > top + 2) breaks.push(prev + ch);
+      if (r) top = r.top;
+      prev = ch;
+    }
+  }
+  return breaks;
+}"""
+
+
+def _message(output) -> str:
+    """A course error's one line as the learner sees it: whole words on each line, only the error's
+    name in the error box (no traceback)."""
+    message = output.locator(".teraflops-message")
+    assert message.count() == 1, f"no course message in: {output.inner_text()}"
+    line = _one_line(message.inner_text())
+    breaks = message.evaluate(WRAPS)
+    assert breaks, f"the message did not wrap in this window, so its wrapping is not tested: {line}"
+    mid_word = [b for b in breaks if " " not in b]
+    assert not mid_word, f"the message wraps mid-word at {mid_word}: {line}"
+    error = output.locator("[data-mime-type='application/vnd.jupyter.stderr']").inner_text()
+    assert "Traceback" not in error and len(error.strip().splitlines()) == 1, error
+    return line
+
+
 def _one_line(text: str) -> str:
     lines = [ln for ln in text.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in text, f"not one line:\n{text}"
@@ -191,7 +222,7 @@ def test_lab_check_as_shipped_is_one_line_and_a_typed_answer_passes(page, lab):
         out = nb.run(i, timeout=180_000)
         assert "Traceback" not in out.inner_text() and "Error" not in out.inner_text(), out.inner_text()
     nb.run(exercise)  # as shipped: its body still raises NotImplementedError
-    shipped = _one_line(nb.run(check).inner_text())
+    shipped = _message(nb.run(check))
     assert "not attempted" in shipped, shipped
     nb.type_into(exercise, solution)
     nb.run(exercise)
@@ -254,3 +285,19 @@ def test_every_lecture_widget_redraws_when_a_control_moves(page, course):
         text = output.inner_text()
         assert "e+" not in text and "Traceback" not in text, f"{name}: {text}"
     assert not page.errors, page.errors
+
+    # saved and reopened (a new kernel): each widget's output says to run its cell
+    page.keyboard.press("Escape")
+    page.keyboard.press("Control+s")
+    saved = course / "scratch" / "widgets.ipynb"
+    page.wait_for_timeout(500)
+    for _ in range(40):
+        if saved.read_text().count("run this cell") >= len(WIDGETS):
+            break
+        page.wait_for_timeout(250)
+    shutil.copy(saved, course / "scratch" / "widgets_reopened.ipynb")
+    page.errors.clear()
+    again = Notebook(page, "scratch/widgets_reopened.ipynb")
+    for n, name in enumerate(WIDGETS, 1):
+        text = again.goto(n).locator(".jp-Cell-outputArea").inner_text()
+        assert "run this cell" in text, f"{name}, reopened, does not say to run its cell: {text[:300]}"

@@ -60,3 +60,21 @@ def test_every_widgets_controls_share_one_label_width():
         assert {c.style.description_width for c in controls} == {widgets._STYLE["description_width"]}
         assert {c.layout.width for c in controls} == {widgets._WIDTH}
     plt.close("all")
+
+
+def test_every_widget_says_to_rerun_its_cell_when_it_does_not_show(monkeypatch):
+    import IPython.display
+
+    from teraflops.batching import BatchLatency
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda *objs, **kw: shown.extend(objs))
+    latency = BatchLatency((1, 2, 4, 8), (1e-3, 1.2e-3, 1.5e-3, 2e-3))
+    for make in (widgets.attention_memory_widget, widgets.model_state_widget, lambda: widgets.batching_widget(latency),
+                 widgets.gradient_sync_widget):
+        shown.clear()
+        ui = make()
+        notes = [o for o in shown if isinstance(o, dict) and "run this cell" in o.get("text/plain", "")]
+        assert len(notes) == 1 and "run this cell" in notes[0]["text/html"], shown
+        assert shown.index(notes[0]) < shown.index(ui)
+    plt.close("all")

@@ -17,6 +17,22 @@ def _controls(**controls):
     return controls
 
 
+# A widget lives in the running kernel; a saved notebook keeps only a reference to it, which reopens as
+# "Error displaying widget: model not found" until its cell runs again. Said beside every widget.
+RERUN_NOTE = "A widget lives in the running kernel: if none shows below (after reopening the notebook), run this cell."
+
+
+def _display(ui) -> None:
+    """Show ``ui`` under a one-line note (text and HTML, so it reads in any front end) that tells the
+    learner to run the cell when the widget does not show."""
+    from IPython.display import display
+
+    display({"text/plain": RERUN_NOTE,
+             "text/html": f'<div class="teraflops-widget-note" style="font-size: 85%; opacity: 0.7">{RERUN_NOTE}</div>'},
+            raw=True)
+    display(ui)
+
+
 def _count(n: float) -> str:
     """A count with a short-scale suffix, 3 significant figures: ``"7.08 B"``, ``"350 M"``, ``"1 T"``."""
     for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -70,14 +86,12 @@ def attention_memory_figure(log2_seq_len: int, head_dim: int, heads: int, batch:
     return fig, ax
 
 
-
 def attention_memory_widget():
     """Sliders for sequence length, head dim, heads, batch and dtype → predicted extra memory of
     naive vs flash attention (:func:`teraflops.attention.naive_peak_bytes` / ``flash_peak_bytes``),
     drawn against the 80 GB and 141 GB (GB = 1e9) of an H100 and an H200."""
     import ipywidgets as W
     import matplotlib.pyplot as plt
-    from IPython.display import display
 
     sizes = {"fp32": 4, "bf16 / fp16": 2, "fp8": 1}
 
@@ -92,7 +106,7 @@ def attention_memory_widget():
         batch=W.IntSlider(value=1, min=1, max=64, description="batch"),
         dtype=W.Dropdown(options=list(sizes), value="bf16 / fp16", description="dtype"),
     ))
-    display(ui)
+    _display(ui)
     return ui
 
 
@@ -106,7 +120,6 @@ def model_state_widget():
     :class:`~teraflops.model_states.ModelStates`."""
     import ipywidgets as W
     import matplotlib.pyplot as plt
-    from IPython.display import display
 
     from .model_states import (FP32_ADAM, FP32_ADAM_MASTER, GB, MIXED_ADAM, figure1, format_gb, memory_capacities,
                                plot_model_states)
@@ -131,7 +144,7 @@ def model_state_widget():
         precision=W.Dropdown(options=[(p.name, p) for p in (MIXED_ADAM, FP32_ADAM, FP32_ADAM_MASTER)],
                              value=MIXED_ADAM, description="optimizer"),
     ))
-    display(ui)
+    _display(ui)
     return ui
 
 
@@ -144,7 +157,6 @@ def batching_widget(latency, tokens_per_request: int = 1, price_per_hour: float 
 
     Returns the ``ipywidgets.interactive``; its ``result`` is the :class:`~teraflops.batching.ServerResult`."""
     import ipywidgets as W
-    from IPython.display import display
 
     from .batching import cost_per_million_tokens, simulate_server
 
@@ -166,7 +178,7 @@ def batching_widget(latency, tokens_per_request: int = 1, price_per_hour: float 
         max_wait_ms=W.FloatSlider(value=2.0, min=0.0, max=20.0, step=0.5, description="max wait ms"),
         price=W.FloatSlider(value=price_per_hour, min=0.5, max=10.0, step=0.25, description="$ per hour"),
     ))
-    display(ui)
+    _display(ui)
     return ui
 
 
@@ -184,7 +196,6 @@ def gradient_sync_widget(fit=None):
     Returns the ``ipywidgets.interactive``; its ``result`` is the row of
     :func:`teraflops.collectives.gradient_sync_rows` for the chosen fabric."""
     import ipywidgets as W
-    from IPython.display import display
 
     from .collectives import PUBLISHED_LINKS, accumulation_for_fraction, cross_node_link, gradient_sync_rows
     from .tables import fmt_seconds
@@ -218,5 +229,5 @@ def gradient_sync_widget(fit=None):
         tokens_per_gpu=W.SelectionSlider(options=[2**k for k in range(8, 21)], value=8192, description="tokens/GPU"),
         mfu=W.FloatSlider(value=0.4, min=0.05, max=0.8, step=0.05, description="MFU"),
     ))
-    display(ui)
+    _display(ui)
     return ui
