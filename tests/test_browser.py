@@ -164,8 +164,13 @@ class Notebook:
         cell.locator(".jp-InputPrompt").click()  # select it, with the notebook focused
         self.page.keyboard.press("Control+Enter")
         prompt = cell.locator(".jp-InputPrompt")
-        self.page.wait_for_function("el => /\\[\\d+\\]/.test(el.textContent)", arg=prompt.element_handle(),
-                                    timeout=timeout)
+        try:
+            self.page.wait_for_function("el => /\\[\\d+\\]/.test(el.textContent)", arg=prompt.element_handle(),
+                                        timeout=timeout)
+        except sync_api.TimeoutError:
+            if os.environ.get("TERAFLOPS_BROWSER_SHOTS"):  # a folder for a screenshot of what the page showed
+                self.page.screenshot(path=os.path.join(os.environ["TERAFLOPS_BROWSER_SHOTS"], f"cell{n}.png"))
+            raise
         return cell.locator(".jp-Cell-outputArea")
 
     def type_into(self, n: int, source: str):
@@ -274,7 +279,7 @@ def test_every_lecture_widget_redraws_when_a_control_moves(page, course):
             cut = label.evaluate("el => el.scrollWidth > el.clientWidth")
             assert not cut, f"{name}: label {label.inner_text()!r} is cut off"
             rights.add(round(label.bounding_box()["x"] + label.bounding_box()["width"]))
-        assert len(rights) == 1, f"{name}: labels out of line (right edges at {sorted(rights)} px)"
+        assert max(rights) - min(rights) <= 3, f"{name}: labels out of line (right edges at {sorted(rights)} px)"
         handle = widget.locator(".noUi-handle").first
         handle.focus()
         page.keyboard.press("ArrowRight")
