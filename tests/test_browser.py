@@ -237,7 +237,8 @@ def test_lab_check_as_shipped_is_one_line_and_a_typed_answer_passes(page, lab):
         bars = page.locator(".jp-NotebookPanel:visible .widget-hprogress")
         assert bars.count() >= 1, "no progress bar"
         widths = [bars.nth(k).bounding_box()["width"] for k in range(bars.count())]
-        assert min(widths) > 100, f"progress bars without width: {widths} px"
+        assert min(widths) > 100, (f"progress bars without width: {widths} px: "
+                                   + bars.first.evaluate("e => e.parentElement.outerHTML.slice(0, 1500)"))
     assert not page.errors, page.errors
 
 
