@@ -114,8 +114,11 @@ def test_an_unfinished_exercise_reads_as_one_line_in_any_cell():
     ])
     nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
     NotebookClient(nb, allow_errors=True, kernel_name="python3", timeout=120).execute()
-    (mine,), (other,), (ok,) = (c.outputs for c in nb.cells[1:])
+    (line, mine), (other,), (ok,) = (c.outputs for c in nb.cells[1:])
+    # the line as text and as HTML that wraps at spaces only (teraflops.errors._show_one_line)
+    assert line.output_type == "display_data" and "busbw() is not written yet. Hint:" in line.data["text/plain"]
+    assert "word-break: normal" in line.data["text/html"]
     assert mine.output_type == "error" and mine.ename == "NotImplementedError"
-    assert len(mine.traceback) == 1 and "busbw() is not written yet. Hint:" in mine.traceback[0]
+    assert mine.traceback == ["NotImplementedError (above)"]
     assert other.output_type == "error" and len(other.traceback) > 1  # IPython's usual traceback
     assert ok.text == "next cell runs\n"

@@ -1,24 +1,61 @@
 """Tensors to Teraflops: helpers for a course on GPU engineering for LLMs.
 
-Importing the package decides how Triton runs on this machine (compiled on a GPU, the
-interpreter on CPU) before any kernel is defined; see :mod:`teraflops.machine`.
+Importing the package is cheap (it imports neither torch nor Triton, so the ``teraflops`` command
+answers at once), yet Triton still runs the right way on this machine: how it runs (compiled on a
+GPU, the interpreter on CPU, :func:`teraflops.machine.configure_triton`) is decided before Triton is
+first imported, by an import hook, so ``TRITON_INTERPRET`` is set before any ``@triton.jit``
+decorator runs. If torch or Triton is already imported, it is decided at once.
 """
 
+import importlib.abc as _abc
 import os as _os
-
-from .machine import configure_triton as _configure_triton
+import sys as _sys
 
 # Kineto (torch.profiler's backend) prints two "USDT ... profiler_start/stop" lines to stderr on
 # every profile, which the course profiles often; level 6 keeps its log quiet. Must be set before
 # the first profile of the process. A value the user set is kept.
 _os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-_configure_triton()
 
-from .machine import Machine, detect  # noqa: E402
+class _ConfigureTritonFirst(_abc.MetaPathFinder):
+    """Runs ``configure_triton`` when ``triton`` is about to be imported, then lets the usual
+    finders import it (PEP 451: a finder returning None passes the import on)."""
+
+    busy = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "triton" and not type(self).busy:
+            type(self).busy = True
+            try:
+                from .machine import configure_triton
+
+                configure_triton()
+            finally:
+                type(self).busy = False
+                if self in _sys.meta_path:
+                    _sys.meta_path.remove(self)
+        return None
+
+
+if "TRITON_INTERPRET" not in _os.environ:
+    if "triton" in _sys.modules or "torch" in _sys.modules:  # cheap now, or too late to wait
+        from .machine import configure_triton as _configure_triton
+
+        _configure_triton()
+    elif not any(isinstance(f, _ConfigureTritonFirst) for f in _sys.meta_path):
+        _sys.meta_path.insert(0, _ConfigureTritonFirst())
+
 from .errors import install_notebook_hooks as _install_notebook_hooks  # noqa: E402
 
 _install_notebook_hooks()  # an unfinished lab exercise reads as one line in a notebook
 
 __version__ = "0.1.0"
 __all__ = ["Machine", "detect", "__version__"]
+
+
+def __getattr__(name):  # PEP 562: teraflops.detect without importing machine (and torch) up front
+    if name in ("Machine", "detect"):
+        from . import machine
+
+        return getattr(machine, name)
+    raise AttributeError(f"module 'teraflops' has no attribute {name!r}")

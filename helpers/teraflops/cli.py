@@ -6,6 +6,9 @@ Subcommands::
                                         execute lecture notebooks, print the summary table, write
                                         the report card (build/report_card.html)
     teraflops doctor                    versions, devices, compilers and what is skipped here
+    teraflops preflight [--only CHECK]  every GPU path at small sizes, before a session (exit 0 if all pass)
+    teraflops lab [--port P] [--ip A]   start JupyterLab on the course folder, on loopback by default,
+                                        and print its URL with the token
     teraflops grade NOTEBOOK [--unit N] [--json]
                                         check a lab notebook's exercises (any file name)
     teraflops bench attention [...]     Triton FlashAttention vs SDPA on this machine, as ratios
@@ -31,7 +34,7 @@ from pathlib import Path
 
 from .errors import CourseError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "lab_command"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "(a table of checks; exit 0 only if all pass)")
     preflight.add_argument("--out", default="build/preflight", help="folder for results.json (default: build/preflight)")
     preflight.add_argument("--only", nargs="+", metavar="CHECK", help="run only these checks (names as in the table)")
+
+    lab = sub.add_parser("lab", help="start JupyterLab on the course folder (loopback only by default)")
+    lab.add_argument("--port", type=int, default=8888, help="port (default: 8888, or the next free one)")
+    lab.add_argument("--ip", default="127.0.0.1",
+                     help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 exposes it)")
 
     grade = sub.add_parser("grade", help="grade a lab notebook")
     grade.add_argument("notebook", type=Path, metavar="NOTEBOOK")
@@ -161,6 +169,82 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if tri.seconds and ref.seconds:
             print(f"N={n}: Triton/SDPA throughput = {ref.seconds / tri.seconds:.3g}×")
     return 0
+
+
+def lab_command(root: Path, port: int, token: str, ip: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> list[str]:
+    """The ``jupyter lab`` command line of ``teraflops lab`` (and the browser tests): serve ``root`` on
+    ``ip:port`` with ``token``, no browser opened (on a server there is none; the URL is printed),
+    ``--allow-root`` only when running as root (JupyterLab refuses root without it)."""
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--ServerApp.ip={ip}", f"--ServerApp.port={port}",
+           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
+    return cmd + list(extra)
+
+
+def free_port(start: int, ip: str = "127.0.0.1") -> int:
+    """The first port from ``start`` up that nothing listens on at ``ip``."""
+    import socket
+
+    for port in range(start, start + 100):
+        with socket.socket() as sock:
+            if sock.connect_ex((ip if ip not in ("0.0.0.0", "") else "127.0.0.1", port)) != 0:
+                return port
+    raise CourseError(f"no free port in {start}-{start + 99}. Hint: pass --port with a free one")
+
+
+def wait_for_lab(proc, url: str, token: str, timeout: float = 60.0) -> None:
+    """Return once JupyterLab at ``url`` (``http://host:port``) answers its status API, or raise
+    :class:`CourseError` with its last line of output if it exits or does not answer in ``timeout`` s."""
+    import time
+    import urllib.request
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise CourseError(f"JupyterLab exited with code {proc.returncode} before it answered. "
+                              "Hint: its own message is printed above")
+        try:
+            with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise CourseError(f"JupyterLab did not answer at {url} within {timeout:g} s")
+
+
+def _cmd_lab(args: argparse.Namespace) -> int:
+    """Run JupyterLab on the course folder until Ctrl-C (or SIGTERM), then stop it and return."""
+    import secrets
+    import signal
+    import subprocess
+
+    from .runner import course_root
+
+    root, token = course_root(), secrets.token_hex(24)
+    port = free_port(args.port, args.ip)
+    host = "127.0.0.1" if args.ip in ("0.0.0.0", "") else args.ip
+    # its own session: Ctrl-C reaches this process only, which stops JupyterLab without its y/n prompt
+    proc = subprocess.Popen(lab_command(root, port, token, args.ip), stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        wait_for_lab(proc, f"http://{host}:{port}", token)
+        print(f"JupyterLab serves {root} at:\n    http://{host}:{port}/lab?token={token}\n"
+              "open the lecture in notebooks/, then the lab in labs/; stop with Ctrl-C", flush=True)
+        proc.wait()
+        return 0 if proc.returncode in (0, -signal.SIGTERM) else 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            proc.terminate()  # JupyterLab shuts its kernels down on SIGTERM
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        print("JupyterLab stopped", flush=True)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -285,7 +369,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"run": _cmd_run, "preflight": _cmd_preflight, "bench": _cmd_bench, "doctor": _cmd_doctor,
-             "grade": _cmd_grade, "labs": _cmd_labs, "cluster": _cmd_cluster, "warmup": _cmd_warmup,
+             "lab": _cmd_lab, "grade": _cmd_grade, "labs": _cmd_labs, "cluster": _cmd_cluster, "warmup": _cmd_warmup,
              "triage": _cmd_triage}
 
 

@@ -251,11 +251,13 @@ def _wait(procs, results: Path, timeout: float, desc: str, verbose: bool) -> int
     from tqdm.auto import tqdm
 
     start, offsets, shown = time.monotonic(), {}, None
-    with tqdm(desc=desc, unit="step") as bar:
+    with tqdm(desc=desc, unit="step", dynamic_ncols=True) as bar:  # full width in JupyterLab, beside a long desc
         while True:
             code, progress = _launchers_code(procs), _read_json(results / "progress.json")
             if progress:
-                bar.total, bar.n = progress["total"], progress["done"]
+                if bar.total != progress["total"]:  # tqdm's notebook bar only takes its width in reset(total=)
+                    bar.reset(total=progress["total"])
+                bar.n = progress["done"]
             if shown != (bar.n, int(time.monotonic() - start)):  # redraw on progress and every second
                 shown = (bar.n, int(time.monotonic() - start))
                 bar.refresh()

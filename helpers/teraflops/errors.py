@@ -8,6 +8,8 @@ The cell still fails, so nbval, nbclient and ``teraflops grade`` see the error.
 
 from __future__ import annotations
 
+import sys
+
 
 class CourseError(Exception):
     """Base class: a mistake the learner can fix, explained in one line."""
@@ -49,33 +51,56 @@ PLACEHOLDER_MESSAGE = "Exercise: replace this line with your code"
 
 def _placeholder_handler(shell, etype, value, tb, tb_offset=None):
     """IPython custom exception handler: an unfinished exercise, reached from any cell (a check, or a
-    cell that uses the learner's function to print or plot), reads as one line. Any other
-    ``NotImplementedError`` (a course error among them) is shown as IPython shows it. IPython 9 does
+    cell that uses the learner's function to print or plot), reads as one line, and so does every
+    course error (:func:`_show_one_line`). Any other ``NotImplementedError`` is shown as IPython shows it. IPython 9 does
     not display what a handler returns, so the handler shows it (``_showtraceback``: ipykernel sends
     it as the cell's error)."""
-    if str(value) != PLACEHOLDER_MESSAGE or isinstance(value, CourseError):
+    if isinstance(value, CourseError):
+        _show_one_line(shell, etype, value, value._render_traceback_()[0])
+        return None
+    if str(value) != PLACEHOLDER_MESSAGE:
         shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
         return None
     frames, name = tb, None
     while frames is not None:  # the innermost frame is the learner's unfinished function
         name, frames = frames.tb_frame.f_code.co_name, frames.tb_next
     where = f"{name}() is" if name and name != "<module>" else "this exercise is"
-    stb = [f"NotImplementedError: {where} not written yet. Hint: finish that exercise (replace its "
-           "raise NotImplementedError line), run its cell, then rerun this one"]
-    shell._showtraceback(etype, value, stb)
+    _show_one_line(shell, etype, value, f"NotImplementedError: {where} not written yet. Hint: finish that exercise "
+                   "(replace its raise NotImplementedError line), run its cell, then rerun this one")
     return None
 
 
+def _show_one_line(shell, etype, value, line: str) -> None:
+    """A course error's one line, wrapped at spaces only. JupyterLab shows a cell's error (and any
+    text output) in a ``<pre>`` styled ``word-break: break-all``, which splits words and numbers
+    ("0.\n694"); so in a kernel the line is shown as HTML (``white-space: pre-wrap; word-break:
+    normal``, plain text beside it for other front ends) and the error itself, which still fails the
+    cell for nbval, nbclient and ``teraflops grade`` (its ``evalue`` unchanged), reads its name only."""
+    import html
+
+    from IPython.display import display
+
+    if type(shell).__name__ != "ZMQInteractiveShell":  # a terminal wraps at its own width
+        shell._showtraceback(etype, value, [line])
+        return
+    display({"text/plain": line,
+             "text/html": '<pre class="teraflops-message" style="white-space: pre-wrap; word-break: normal; '
+                          'overflow-wrap: normal; margin: 0; padding: 2px 4px; '
+                          f'background: var(--jp-rendermime-error-background)">{html.escape(line)}</pre>'}, raw=True)
+    shell._showtraceback(etype, value, [f"{etype.__name__} (above)"])
+
+
 def install_notebook_hooks() -> bool:
-    """In an IPython kernel, make the lab placeholder's ``NotImplementedError`` a one-line message
+    """In an IPython kernel, make the lab placeholder's ``NotImplementedError`` and every course error a
+    one-line message wrapped at spaces
     (``InteractiveShell.set_custom_exc``). The cell still fails, so nbval, nbclient and ``teraflops
     grade`` see the error. Returns whether a shell was found; outside IPython it does nothing."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
+    if "IPython" not in sys.modules:  # no kernel without IPython; importing it here costs ~0.3 s
         return False
+    from IPython import get_ipython
+
     shell = get_ipython()
     if shell is None or not hasattr(shell, "set_custom_exc"):
         return False
-    shell.set_custom_exc((NotImplementedError,), _placeholder_handler)
+    shell.set_custom_exc((NotImplementedError, CourseError), _placeholder_handler)
     return True

@@ -46,7 +46,10 @@ def configure_triton() -> str:
 
 
 def triton_mode() -> str:
-    """``"interpreter"`` if ``TRITON_INTERPRET=1`` is in force, else ``"compiled"``."""
+    """``"interpreter"`` if ``TRITON_INTERPRET=1`` is in force, else ``"compiled"`` (decided by
+    :func:`configure_triton` first if nothing has decided it yet)."""
+    if "TRITON_INTERPRET" not in os.environ:
+        return configure_triton()
     return "interpreter" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "compiled"
 
 

@@ -36,7 +36,9 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_seconds(t: float) -> str:
-    """A time in µs below 1 ms, in ms below 1 s, else in s, e.g. ``"5.47 ms"``."""
+    """A time in µs below 1 ms, in ms below 1 s, else in s, e.g. ``"5.47 ms"`` (``"5,830 s"``, not ``"5.83e+03 s"``)."""
+    if t >= 1000:
+        return f"{t:,.0f} s"
     for unit, scale in (("s", 1.0), ("ms", 1e-3)):
         if t >= scale:
             return f"{t / scale:.3g} {unit}"
