@@ -251,7 +251,10 @@ def _wait(procs, results: Path, timeout: float, desc: str, verbose: bool) -> int
     from tqdm.auto import tqdm
 
     start, offsets, shown = time.monotonic(), {}, None
-    with tqdm(desc=desc, unit="step", dynamic_ncols=True) as bar:  # full width in JupyterLab, beside a long desc
+    with tqdm(desc=desc, unit="step", dynamic_ncols=True) as bar:  # the row's full width in JupyterLab
+        widgets = getattr(getattr(bar, "container", None), "children", ())
+        if len(widgets) == 3:  # tqdm's notebook bar: [description, bar, counts]; a long description squeezed
+            widgets[1].layout.min_width = "12em"  # the bar to 30 px, so it wraps below it instead
         while True:
             code, progress = _launchers_code(procs), _read_json(results / "progress.json")
             if progress:
