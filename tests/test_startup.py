@@ -48,3 +48,18 @@ def test_help_answers_in_under_a_second_median_of_five():
         subprocess.run(["teraflops", "--help"], env=ENV, capture_output=True, check=True, timeout=60)
         times.append(time.perf_counter() - start)
     assert statistics.median(times) < 1.0, f"teraflops --help took {statistics.median(times):.2f} s (median of 5)"
+
+
+def test_grade_answers_within_a_second_before_it_imports_the_grader(tmp_path):
+    """Issue 18: `teraflops grade`'s first line came after torch's import (35 s on a busy machine)."""
+    out = subprocess.run([sys.executable, "-m", "teraflops.cli", "grade", str(tmp_path / "missing.ipynb")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no such notebook" in out.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "teraflops.cli", "grade", __file__], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    start = time.perf_counter()
+    first = proc.stderr.readline()
+    elapsed = time.perf_counter() - start
+    proc.kill()
+    proc.wait()
+    assert first.startswith("grading ") and elapsed < 1.0, (first, elapsed)

@@ -261,6 +261,9 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def _cmd_grade(args: argparse.Namespace) -> int:
+    if not args.notebook.is_file():  # at once: the grader imports torch (seconds on a busy machine)
+        raise CourseError(f"no such notebook: {args.notebook}")
+    print(f"grading {args.notebook} (starting a kernel) ...", file=sys.stderr, flush=True)
     from .grading.core import grade
 
     report = grade(args.notebook, timeout=args.timeout, unit=args.unit)
