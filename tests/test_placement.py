@@ -156,3 +156,9 @@ def test_gpu_visibility_survives_deepspeeds_launcher():
                                  timeout=240)
     assert [r["cuda_visible_devices"] for r in results] == [visible, visible]
     assert {r["backend"] for r in results} == {"gloo"} and {r["triton_interpret"] for r in results} == {"1"}
+
+
+def test_too_few_gpu_ranks_per_cluster_fall_back_to_cpu_ranks():
+    """3 GPUs, 2 nodes, a run needing 3 ranks: 2 GPU ranks would be too few, so CPU ranks."""
+    where = pl.place(None, cpu_ranks=4, min_ranks=3, cluster=FakeCluster(2), machine=machine(3), environ={})
+    assert where.backend == "gloo" and where.world_size == 4 and where.ranks_per_node == 2

@@ -461,15 +461,22 @@ def _build_once(ext: Path, log_path: Path, timeout: float) -> tuple[int | None, 
     """One build of the op in a subprocess: (its exit code, None after ``timeout`` s; seconds taken)."""
     from tqdm.auto import tqdm
 
+    from .placement import place
+
     script = ("from deepspeed.accelerator import get_accelerator\n"
               "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
-              "if b is not None and b.is_compatible(): b.load()\n")
+              "if b is None or not b.is_compatible():\n"
+              "    raise SystemExit(f'{get_accelerator()._name} accelerator: no compatible ShareMemCommBuilder')\n"
+              "b.load()\n")
     proc, start = None, time.monotonic()
     try:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)})
+                                    # a CPU rank's environment (GPUs hidden) and accelerator, also where this
+                                    # process sees a GPU: CUDA's accelerator has no such builder, nothing is built
+                                    env={**os.environ, **place(1, gpus=False).rank_env(),
+                                         "TORCH_EXTENSIONS_DIR": str(ext), "DS_ACCELERATOR": "cpu"})
         with tqdm(desc="compiling DeepSpeed's CPU comm op (once)", bar_format="{desc}: {elapsed}") as bar:
             while proc.poll() is None and time.monotonic() - start < timeout:
                 time.sleep(0.5)

@@ -78,6 +78,13 @@ def decode_bytes(p, batch: int) -> int:
     return weights + cache + 4 * batch * p.decode_prompt_len * p.decode_vocab
 
 
+def decode_sweep_bytes(p, batch: int) -> int:
+    """What the decode batch sweep allocates at ``batch`` (``decode.batch_sweep``: weights and the
+    cache, one token per step, no prefill): the bound its out-of-memory step must pass."""
+    return 2 * llama_params(p.decode_vocab, p.decode_d_model, p.decode_layers) + \
+        2 * 2 * p.decode_layers * batch * p.decode_max_seq_len * p.decode_d_model
+
+
 def workload_bytes(p) -> dict[str, int]:
     """The memory model (bytes on one GPU) of each GPU-preset workload at its largest planned point
     that is meant to fit (the intended OOM points excluded: naive attention, the decode sweep's last)."""
@@ -136,7 +143,7 @@ def fit_preset(base, gpu):
     while decode_bytes(p, 2 * fit) <= budget and 2 * fit <= max(base.decode_batches):
         fit *= 2
     over = 2 * fit
-    while decode_bytes(p, over) <= gpu.memory_bytes:  # the first batch past the whole memory: the OOM step
+    while decode_sweep_bytes(p, over) <= gpu.memory_bytes:  # the first batch past the whole memory: the OOM step
         over *= 2
     batches = tuple(b for b in base.decode_batches if b <= fit)
     return replace(p, decode_fit_batch=fit, decode_batches=batches + ((over,) if over > fit else ()))

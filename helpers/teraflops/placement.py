@@ -136,7 +136,7 @@ def place(ranks: int | None = None, *, cpu_ranks: int | None = None, min_ranks: 
             raise PlacementError(f"{name} must be a positive int (a world size), got {v!r}")
     n_gpus = machine.gpu_count if gpus else 0
     want_gpu = ranks if ranks is not None else (n_gpus - n_gpus % nodes)
-    fits_gpus = n_gpus >= 2 and max(want_gpu, min_ranks) <= n_gpus and want_gpu % nodes == 0 and want_gpu >= 1
+    fits_gpus = n_gpus >= 2 and min_ranks <= want_gpu <= n_gpus and want_gpu % nodes == 0
     if fits_gpus:
         world, backend = want_gpu, "nccl"
         ids = visible_gpu_ids(n_gpus, environ)

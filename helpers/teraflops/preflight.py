@@ -228,8 +228,8 @@ def check_decode():
     from .models import Llama
 
     dev = _device()
-    dtype = torch.float16 if dev == "cuda" else torch.float32
-    model = Llama(256, 128, 2, 4, 64, seed=0).to(dev, dtype).eval()
+    # fp32: fp16 kernels of eager and Inductor differ by ~1e-3 and can flip a near-tied argmax
+    model = Llama(256, 128, 2, 4, 64, seed=0).to(dev, torch.float32).eval()
     prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))  # on the CPU, on purpose
     eager = generate(model, prompt, 16)
     cache = model.new_cache(1)
@@ -242,7 +242,7 @@ def check_decode():
     note = f"tokens identical, {launches.total} launches per compiled token ({launches.what})"
     if dev == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
-        per_batch = 2 * 2 * 2 * 64 * 128  # KV cache bytes per sequence: K and V, 2 layers, 64 positions, d=128, fp16
+        per_batch = 2 * 2 * 64 * 128 * 4  # KV cache bytes per sequence: K and V, 2 layers, 64 positions, d=128, fp32
         b_oom = 1
         while b_oom * per_batch <= total:
             b_oom *= 2
@@ -307,10 +307,13 @@ def check_zero():
     runs = run_zero(stages=(0, 3), plan=plan, steps=3, timeout=300)
     diff = max_loss_difference(runs)
     _need(diff < 1e-3, f"ZeRO-3's losses differ from stage 0's by {diff:.3g}")
-    z3 = runs[1]
-    held, want = z3.held[0]["params"], z3.calculator().params_elements
-    _need(held == want, f"stage 3 holds {held} parameter elements per rank, the calculator {want}")
-    ratio = z3.comm_bytes / expected_comm_bytes(z3, trained_gpt(plan.preset))
+    import math
+
+    z3, model = runs[1], trained_gpt(plan.preset)
+    # DeepSpeed pads each parameter's shard to ceil(numel / N) (Ψ/N is the calculator's, unpadded)
+    held, want = z3.held[0]["params"], sum(math.ceil(p.numel() / z3.world_size) for p in model.parameters())
+    _need(held == want, f"stage 3 holds {held} parameter elements per rank, its padded shards {want}")
+    ratio = z3.comm_bytes / expected_comm_bytes(z3, model)
     _need(abs(ratio - 1) <= 0.10, f"stage 3 sent {ratio:.3f}× the expected 3Ψ (per use) bytes per step")
     return diff, "max loss difference", f"{z3.world_size} ranks ({z3.backend}), stage 3 holds {held} of {z3.psi}"
 
@@ -352,7 +355,7 @@ def check_stragglers():
     flagged = flag_stragglers(late.busy)
     slow = late.busy.shape[1] - 1 if late.injection.rank is None else late.injection.rank
     _need(list(flagged) == [slow], f"detector flagged {list(flagged)}, the straggler is rank {slow}")
-    return len(flagged), "flagged", f"{out.ranks} ranks ({out.backend}): {plan.note}"
+    return len(flagged), "flagged", f"{out.world_size} ranks ({out.backend}): {plan.note}"
 
 
 def check_elastic():
