@@ -29,20 +29,12 @@ from contextlib import suppress
 from pathlib import Path
 
 from . import ownership
+from .workers._proc import proc_start
 
 OWNER_ENV = "TERAFLOPS_OWNER"  # "pid:start" of the notebook-side process, read by each rank's wrapper
 _WATCHDOG = Path(__file__).with_name("workers") / "_watchdog.py"
 SHM = Path("/dev/shm")
 SHM_PREFIX = "deepspeed_allreduce_buffer"
-
-
-def proc_start(pid: int) -> str | None:
-    """Field 22 of ``/proc/<pid>/stat`` (start time in clock ticks since boot; man ``proc(5)``), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def owner_env(pid: int | None = None) -> dict:

@@ -26,21 +26,15 @@ import sys
 import threading
 import time
 
+from _proc import proc_start  # this script's own folder is sys.path[0]
+
 VISIBLE_ENV = "TERAFLOPS_CUDA_VISIBLE_DEVICES"  # teraflops.placement.VISIBLE_ENV (not imported: no torch here)
-
-
-def _start(pid: int):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def _watch_owner(child: subprocess.Popen, spec: str) -> None:
     pid, _, start = spec.partition(":")
     while child.poll() is None:
-        if _start(int(pid)) != start:
+        if proc_start(int(pid)) != start:
             child.kill()
             child.wait()
             os._exit(128 + signal.SIGKILL)

@@ -18,13 +18,7 @@ import time
 
 import psutil
 
-
-def _start(pid: int):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+from _proc import proc_start  # this script's own folder is sys.path[0]
 
 
 def _members(results: str) -> list:
@@ -39,7 +33,7 @@ def _members(results: str) -> list:
 
 
 def main(owner: int, start: str, results: str, port: str, addr: str, pgids: list[int]) -> None:
-    while _start(owner) == start and os.path.isdir(results):
+    while proc_start(owner) == start and os.path.isdir(results):
         time.sleep(0.5)
     if not os.path.isdir(results):
         return  # the launch ended and cleaned up after itself
