@@ -18,7 +18,7 @@ The workloads, and the verdict each should get from rank 0's trace with its wait
   16 tokens per rank on CPU): the bytes moved grow with the parameters, the FLOPs with parameters
   × tokens, so with few tokens the transfers outweigh the arithmetic → **communication-bound**
   (~60 % of the step on the 2-core machine, ~30 % overhead: DeepSpeed's Python hooks). Config:
-  Unit 2's :func:`teraflops.workers.zero_train.config` (no overlap, no prefetch, parameters released
+  Unit 2's :func:`teraflops.workers.common.zero_config` (no overlap, no prefetch, parameters released
   after use and gathered again for backward: 3Ψ per step) with the comms logger off (its
   bookkeeping is Python time on every call) and one reduce bucket for all gradients (one
   reduce-scatter after backward; DeepSpeed's default 5e8 elements would allocate 2 GB). DeepSpeed

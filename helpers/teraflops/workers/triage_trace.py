@@ -62,13 +62,13 @@ def _batch(a, prefix: str, rank: int, device):
 
 def zero3(w, a):
     """One training step of the GPT under DeepSpeed ZeRO stage 3 (fp32, torch's AdamW) with Unit 2's
-    :func:`teraflops.workers.zero_train.config` (every parameter partitioned, gathered before its
+    :func:`teraflops.workers.common.zero_config` (every parameter partitioned, gathered before its
     forward and again before its backward: 3Ψ per step) with two changes (why: :mod:`teraflops.rank_traces`):
     no comms logger (its per-call bookkeeping is Python time on every collective) and one reduce
     bucket for all gradients (one reduce-scatter, after backward). Returns ``(step, info, close)``."""
     import deepspeed
 
-    from teraflops.workers.zero_train import config
+    from teraflops.workers.common import zero_config as config
 
     model = _model(a, "zero", w.device)
     params = model.num_params()  # before initialize: ZeRO-3 partitions the parameters (numel() then reads 0)
