@@ -75,6 +75,69 @@ class ZeroResult:
     node: int | None = None
 
 
+@dataclass(frozen=True)
+class Zero1CheckSpec:
+    """What :mod:`teraflops.workers.zero1_check` runs: the learner's class block ``source`` (its
+    class named ``name``) trained ``steps`` steps next to DDP + AdamW; ``timeout_s``: seconds a
+    collective waits for the others."""
+
+    source: str
+    name: str
+    steps: int = 3
+    timeout_s: float = 20
+
+
+@dataclass(frozen=True)
+class RankError:
+    """An exception the learner's code raised in a rank: ``where`` (what was called), its ``type``,
+    first ``message`` line, ``time`` (Unix s); ``secondary``: the fallout of another rank's error."""
+
+    where: str
+    type: str
+    message: str
+    time: float
+    secondary: bool = False
+
+
+@dataclass(frozen=True)
+class OptimizerInfo:
+    """A ``torch.optim.Optimizer`` found among the learner's object's attributes: its ``type``,
+    whether it is torch.optim's own (``torch``), elements of its state tensors with dim > 0
+    (``state``) and of the parameters it ``owned``; its first group's hyperparameters (None where absent)."""
+
+    type: str
+    torch: bool
+    state: int
+    owned: int
+    lr: object = None
+    betas: object = None
+    eps: object = None
+    weight_decay: object = None
+
+
+@dataclass(frozen=True)
+class Zero1CheckResult:
+    """One rank's report (see :mod:`teraflops.workers.zero1_check`): ``params``, the learner's final
+    flat parameters (None after an error); ``grad_left``, max |grad| right after its ``zero_grad()``;
+    ``comm``, elements it passed to each collective; rank 0 adds ``initial``, ``ref`` and ``alt``
+    (the references' flat parameters)."""
+
+    rank: int
+    world_size: int
+    psi: int
+    hyper: dict[str, object]
+    steps: int
+    error: RankError | None
+    params: list[float] | None
+    grad_left: float
+    optimizers: list[OptimizerInfo]
+    comm: dict[str, int]
+    initial: list[float] | None = None
+    ref: list[float] | None = None
+    alt: dict[str, list[float]] | None = None
+    node: int | None = None
+
+
 def comm_bytes_per_step(comms: dict, world_size: int, steps: int) -> float:
     """Bytes one rank communicated per training step, by the ZeRO paper's accounting.
 
