@@ -82,3 +82,22 @@ def test_read_spec_takes_the_file_after_spec_and_says_when_there_is_none(tmp_pat
 def test_to_json_refuses_what_json_cannot_carry():
     with pytest.raises(SpecError, match="cannot send a set"):
         to_json({"x": {1, 2}})
+
+
+def test_launch_reads_each_ranks_result_as_the_dataclass_and_names_the_rank_of_a_bad_one():
+    from teraflops.distributed import _typed
+
+    @dataclass(frozen=True)
+    class WithNode:
+        rank: int
+        node: int | None = None
+
+    @dataclass(frozen=True)
+    class Plain:
+        rank: int
+
+    got = [{"rank": 0, "node": 1}, {"rank": 1, "node": 0}]
+    assert _typed(got, WithNode) == [WithNode(0, 1), WithNode(1, 0)]
+    assert _typed(got, Plain) == [Plain(0), Plain(1)]  # a multi-node launch's "node" only where declared
+    with pytest.raises(SpecError, match=r"^Plain of rank 1\.rank: expected int, got str"):
+        _typed([{"rank": 0}, {"rank": "1"}], Plain)

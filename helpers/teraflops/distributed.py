@@ -2,9 +2,12 @@
 
 :func:`launch` starts ``python -m MODULE`` on N local ranks (127.0.0.1) through ``torchrun``
 (https://pytorch.org/docs/stable/elastic/run.html) or DeepSpeed's launcher, each rank inside
-``workers/_rank.py``, which records how it ended. Ranks hand back a JSON dict with
-:func:`write_result`; their output goes to files in ``$TERAFLOPS_RESULTS_DIR`` (a fresh temporary
-directory per launch, kept when it fails): ``rank{r}.json``, ``rank{r}.out``/``.err``, ``rank{r}.exit``,
+``workers/_rank.py``, which records how it ended. A host module sends its rank program a Spec
+(``launch(..., spec=)``, a frozen dataclass written to ``spec.json``, read with :func:`read_spec`)
+and ranks hand back a Result (a dataclass, or a JSON dict) with :func:`write_result`, read back as
+``result=`` (:mod:`teraflops.spec` checks every field). Their output goes to files in
+``$TERAFLOPS_RESULTS_DIR`` (a fresh temporary directory per launch, kept when it fails):
+``spec.json``, ``rank{r}.json``, ``rank{r}.out``/``.err``, ``rank{r}.exit``,
 ``progress.json`` (rank 0's :func:`report_progress`) and ``launcher.log``. A crash, a killed or hung
 rank or a timeout raises :class:`LaunchFailed` (one line) once every process of the launch is gone
 and its port is free (and, for DeepSpeed on CPU, its shared-memory files are removed), also when
