@@ -12,7 +12,7 @@ Settings (:data:`teraflops.remedies.SETTINGS`; ``k`` micro-batches per optimizer
 sequences):
 
 * ``baseline``: ``k = 1``, DDP's plain all-reduce (``allreduce_hook``) after every micro-batch.
-* ``accumulate``: ``k = --accum``; the first ``k − 1`` micro-batches run forward and backward inside
+* ``accumulate``: ``k = accum``; the first ``k − 1`` micro-batches run forward and backward inside
   ``ddp.no_sync()`` (no all-reduce; gradients add up locally), the last one syncs the sum.
 * ``accumulate-sync``: the same ``k`` and updates, without ``no_sync``: DDP all-reduces after every
   micro-batch anyway. Same losses as ``accumulate`` (to float rounding), ``k``× its bytes: it is
@@ -20,7 +20,7 @@ sequences):
 * ``fp16``, ``bf16``: ``k = 1``, ``fp16_compress_hook`` / ``bf16_compress_hook`` (cast the bucket to
   16 bits, all-reduce, cast back).
 * ``powersgd``: ``k = 1``, ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank =
-  --powersgd-rank, start_powerSGD_iter = --powersgd-start)`` (error feedback and warm start on, the
+  powersgd_rank, start_powerSGD_iter = powersgd_start)`` (error feedback and warm start on, the
   defaults; plain all-reduce for the first ``start`` steps). On gloo with all gradients in one
   bucket (:data:`ONE_BUCKET_WHY`).
 

@@ -114,7 +114,7 @@ def straggler(w, a):
 
 
 def allreduce(w, a):
-    """:data:`ALLREDUCE_CALLS` blocking all-reduces of a ``--allreduce-bytes`` float32 message, each
+    """:data:`ALLREDUCE_CALLS` blocking all-reduces of an ``allreduce_bytes`` float32 message, each
     followed by one trivial op (scaling by 1/world, so the values stay put)."""
     x = torch.ones(max(1, a.allreduce_bytes // 4), device=w.device)
 
