@@ -127,6 +127,7 @@ def _node_processes():
 
 
 @NEEDS_NODES
+@pytest.mark.slow
 def test_nodes_see_only_their_subnet_and_go_away():
     with Cluster(2, Link(rate=25e6), name="t2") as c:
         assert set(c.namespaces()) == {"teraflops-t2-switch", "teraflops-t2-node0", "teraflops-t2-node1"}

@@ -100,6 +100,7 @@ def test_near_miss_markers_are_errors_not_leaks(marker):
         labs.strip_solution(f"def f():\n    {marker}\n    return 42\n    ### END SOLUTION\n")
 
 
+@pytest.mark.slow
 def test_an_unfinished_exercise_reads_as_one_line_in_any_cell():
     """A cell that uses the learner's unfinished function (not only its check) fails in one line; other
     NotImplementedErrors keep their traceback; the cell still fails, so graders see it."""

@@ -44,11 +44,13 @@ def runs(runs_and_leftovers):
     return runs_and_leftovers[0]
 
 
+@pytest.mark.slow
 def test_zero_runs_leave_no_shared_memory_files(runs_and_leftovers):
     # DeepSpeed's CPU comm op never unlinks its ~67 MB per rank; left behind, they filled RAM run by run
     assert not runs_and_leftovers[1]
 
 
+@pytest.mark.slow
 def test_zero_runs_hold_what_the_calculator_says(runs):
     for run in runs:
         calc = run.calculator()
@@ -60,6 +62,7 @@ def test_zero_runs_hold_what_the_calculator_says(runs):
                 assert held[state] == pytest.approx(want, rel=0.01), (run.stage, state)
 
 
+@pytest.mark.slow
 def test_zero_losses_agree_and_communication_follows_the_paper(runs):
     assert zero.max_loss_difference(runs) < 1e-4
     for run in runs:
@@ -69,6 +72,7 @@ def test_zero_losses_agree_and_communication_follows_the_paper(runs):
     assert "reduce_scatter_tensor" in runs[3].comms[0] and "all_reduce" in runs[0].comms[0]
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_run_fails_cleanly_and_the_next_run_starts():
     plan = data_parallel_plan(PRESETS["tiny"])
     start = time.monotonic()
