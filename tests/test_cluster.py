@@ -174,17 +174,20 @@ def test_the_alpha_beta_fit_recovers_each_link_rate():
 
 @NEEDS_NODES
 @pytest.mark.slow
-def test_two_nodes_train_as_one_node_does():
+def test_two_nodes_train_as_one_node_does(zero_tiny_runs, remedies_tiny_run):
+    """The one-node runs are the ones test_zero and test_remedies check (conftest's session fixtures)."""
     from teraflops import remedies, zero
     from teraflops.sizing import PRESETS, data_parallel_plan
 
-    plan = data_parallel_plan(PRESETS["tiny"], ranks_cpu=4)
-    one_zero = zero.run_zero(stages=(2,), plan=plan, steps=3)[0]
-    one_ddp = remedies.run(settings=("baseline",), plan=plan).rows[0]
+    zero_plan, tiny = data_parallel_plan(PRESETS["tiny"]), PRESETS["tiny"]
+    one_zero = zero_tiny_runs[0][2]  # stages (0, 1, 2, 3): ZeRO-2
+    one_ddp = next(r for r in remedies_tiny_run.rows if r["setting"] == "baseline")
     with Cluster(2, Link(rate=50e6), name="t4") as c:
-        two_zero = zero.run_zero(stages=(2,), plan=plan, steps=3, cluster=c)[0]
-        two_ddp = remedies.run(settings=("baseline",), plan=plan, cluster=c).rows[0]
-    assert two_zero.world_size == 4
+        two_zero = zero.run_zero(stages=(2,), plan=zero_plan, steps=3, cluster=c)[0]
+        two = remedies.run(settings=("baseline",), plan=data_parallel_plan(tiny, ranks_cpu=tiny.remedy_ranks_cpu),
+                           cluster=c)
+    two_ddp = two.rows[0]
+    assert two_zero.world_size == one_zero.world_size == 2 and two.ranks == remedies_tiny_run.ranks == 4
     for a, b in zip(one_zero.losses, two_zero.losses):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
     assert len(two_ddp["losses"]) == len(one_ddp["losses"])

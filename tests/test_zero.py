@@ -32,11 +32,9 @@ def deepspeed_shm_files():
 
 
 @pytest.fixture(scope="module")
-def runs_and_leftovers():
-    """The four stages' runs and the DeepSpeed shared-memory files they left in /dev/shm."""
-    before = deepspeed_shm_files()
-    runs = zero.run_zero(stages=(0, 1, 2, 3), plan=data_parallel_plan(PRESETS["tiny"]), steps=3)
-    return runs, deepspeed_shm_files() - before
+def runs_and_leftovers(zero_tiny_runs):
+    """The four stages' runs and the DeepSpeed shared-memory files they left in /dev/shm (conftest)."""
+    return zero_tiny_runs
 
 
 @pytest.fixture(scope="module")
