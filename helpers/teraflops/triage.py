@@ -194,7 +194,7 @@ def _ceilings_on(device: str) -> Ceilings:
 def measured_launch_floor(device: str | None = None) -> float:
     """This machine's launch floor in seconds on ``device`` (default the machine's), measured once per
     process: the median time of a 1-element ``torch.add`` (the smallest point of Unit 1's
-    :func:`teraflops.launch.op_time_vs_size` sweep). Measured rather than read from the trace: a
+    :func:`teraflops.launch_overhead.op_time_vs_size` sweep). Measured rather than read from the trace: a
     trace's shortest events are dispatcher-only ops (a view, ~0.1 µs), far below what an op that
     launches work costs."""
     from .machine import detect
@@ -204,7 +204,7 @@ def measured_launch_floor(device: str | None = None) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _floor_on(device: str) -> float:
-    from .launch import launch_floor, op_time_vs_size
+    from .launch_overhead import launch_floor, op_time_vs_size
 
     return launch_floor(op_time_vs_size([1], device, min_run_time=0.05))
 
