@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from .errors import CourseError
 from .tables import GB, table
 
+
 # ---- GPUs -------------------------------------------------------------------------------------------
 
 
@@ -168,6 +169,13 @@ PUBLISHED_LINKS: tuple[PublishedLink, ...] = (
 )
 
 
+# a commodity cluster's port, emulated beside the others in Unit 5 §6 (teraflops.fabrics); not a row of the tables
+ETHERNET_25G = PublishedLink(
+    "Ethernet 25GBASE-R", 25e9 / 8, "25 Gb/s",
+    "one 25 Gb/s port: 3.125 GB/s of data per direction (64b/66b encoding is on top of it)",
+    "IEEE Std 802.3by-2016, 25 Gb/s Ethernet, https://standards.ieee.org/ieee/802.3by/5750/")
+
+
 def cross_node_link(nics_per_node: int = 8, nic: PublishedLink = PUBLISHED_LINKS[3],
                     intra: PublishedLink = PUBLISHED_LINKS[0]) -> PublishedLink:
     """The per-rank bandwidth of a ring all-reduce that crosses nodes with ``nics_per_node`` network
@@ -186,7 +194,7 @@ def cross_node_link(nics_per_node: int = 8, nic: PublishedLink = PUBLISHED_LINKS
     """
     if isinstance(nics_per_node, bool) or not isinstance(nics_per_node, numbers.Integral) or nics_per_node < 1:
         raise LinkInputError(f"nics_per_node must be an integer >= 1, got {nics_per_node!r}. "
-                                   "Hint: a DGX H100 has 8 InfiniBand NDR ports, one per GPU")
+                             "Hint: a DGX H100 has 8 InfiniBand NDR ports, one per GPU")
     bandwidth = min(int(nics_per_node) * nic.bandwidth, intra.bandwidth)
     return PublishedLink(f"{nics_per_node} × {nic.name.split(' (')[0]} per node", bandwidth,
                          f"{nics_per_node} × {nic.quoted}",
@@ -202,12 +210,6 @@ def links_table(links=PUBLISHED_LINKS) -> str:
     body = table([(f"[{i}] {l.name}", l.bandwidth / GB, l.quoted, l.source.split(", http")[0])
                   for i, l in enumerate(links, 1)], ["link", "GB/s per direction", "as published", "source"])
     return body + "\n" + "\n".join(f"[{i}] {l.note}" for i, l in enumerate(links, 1))
-
-
-ETHERNET_25G = PublishedLink(
-    "Ethernet 25GBASE-R", 25e9 / 8, "25 Gb/s",
-    "one 25 Gb/s port: 3.125 GB/s of data per direction (64b/66b encoding is on top of it)",
-    "IEEE Std 802.3by-2016, 25 Gb/s Ethernet, https://standards.ieee.org/ieee/802.3by/5750/")
 
 
 def pcie_link(gpu: PublishedGPU | None) -> PublishedLink | None:

@@ -5,7 +5,8 @@ namespace) and between nodes (InfiniBand or Ethernet ports, here a tc-shaped vet
 :mod:`teraflops.cluster`). This module runs the Unit 5 all-reduce sweep (nccl-tests' definitions,
 :mod:`teraflops.collectives`) across links set like published fabrics divided by :data:`SCALE`,
 fits the alpha-beta model, and compares the fitted bandwidth with the configured rate; then it
-measures the two levels side by side (:func:`hierarchy`).
+measures the two levels side by side (:func:`hierarchy`). The fit is :mod:`teraflops.alpha_beta`'s; the
+published fabrics are in :mod:`teraflops.datasheets`.
 
 Scaling keeps the ratios between fabrics and lets a 2-core machine drive every link to saturation:
 gloo between two local processes moves 0.3-0.6 GB/s (measured: :func:`hierarchy`), far above the
