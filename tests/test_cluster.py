@@ -155,7 +155,7 @@ def test_nodes_see_only_their_subnet_and_go_away():
 @NEEDS_NODES
 @pytest.mark.slow
 def test_the_alpha_beta_fit_recovers_each_link_rate():
-    from teraflops import collectives
+    from teraflops import alpha_beta, collectives
 
     sizes = [2 ** k for k in range(12, 22)]  # 4 KiB - 2 MiB
     with Cluster(2, name="t3") as c:
@@ -164,7 +164,7 @@ def test_the_alpha_beta_fit_recovers_each_link_rate():
                 c.set_link(i, rate=rate)
             rows = collectives.sweep(("all_reduce",), sizes=sizes, cluster=c, iters=4, min_iters=2, warmup=1,
                                      volume_bytes=2 ** 22)
-            fit = collectives.fit_rows(rows)
+            fit = alpha_beta.fit_rows(rows)
             busbw = fit.bandwidth * collectives.BUS_FACTOR["all_reduce"](2)  # = algbw at n = 2
             print(f"link {rate / 1e6:g} MB/s: fitted busbw {busbw / 1e6:.1f} MB/s, alpha {fit.alpha * 1e3:.2f} ms, "
                   f"R² {fit.r2:.3f}")
@@ -230,11 +230,11 @@ def test_cluster_down_after_a_killed_run_leaves_nothing_and_the_next_run_starts(
 
 
 def test_scaled_fabrics_keep_their_ratios_and_tables_read():
-    from teraflops import collectives, fabrics
+    from teraflops import alpha_beta, fabrics
 
     ib, pcie, eth = (fabrics.scaled_rate(f) for f in fabrics.FABRICS)
     assert ib == 50e6 and abs(pcie - 31.5e6) < 0.1e6 and eth == 3.125e6  # published GB/s become MB/s
-    fit = collectives.AlphaBeta(alpha=2e-3, bandwidth=48e6, r2=0.99, max_rel_error=0.1)
+    fit = alpha_beta.AlphaBeta(alpha=2e-3, bandwidth=48e6, r2=0.99, max_rel_error=0.1)
     text = fabrics.fabric_table([{"fabric": "x", "published": 50e9, "configured": 50e6, "fit": fit,
                                   "busbw_fit": 48e6, "ratio": 0.96, "rows": []}])
     assert "fitted busbw (MB/s)" in text and "0.96" in text

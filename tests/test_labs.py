@@ -8,7 +8,8 @@ import pytest
 
 from teraflops import labs
 from teraflops.errors import CourseError
-from teraflops.grading.core import REGISTRY, grade
+from teraflops.grading.core import REGISTRY
+from teraflops.grading.grader import grade
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
