@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from teraflops import collectives as co  # noqa: E402
+from teraflops import alpha_beta as ab  # noqa: E402
 from teraflops import widgets  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def test_gb_and_count_read_as_words():
 
 
 def test_gradient_sync_prints_the_fabrics_label_and_readable_sizes(capsys):
-    fit = co.AlphaBeta(5e-3, 0.4e9, 0.99, 0.1, "all_reduce", 4)
+    fit = ab.AlphaBeta(5e-3, 0.4e9, 0.99, 0.1, "all_reduce", 4)
     ui = widgets.gradient_sync_widget(fit)
     params, _, fabric = ui.children[:3]
     assert params.readout and "e+" not in params.get_state()["_options_labels"][params.index]

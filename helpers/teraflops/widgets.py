@@ -185,19 +185,20 @@ def batching_widget(latency, tokens_per_request: int = 1, price_per_hour: float 
 def gradient_sync_widget(fit=None):
     """Sliders for model size (parameters), number of GPUs, fabric, tokens per GPU per step and MFU →
     the predicted ring all-reduce time of bf16 gradients per step
-    (:func:`teraflops.collectives.ring_allreduce_seconds`, α = 0 on a datasheet link), the step's
+    (:func:`teraflops.alpha_beta.ring_allreduce_seconds`, α = 0 on a datasheet link), the step's
     math time (6·params·tokens at MFU × the H100 SXM's 989.5 TFLOP/s), communication's share with no
     overlap, and the accumulation steps that bring it under 10%
-    (:func:`teraflops.collectives.accumulation_for_fraction`). Fabrics: the published links and a node
-    with 8 InfiniBand NDR ports (:func:`teraflops.collectives.cross_node_link`). With ``fit`` (an all-reduce
-    :class:`~teraflops.collectives.AlphaBeta` from this machine's sweep) "this machine (measured)" is
+    (:func:`teraflops.comm_budget.accumulation_for_fraction`). Fabrics: the published links and a node
+    with 8 InfiniBand NDR ports (:func:`teraflops.datasheets.cross_node_link`). With ``fit`` (an all-reduce
+    :class:`~teraflops.alpha_beta.AlphaBeta` from this machine's sweep) "this machine (measured)" is
     a fabric too, its busbw and per-step latency scaled to the chosen GPU count.
 
     Returns the ``ipywidgets.interactive``; its ``result`` is the row of
-    :func:`teraflops.collectives.gradient_sync_rows` for the chosen fabric."""
+    :func:`teraflops.comm_budget.gradient_sync_rows` for the chosen fabric."""
     import ipywidgets as W
 
-    from .collectives import PUBLISHED_LINKS, accumulation_for_fraction, cross_node_link, gradient_sync_rows
+    from .comm_budget import accumulation_for_fraction, gradient_sync_rows
+    from .datasheets import PUBLISHED_LINKS, cross_node_link
     from .tables import fmt_seconds
 
     links = PUBLISHED_LINKS + (cross_node_link(8),)
