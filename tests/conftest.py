@@ -46,7 +46,7 @@ def remedies_tiny_run():
     from teraflops.sizing import data_parallel_plan, preset
 
     p = preset("tiny")
-    return remedies.run(plan=data_parallel_plan(p, ranks_cpu=p.remedy_ranks_cpu), timeout=240)
+    return remedies.run(plan=data_parallel_plan(p, ranks_cpu=p.remedy.ranks_cpu), timeout=240)
 
 
 @pytest.fixture(autouse=True)

@@ -49,9 +49,9 @@ def test_memory_models_match_measurement():
 
 def test_memory_ratio_at_cpu_sizes_is_at_least_4x_and_grows():
     p = sizing.preset("cpu")
-    res = attention.attention_sweep(p.attn_seq_lens, p.attn_batch, p.attn_heads, p.attn_head_dim, p.attn_dtype,
+    res = attention.attention_sweep(p.attention.seq_lens, p.attention.batch, p.attention.heads, p.attention.head_dim, p.attention.dtype,
                                     "cpu", impls=("naive", "sdpa"), min_run_time=0.01, progress=False)
-    ratios = [attention.memory_ratio(res, n, flash_impl="sdpa") for n in p.attn_seq_lens]
+    ratios = [attention.memory_ratio(res, n, flash_impl="sdpa") for n in p.attention.seq_lens]
     assert ratios[-1] >= 4
     assert ratios == sorted(ratios)
 

@@ -184,7 +184,7 @@ def test_two_nodes_train_as_one_node_does(zero_tiny_runs, remedies_tiny_run):
     one_ddp = next(r for r in remedies_tiny_run.rows if r["setting"] == "baseline")
     with Cluster(2, Link(rate=50e6), name="t4") as c:
         two_zero = zero.run_zero(stages=(2,), plan=zero_plan, steps=3, cluster=c)[0]
-        two = remedies.run(settings=("baseline",), plan=data_parallel_plan(tiny, ranks_cpu=tiny.remedy_ranks_cpu),
+        two = remedies.run(settings=("baseline",), plan=data_parallel_plan(tiny, ranks_cpu=tiny.remedy.ranks_cpu),
                            cluster=c)
     two_ddp = two.rows[0]
     assert two_zero.world_size == one_zero.world_size == 2 and two.ranks == remedies_tiny_run.ranks == 4

@@ -118,14 +118,14 @@ def test_a_failing_stream_is_reported_and_every_thread_joined():
 
 
 def test_default_sizes_are_the_presets_read_at_call_time(monkeypatch):
-    assert (preset("cpu").contention_bytes, preset("cpu").contention_seconds) == (64 * MB, 0.8)
-    assert (PRESETS["gpu"].contention_bytes, PRESETS["gpu"].contention_seconds) == (256 * MB, 0.5)
+    assert (preset("cpu").copies.contention_bytes, preset("cpu").copies.contention_seconds) == (64 * MB, 0.8)
+    assert (PRESETS["gpu"].copies.contention_bytes, PRESETS["gpu"].copies.contention_seconds) == (256 * MB, 0.5)
     monkeypatch.setenv("TERAFLOPS_PRESET", "tiny")
-    assert (preset().contention_bytes, preset().contention_seconds) == (4 * MB, 0.1)
+    assert (preset().copies.contention_bytes, preset().copies.contention_seconds) == (4 * MB, 0.1)
     if torch.cuda.is_available():
         pytest.skip("the CPU copy path")
     tiny, rows = preset("tiny"), ct.sweep(ks=(1,), repeats=1)
-    assert rows[0]["nbytes"] == tiny.contention_bytes and rows[0]["wall_s"] >= tiny.contention_seconds
+    assert rows[0]["nbytes"] == tiny.copies.contention_bytes and rows[0]["wall_s"] >= tiny.copies.contention_seconds
 
 
 @pytest.mark.slow
@@ -144,7 +144,7 @@ def test_cpu_sweep_aggregate_flattens_while_per_transfer_falls():
         pytest.skip("the CPU acceptance shape; on a GPU see test_gpu_sweep_shares_pcie")
     cpu = preset("cpu")  # its sizes whatever TERAFLOPS_PRESET says: tiny's buffers fit in the cache
     start = time.perf_counter()
-    rows = ct.sweep(nbytes=cpu.contention_bytes, seconds=cpu.contention_seconds, repeats=3)  # ks (1, 2, 4, 8),
+    rows = ct.sweep(nbytes=cpu.copies.contention_bytes, seconds=cpu.copies.contention_seconds, repeats=3)  # ks (1, 2, 4, 8),
     # 64 MiB per stream, 0.8 s per round; best of 3: a shared machine
     took = time.perf_counter() - start
     print("\n" + ct.contention_table(rows) + f"\n# took {took:.1f} s")

@@ -49,13 +49,13 @@ def test_ladder_refuses_buffers_too_small_to_time(nbytes):
 
 
 def test_ladder_bytes_default_to_the_preset_at_call_time(monkeypatch):
-    assert preset("cpu").ladder_bytes == 64 * MB and PRESETS["gpu"].ladder_bytes == 256 * MB
+    assert preset("cpu").copies.ladder_bytes == 64 * MB and PRESETS["gpu"].copies.ladder_bytes == 256 * MB
     seen = []
     monkeypatch.setattr(ce, "measure_copy_bandwidth", lambda nbytes, *a: seen.append(nbytes) or 1e9)
     monkeypatch.setattr(ce, "measure_host_device_copy", lambda nbytes, *a: seen.append(nbytes) or 1e9)
     monkeypatch.setenv("TERAFLOPS_PRESET", "tiny")
     ce.bandwidth_ladder()
-    assert seen and set(seen) == {preset("tiny").ladder_bytes}
+    assert seen and set(seen) == {preset("tiny").copies.ladder_bytes}
 
 
 @pytest.mark.parametrize("kwargs, words", [

@@ -92,8 +92,8 @@ def test_launch_timed_passes_the_plan_and_returns_the_launch_fields(monkeypatch)
 def test_the_spec_carries_the_sizes_of_the_preset_and_survives_json():
     p = preset("tiny")
     spec = dp.dp_spec(data_parallel_plan(p), steps=3)
-    assert spec.steps == 3 and spec.overlap_steps == p.dp_overlap_steps and spec.bucket_mb == p.dp_bucket_mb
-    assert spec.model == dp_config(p) and spec.model.d_model == p.dp_d_model and spec.model.heads == p.gpt_heads
+    assert spec.steps == 3 and spec.overlap_steps == p.dp.overlap_steps and spec.bucket_mb == p.dp.bucket_mb
+    assert spec.model == dp_config(p) and spec.model.d_model == p.comm_gpt.d_model and spec.model.heads == p.comm_gpt.heads
     assert from_json(dp.DataParallelSpec, to_json(spec)) == spec
     with pytest.raises(SpecError, match=r"^DataParallelSpec: unknown experiment or mode \['fast'\]"):
         from_json(dp.DataParallelSpec, {**to_json(spec), "modes": ["fast"]})
@@ -115,7 +115,7 @@ def test_staleness_rows_and_tau_0_is_plain_synchronous_training(tiny_run):
         assert set(r) == STALENESS_KEYS and len(r["losses"]) == STEPS
         assert r["updates"] == max(0, STEPS - r["tau"])
         assert r["step_ms"] > 0 and math.isfinite(r["eval_loss"]) and r["speedup"] > 0
-        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * plan.preset.dp_seq_len)
+        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * plan.preset.comm_gpt.seq_len)
     for r in rows:  # every τ reproduces one process applying each global-batch gradient τ steps late
         reference = train_reference(result.config, STEPS, result.ranks, tau=r["tau"])
         assert max(abs(a - b) for a, b in zip(r["losses"], reference)) < 1e-5, r["tau"]

@@ -106,7 +106,7 @@ def test_decode_model_from_preset():
 
     p = preset("tiny")
     m = D.decode_model(p)
-    assert isinstance(m, Llama) and not m.training and m.max_seq_len == p.decode_max_seq_len
+    assert isinstance(m, Llama) and not m.training and m.max_seq_len == p.decode.max_seq_len
 
 
 def test_graph_break_from_item(model):

@@ -14,7 +14,7 @@ from teraflops import elastic
 from teraflops.distributed import LaunchFailed, port_in_use
 from teraflops.sizing import data_parallel_plan, preset
 
-TINY = preset("tiny")  # elastic_steps=8, elastic_checkpoint_every=3, elastic_kill_step=5
+TINY = preset("tiny")  # elastic: steps=8, checkpoint_every=3, kill_step=5
 
 
 def tiny_plan():

@@ -3,6 +3,8 @@ the intended out-of-memory points stay, and bf16 only where the GPU has bf16 ten
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -31,17 +33,37 @@ def test_every_gpu_preset_workload_fits_with_headroom(name):
             if b > 0.8 * g.memory_bytes}
     assert not over, f"{name}: over 80 % of memory: {over}"
     # the decode sweep still ends in one out-of-memory step, as the lecture's memory ceiling
-    assert gpu_fit.decode_sweep_bytes(p, p.decode_batches[-1]) > g.memory_bytes
-    assert p.decode_fit_batch in p.decode_batches and p.decode_fit_batch < p.decode_batches[-1]
+    assert gpu_fit.decode_sweep_bytes(p, p.decode.batches[-1]) > g.memory_bytes
+    assert p.decode.fit_batch in p.decode.batches and p.decode.fit_batch < p.decode.batches[-1]
     # and naive attention's N² scores still run out of memory at the sweep's longest N
-    n = max(p.attn_seq_lens)
-    assert 2 * p.attn_batch * p.attn_heads * n * n * 2 > g.memory_bytes
+    n = max(p.attention.seq_lens)
+    assert 2 * p.attention.batch * p.attention.heads * n * n * 2 > g.memory_bytes
 
 
 @pytest.mark.parametrize("name", CLASSES)
 def test_bf16_only_on_sm80_and_newer(name):
     p = gpu_fit.fit_preset(sizing.PRESETS["gpu"], gpu(name))
     assert p.dtype == (torch.bfloat16 if CLASSES[name][1] >= (8, 0) else torch.float16)
+
+
+# what fit_preset may change: the dtype, and per unit's sizes the fields it shrinks
+FITTED = {"collective": {"max_bytes"}, "dp": {"micro_batch"}, "straggler": {"micro_batch"}, "comm_gpt": {"d_model"},
+          "decode": {"fit_batch", "batches"}}
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_the_fit_changes_only_the_sizes_it_fits(name):
+    base = sizing.PRESETS["gpu"]
+    p = gpu_fit.fit_preset(base, gpu(name))
+    assert isinstance(p, sizing.Preset)
+    for unit in (f.name for f in dataclasses.fields(base) if f.name != "dtype"):
+        was, now = getattr(base, unit), getattr(p, unit)
+        assert type(now) is type(was), unit
+        if not dataclasses.is_dataclass(was):  # name, device, min_run_time
+            assert now == was, unit
+            continue
+        changed = {f.name for f in dataclasses.fields(was) if getattr(now, f.name) != getattr(was, f.name)}
+        assert changed <= FITTED.get(unit, set()), f"{name}: fit_preset changed {unit}.{sorted(changed)}"
 
 
 def test_the_unfitted_gpu_preset_did_not_fit_a_t4():
@@ -54,8 +76,8 @@ def test_preset_is_fitted_to_the_smallest_visible_gpu(monkeypatch):
     m = Machine("cuda", (GPU(0, "NVIDIA H100 80GB HBM3", 79 * GiB, (9, 0)), GPU(1, "Tesla T4", int(15.6 * GiB), (7, 5))))
     monkeypatch.setattr(sizing, "detect", lambda: m)
     p = sizing.preset("gpu")
-    assert p.dtype == torch.float16 and p.decode_fit_batch == gpu_fit.fit_preset(sizing.PRESETS["gpu"],
-                                                                                 gpu("Tesla T4")).decode_fit_batch
+    assert p.dtype == torch.float16 and p.decode.fit_batch == gpu_fit.fit_preset(sizing.PRESETS["gpu"],
+                                                                                 gpu("Tesla T4")).decode.fit_batch
 
 
 def test_parameter_counts_are_the_models_own():

@@ -126,7 +126,7 @@ def test_zero3_expected_volume_counts_the_tied_embedding_per_use_on_both_presets
         uses = ms.parameter_uses(model)
         psi = sum(q.numel() for q in model.parameters())
         assert sum(n for n, _ in uses) == psi and sorted(k for _, k in uses)[-1] == 2  # the tied weight
-        tied = p.gpt_vocab * p.gpt_d_model
+        tied = p.gpt.vocab * p.gpt.d_model
         # What DeepSpeed stage 3 gathers: each module's own parameters before its forward and its
         # backward; then one reduce-scatter per distinct parameter.
         gathered = sum(2 * q.numel() for m in model.modules() for q in m.parameters(recurse=False))

@@ -103,7 +103,7 @@ def test_bandwidth_is_measured_once_per_call(monkeypatch):
     monkeypatch.setattr(off, "detect", lambda: SimpleNamespace(device="cuda", gpu_name="NVIDIA H200"))
     monkeypatch.setattr(ceilings, "measure_host_device_copy", lambda n, pinned: calls.append((n, pinned)) or 50e9)
     rows = off.offload_rows()
-    assert calls == [(preset().ladder_bytes, True)] and len(rows) == 4
+    assert calls == [(preset().copies.ladder_bytes, True)] and len(rows) == 4
     assert rows[0]["bandwidth"] == 50e9 and rows[0]["bandwidth_source"].startswith("measured pinned H2D")
     assert "H200 SXM" in rows[0]["peak_source"]
     off.offload_rows(bandwidth=60e9)

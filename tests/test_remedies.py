@@ -76,8 +76,8 @@ def test_bad_settings_fail_before_any_launch_in_one_line(kwargs, match):
 def test_the_spec_carries_the_preset_sizes_and_is_checked_when_read():
     p = preset("tiny")
     spec = rm.remedies_spec(data_parallel_plan(p))
-    assert spec.micro_batches == p.remedy_micro_batches and spec.accum == p.remedy_accum
-    assert spec.model == dp_config(p) and spec.bucket_mb == p.dp_bucket_mb and spec.settings == rm.SETTINGS
+    assert spec.micro_batches == p.remedy.micro_batches and spec.accum == p.remedy.accum
+    assert spec.model == dp_config(p) and spec.bucket_mb == p.dp.bucket_mb and spec.settings == rm.SETTINGS
     assert from_json(rm.RemediesSpec, to_json(spec)) == spec
     with pytest.raises(SpecError, match=r"^RemediesSpec: accum must be an int >= 1") as info:
         from_json(rm.RemediesSpec, {**to_json(spec), "accum": 0})

@@ -152,8 +152,8 @@ def test_any_split_weighted_by_b_over_B_gives_the_global_batch_gradient():
 def test_the_spec_carries_the_preset_sizes_and_survives_json():
     p = preset("tiny")
     spec = st.straggler_spec(data_parallel_plan(p, ranks_cpu=4), steps=3, local_ks=(1, 4))
-    assert spec.model == gpt_config(p, p.straggler_micro_batch, p.straggler_lr) and spec.steps == 3
-    assert spec.delays_ms == tuple(float(d) for d in p.straggler_delays_ms) and spec.local_ks == (1, 4)
+    assert spec.model == gpt_config(p, p.straggler.micro_batch, p.straggler.lr) and spec.steps == 3
+    assert spec.delays_ms == tuple(float(d) for d in p.straggler.delays_ms) and spec.local_ks == (1, 4)
     assert from_json(st.StragglerSpec, to_json(spec)) == spec
     inj = st.Injection("random", 50, rank=(1, 2), seed=3)
     assert from_json(st.Injection, to_json(inj)) == inj
@@ -166,7 +166,7 @@ def test_the_spec_carries_the_preset_sizes_and_survives_json():
 def tiny_run():
     """All four experiments in one launch of four gloo ranks (start-up ~10 s, then tiny steps)."""
     p = preset("tiny")
-    plan = data_parallel_plan(p, ranks_cpu=p.straggler_ranks_cpu)
+    plan = data_parallel_plan(p, ranks_cpu=p.straggler.ranks_cpu)
     return st.run(plan, delays_ms=DELAYS_MS, steps=STEPS, local_ks=(1, 4), timeout=240)
 
 
@@ -180,7 +180,7 @@ def test_timelines_have_step_by_rank_arrays(tiny_run):
         for name in ("start", "compute", "delay", "wait", "update", "step"):
             arr = getattr(tl, name)
             assert arr.shape == (STEPS, 4) and arr.dtype == np.float64 and (arr >= 0).all(), name
-        assert tl.batch.shape == (STEPS, 4) and (tl.batch == preset("tiny").straggler_micro_batch).all()
+        assert tl.batch.shape == (STEPS, 4) and (tl.batch == preset("tiny").straggler.micro_batch).all()
         assert tl.loss.shape == (STEPS,) and np.isfinite(tl.loss).all()
         np.testing.assert_allclose(tl.step, tl.compute + tl.delay + tl.wait + tl.update)
         slowed = tl.injection.delay_ms > 0 or tl.injection.kind == "compute"
@@ -216,7 +216,7 @@ def test_healthy_idle_grows_with_the_delay_as_predicted(tiny_run):
 @pytest.mark.slow
 def test_rebalancing_keeps_the_update_and_gives_the_slow_rank_less(tiny_run):
     equal, balanced = tiny_run.rebalance
-    batch = 4 * preset("tiny").straggler_micro_batch
+    batch = 4 * preset("tiny").straggler.micro_batch
     assert equal["sizes"] == [batch // 4] * 4 and sum(balanced["sizes"]) == batch
     assert balanced["sizes"] == st.rebalance(balanced["calibration_speeds"], batch)  # timings vary, the rule does not
     assert (balanced["timeline"].batch == balanced["sizes"]).all()

@@ -48,7 +48,7 @@ def test_a_run_measures_the_ceilings_once_and_every_unit_reads_them(tmp_path, mo
     from teraflops.sizing import preset
 
     p = preset()
-    shared = ceilings.Ceilings(1.5e11, 7e9, p.dtype, "cpu", p.probe_matmul_n, p.probe_copy_bytes)
+    shared = ceilings.Ceilings(1.5e11, 7e9, p.dtype, "cpu", p.probe.matmul_n, p.probe.copy_bytes)
     path = tmp_path / "ceilings.json"
     path.write_text(json.dumps(shared.to_json()))
     monkeypatch.setenv(ceilings.SHARED_ENV, str(path))

@@ -29,9 +29,9 @@ def test_run_unit_0_reports_the_machine_and_its_ceilings(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the independent re-measure below runs on the CPU path only")
     p = preset()
-    n = 3 * p.probe_matmul_n // 4
+    n = 3 * p.probe.matmul_n // 4
     a, b = torch.randn(n, n, dtype=p.dtype), torch.randn(n, n, dtype=p.dtype)
-    x = torch.ones(2 * p.probe_copy_bytes // 4, dtype=torch.float32)  # twice the probe's: no cache holds it
+    x = torch.ones(2 * p.probe.copy_bytes // 4, dtype=torch.float32)  # twice the probe's: no cache holds it
     y = torch.empty_like(x)
     matmul = _best_rate("a @ b", 2 * n**3, a=a, b=b) / 1e12
     copy = _best_rate("y.copy_(x)", 2 * x.numel() * 4, x=x, y=y) / 1e9  # read + write

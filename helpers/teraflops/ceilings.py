@@ -135,8 +135,8 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
 
     Args:
         matmul_n: size of the square probe matmuls (``matmul_n // 2`` and ``matmul_n``; default the
-            preset's ``probe_matmul_n``).
-        copy_bytes: bytes of the copied tensor (default the preset's ``probe_copy_bytes``).
+            preset's ``probe.matmul_n``).
+        copy_bytes: bytes of the copied tensor (default the preset's ``probe.copy_bytes``).
         dtype: dtype of the matmuls (default the preset's ``dtype``).
         device: ``"cpu"`` or ``"cuda"`` (default this machine's, :func:`teraflops.machine.detect`).
 
@@ -151,16 +151,16 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
     """
     if matmul_n is None or copy_bytes is None or dtype is None:
         p = preset()
-        matmul_n = p.probe_matmul_n if matmul_n is None else matmul_n
-        copy_bytes = p.probe_copy_bytes if copy_bytes is None else copy_bytes
+        matmul_n = p.probe.matmul_n if matmul_n is None else matmul_n
+        copy_bytes = p.probe.copy_bytes if copy_bytes is None else copy_bytes
         dtype = p.dtype if dtype is None else dtype
     device = detect().device if device is None else device
     if isinstance(matmul_n, bool) or not isinstance(matmul_n, numbers.Integral) or matmul_n < 2:
         raise CeilingsError(f"matmul_n must be an int >= 2 (the probe matmuls are matmul_n // 2 and matmul_n "
-                            f"square), got {matmul_n!r}. Hint: leave it None for the preset's probe_matmul_n")
+                            f"square), got {matmul_n!r}. Hint: leave it None for the preset's probe.matmul_n")
     if isinstance(copy_bytes, bool) or not isinstance(copy_bytes, numbers.Integral) or copy_bytes < 4:
         raise CeilingsError(f"copy_bytes must be an int >= 4 (one float32) to time a copy, got {copy_bytes!r}. "
-                            "Hint: leave it None for the preset's probe_copy_bytes, far beyond the last-level cache")
+                            "Hint: leave it None for the preset's probe.copy_bytes, far beyond the last-level cache")
     if not isinstance(dtype, torch.dtype):
         raise CeilingsError(f"dtype must be a torch dtype, got {dtype!r}. Hint: e.g. torch.float32, or None for "
                             "the preset's")
@@ -178,7 +178,7 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
 
 # ---- the bandwidth ladder (Unit 5) ---------------------------------------------------------------
 
-# The ladder's copies are the preset's ladder_bytes (teraflops.sizing: far beyond the last-level cache),
+# The ladder's copies are the preset's copies.ladder_bytes (teraflops.sizing: far beyond the last-level cache),
 # read when bandwidth_ladder() is called, so importing this module probes no hardware.
 NEEDS_GPU = "skipped: needs a CUDA GPU"  # the ladder's note on rows a CPU machine cannot measure
 
@@ -213,7 +213,7 @@ def measure_host_device_copy(nbytes: int, pinned: bool, direction: str = "h2d",
                              "Hint: h2d = host (CPU) memory to the GPU, d2h = back")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
         raise CopyProbeError(f"nbytes must be an int >= 1, got {nbytes!r}. "
-                             "Hint: e.g. the preset's ladder_bytes (64 MiB on CPU, 256 MiB on a GPU)")
+                             "Hint: e.g. the preset's copies.ladder_bytes (64 MiB on CPU, 256 MiB on a GPU)")
     if not torch.cuda.is_available():
         raise CopyProbeError("measure_host_device_copy needs a CUDA GPU: a host↔device copy crosses the link "
                              "between CPU memory and GPU memory (PCIe), and this machine has no GPU "
@@ -245,15 +245,15 @@ def bandwidth_ladder(nbytes: int | None = None, min_run_time: float = 0.3) -> li
     Each row: ``what`` (str), ``bandwidth`` (measured bytes/s or ``None``), ``counts`` (how bytes are
     counted), ``published`` (bytes/s or ``None``), ``source`` (of the published figure, or ``None``),
     ``note`` (str). ``nbytes`` (bytes per copy) defaults to :func:`teraflops.sizing.preset`'s
-    ``ladder_bytes``: 64 MiB on CPU, 256 MiB on a GPU, 8 MiB at ``tiny``. Takes ~1 s on CPU, a few on a GPU.
+    ``copies.ladder_bytes``: 64 MiB on CPU, 256 MiB on a GPU, 8 MiB at ``tiny``. Takes ~1 s on CPU, a few on a GPU.
 
     Raises:
         CopyProbeError: ``nbytes`` not an int >= 4 (too small to hold one float32 to copy).
     """
-    nbytes = preset().ladder_bytes if nbytes is None else nbytes
+    nbytes = preset().copies.ladder_bytes if nbytes is None else nbytes
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
         raise CopyProbeError(f"nbytes must be an int >= 4 (one float32) to time a copy, got {nbytes!r}. "
-                             "Hint: well beyond the last-level cache, e.g. the preset's ladder_bytes "
+                             "Hint: well beyond the last-level cache, e.g. the preset's copies.ladder_bytes "
                              "(64 MiB on CPU, 256 MiB on a GPU)")
     rw, once = "read + write (2 × bytes)", "bytes crossing the link"
     machine = detect()

@@ -153,9 +153,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .machine import detect
 
     p, m = sizing.preset(), detect()
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype] if args.dtype else p.attn_dtype
-    b, h, d = args.batch or p.attn_batch, args.heads or p.attn_heads, args.head_dim or p.attn_head_dim
-    seq_lens = tuple(args.seq_len or p.attn_seq_lens[-1:])
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype] if args.dtype else p.attention.dtype
+    b, h, d = args.batch or p.attention.batch, args.heads or p.attention.heads, args.head_dim or p.attention.head_dim
+    seq_lens = tuple(args.seq_len or p.attention.seq_lens[-1:])
     impls = (("naive",) if args.naive else ()) + ("sdpa", "triton")
     print(m.summary())
     print(ceilings.measure_ceilings(dtype=dtype if m.device == "cuda" else None))

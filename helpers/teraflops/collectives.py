@@ -128,17 +128,17 @@ def busbw(size_bytes, seconds, collective: str, n: int):
 
 
 def default_sizes(p=None, ranks: int | None = None) -> list[int]:
-    """Powers of two from the preset's ``collective_min_bytes`` to ``collective_max_bytes`` (bytes); on
+    """Powers of two from the preset's ``collective.min_bytes`` to ``collective.max_bytes`` (bytes); on
     a CPU, capped so that every rank's buffers (~3× the size) fit in a quarter of the available memory."""
     from .sizing import preset
 
     p = p or preset()
-    top = p.collective_max_bytes
+    top = p.collective.max_bytes
     if p.device == "cpu":
         import psutil
 
-        top = min(top, psutil.virtual_memory().available // (4 * 3 * (p.collective_ranks_cpu if ranks is None else ranks)))
-    sizes, s = [], p.collective_min_bytes
+        top = min(top, psutil.virtual_memory().available // (4 * 3 * (p.collective.ranks_cpu if ranks is None else ranks)))
+    sizes, s = [], p.collective.min_bytes
     while s <= top:
         sizes.append(s)
         s *= 2
@@ -155,14 +155,14 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
     shaped links.
 
     Ranks: one per GPU with NCCL when there are at least 2 GPUs (``ranks``, if given, at most that
-    many: asking for more raises), else ``ranks`` (default the preset's ``collective_ranks_cpu``) CPU ranks with gloo and one
+    many: asking for more raises), else ``ranks`` (default the preset's ``collective.ranks_cpu``) CPU ranks with gloo and one
     torch thread each, the GPU (if one) hidden. Each rank runs ``workers/collective_sweep.py``.
 
     Args:
         collectives: some of :data:`COLLECTIVES`. sizes: bytes of the whole buffer (nccl-tests'
             ``S``; default :func:`default_sizes`). iters: the most timed calls per size (default the
-            preset's ``collective_iters``); ``min_iters``, ``volume_bytes`` (timed calls per size =
-            volume / size, clamped), ``warmup``: the preset's ``collective_*`` by default.
+            preset's ``collective.iters``); ``min_iters``, ``volume_bytes`` (timed calls per size =
+            volume / size, clamped), ``warmup``: the preset's ``collective`` sizes by default.
         timeout: seconds for the whole launch.
 
     Returns:
@@ -199,7 +199,7 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
                                    f"Hint: ranks <= {gpus}, or ranks=None for one rank per GPU")
     cpu = p if p.device == "cpu" else PRESETS["cpu"]
     # emulated nodes shape TCP traffic: gloo CPU ranks there, so that the collective crosses the links
-    where = place(None if ranks is None else int(ranks), cpu_ranks=cpu.collective_ranks_cpu, min_ranks=2, cluster=cluster,
+    where = place(None if ranks is None else int(ranks), cpu_ranks=cpu.collective.ranks_cpu, min_ranks=2, cluster=cluster,
                   gpus=cluster is None and p.device == "cuda")
     if not where.on_gpus:
         where = where.with_env(OMP_NUM_THREADS=1)  # one torch thread per gloo rank
@@ -211,14 +211,14 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
                             for s in sizes):
         raise CollectiveInputError(f"sizes must be integers of at least 32·ranks = {32 * n} bytes, got {sizes!r}. "
                                    "Hint: each rank's chunk holds a multiple of 8 float32 elements")
-    knobs = {"iters": q.collective_iters if iters is None else iters,
-             "min_iters": q.collective_min_iters if min_iters is None else min_iters,
-             "warmup": q.collective_warmup if warmup is None else warmup,
-             "volume_bytes": q.collective_volume_bytes if volume_bytes is None else volume_bytes}
+    knobs = {"iters": q.collective.iters if iters is None else iters,
+             "min_iters": q.collective.min_iters if min_iters is None else min_iters,
+             "warmup": q.collective.warmup if warmup is None else warmup,
+             "volume_bytes": q.collective.volume_bytes if volume_bytes is None else volume_bytes}
     for name, v in knobs.items():
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise CollectiveInputError(f"{name} must be an integer >= 1, got {v!r}. "
-                                       f"Hint: leave it None for the preset's {getattr(q, 'collective_' + name)}")
+                                       f"Hint: leave it None for the preset's {getattr(q.collective, name)}")
     knobs = {k: int(v) for k, v in knobs.items()}
     args = ["--collectives", ",".join(collectives), "--sizes", ",".join(str(int(s)) for s in sizes),
             "--iters", knobs["iters"], "--min-iters", min(knobs["min_iters"], knobs["iters"]),

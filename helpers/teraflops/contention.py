@@ -11,7 +11,7 @@ sharing one PCIe switch arrive slower than one GPU's.
 :func:`sweep` measures it, one round per ``k``:
 
 * **CPU**: ``k`` threads, each repeating ``dst.copy_(src)`` on its own pair of float32 buffers of
-  ``nbytes`` (default the preset's ``contention_bytes``, :mod:`teraflops.sizing`: 64 MiB on CPU, twice
+  ``nbytes`` (default the preset's ``copies.contention_bytes``, :mod:`teraflops.sizing`: 64 MiB on CPU, twice
   the 32 MiB last-level cache of the course's CPU machine, so the copies go to DRAM), with one torch
   thread each (``torch.set_num_threads(1)`` for the round: one copy = one core's stream). Threads, not
   processes: torch releases the GIL inside ``copy_`` (its Python bindings drop it around every ATen
@@ -62,7 +62,7 @@ from .sizing import preset
 from .tables import GB, table
 
 KS = (1, 2, 4, 8)  # concurrent streams per round
-# Per-stream buffer and round length: the preset's contention_bytes and contention_seconds
+# Per-stream buffer and round length: the preset's copies.contention_bytes and copies.contention_seconds
 # (teraflops.sizing), read when sweep() is called, so importing this module probes no hardware.
 KINDS = ("copy", "h2d", "d2d")  # copy: CPU memory copy; h2d: pinned host to GPU; d2d: GPU to GPU
 
@@ -88,12 +88,12 @@ def _check(ks, nbytes, seconds, repeats, kind, device) -> tuple[int, ...]:
         raise ContentionError(f"ks must be stream counts (ints >= 1), got {ks!r}. Hint: ks=(1, 2, 4, 8)")
     if not _is_int(nbytes) or nbytes < 4:
         raise ContentionError(f"nbytes must be an int >= 4 (bytes per stream's buffer), got {nbytes!r}. "
-                              "Hint: well beyond the last-level cache, e.g. the preset's contention_bytes "
+                              "Hint: well beyond the last-level cache, e.g. the preset's copies.contention_bytes "
                               "(64 MiB on CPU, 256 MiB on a GPU)")
     if isinstance(seconds, (bool, np.bool_)) or not isinstance(seconds, (int, float, np.integer, np.floating)) \
             or not (0 < seconds < float("inf")):
         raise ContentionError(f"seconds must be a finite number > 0 (length of one round), got {seconds!r}. "
-                              "Hint: the preset's contention_seconds (0.8 s on CPU, 0.5 s on a GPU)")
+                              "Hint: the preset's copies.contention_seconds (0.8 s on CPU, 0.5 s on a GPU)")
     if not _is_int(repeats) or repeats < 1:
         raise ContentionError(f"repeats must be an int >= 1 (rounds per k), got {repeats!r}. Hint: repeats=2")
     if kind not in KINDS:
@@ -214,9 +214,9 @@ def sweep(ks=KS, nbytes: int | None = None, seconds: float | None = None, *, kin
     Args:
         ks: an iterable of stream counts (ints >= 1), one round each (default ``(1, 2, 4, 8)``).
         nbytes: bytes of each stream's buffer (default :func:`teraflops.sizing.preset`'s
-            ``contention_bytes``: 64 MiB on CPU, 256 MiB on a GPU, 4 MiB at ``tiny``). Memory used:
+            ``copies.contention_bytes``: 64 MiB on CPU, 256 MiB on a GPU, 4 MiB at ``tiny``). Memory used:
             ``2 × nbytes × max(ks)`` (pinned host memory for ``kind="h2d"``).
-        seconds: length of one round (default the preset's ``contention_seconds``: 0.8 s on CPU, 0.5 s
+        seconds: length of one round (default the preset's ``copies.contention_seconds``: 0.8 s on CPU, 0.5 s
             on a GPU, 0.1 s at ``tiny``).
         kind: ``"copy"`` (CPU memory copies; the default on CPU), ``"h2d"`` (pinned host → GPU over
             PCIe; the default on a GPU) or ``"d2d"`` (GPU memory copies). See the module doc.
@@ -241,8 +241,8 @@ def sweep(ks=KS, nbytes: int | None = None, seconds: float | None = None, *, kin
     kind = kind or ("h2d" if machine.device == "cuda" else "copy")
     if nbytes is None or seconds is None:
         p = preset()
-        nbytes = p.contention_bytes if nbytes is None else nbytes
-        seconds = p.contention_seconds if seconds is None else seconds
+        nbytes = p.copies.contention_bytes if nbytes is None else nbytes
+        seconds = p.copies.contention_seconds if seconds is None else seconds
     ks = _check(ks, nbytes, seconds, repeats, kind, machine.device)
     threads = torch.get_num_threads()
     pairs = _buffers(kind, max(ks), nbytes)

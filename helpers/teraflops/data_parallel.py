@@ -186,12 +186,12 @@ def launch_timed(worker: str, plan: DataParallelPlan, spec, result, *, timeout: 
 
 def dp_spec(plan: DataParallelPlan, *, taus=TAUS, steps=None, overlap_steps=None,
             experiments=("staleness", "overlap"), collective_timeout: float = 30) -> DataParallelSpec:
-    """The worker's :class:`DataParallelSpec` from ``plan.preset``: its ``dp_*`` GPT
-    (:func:`~teraflops.sizing.dp_config`), ``dp_steps``, ``dp_overlap_steps``, ``dp_bucket_mb``."""
+    """The worker's :class:`DataParallelSpec` from ``plan.preset``: its ``comm_gpt``
+    (:func:`~teraflops.sizing.dp_config`), ``dp.steps``, ``dp.overlap_steps``, ``dp.bucket_mb``."""
     p = plan.preset
     return DataParallelSpec(model=dp_config(p), experiments=tuple(experiments), taus=tuple(int(t) for t in taus),
-                            steps=steps or p.dp_steps, overlap_steps=overlap_steps or p.dp_overlap_steps,
-                            bucket_mb=p.dp_bucket_mb, timeout_s=collective_timeout)
+                            steps=steps or p.dp.steps, overlap_steps=overlap_steps or p.dp.overlap_steps,
+                            bucket_mb=p.dp.bucket_mb, timeout_s=collective_timeout)
 
 
 def run(taus=TAUS, steps: int | None = None, overlap_steps: int | None = None, plan: DataParallelPlan | None = None,
@@ -202,7 +202,7 @@ def run(taus=TAUS, steps: int | None = None, overlap_steps: int | None = None, p
         taus: staleness values (steps a gradient is applied late); 0 is synchronous. The first
             is the baseline of ``speedup`` and the loss deltas.
         steps, overlap_steps: training steps per τ and per overlap mode (default: the preset's
-            ``dp_steps``, ``dp_overlap_steps``).
+            ``dp.steps``, ``dp.overlap_steps``).
         plan: ranks and sizes (default :func:`~teraflops.sizing.data_parallel_plan`).
         experiments: ``"staleness"``, ``"overlap"`` or both.
         timeout: seconds for the whole launch.

@@ -52,13 +52,13 @@ StepFn = Callable[[Model, KVCache, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def decode_model(p=None, dtype: torch.dtype | None = None, seed: int = 0) -> Llama:
-    """The Unit 4 decode model: a :class:`~teraflops.models.Llama` of the preset's ``decode_*``
+    """The Unit 4 decode model: a :class:`~teraflops.models.Llama` of the preset's ``decode``
     sizes (default :func:`teraflops.sizing.preset`), in eval mode, on the preset's device, in
     ``dtype`` (default the preset's ``dtype``); weights from ``seed``."""
     from .sizing import preset
 
     p = p or preset()
-    model = Llama(p.decode_vocab, p.decode_d_model, p.decode_layers, p.decode_heads, p.decode_max_seq_len,
+    model = Llama(p.decode.vocab, p.decode.d_model, p.decode.layers, p.decode.heads, p.decode.max_seq_len,
                   seed=seed)
     return model.to(device=p.device, dtype=dtype or p.dtype).eval()
 

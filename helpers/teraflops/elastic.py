@@ -157,10 +157,10 @@ def elastic_launcher_args(max_restarts: int = 1) -> list[str]:
 
 def elastic_spec(plan: DataParallelPlan, checkpoint_dir, steps: int, checkpoint_every: int,
                  collective_timeout: float = 30) -> ElasticSpec:
-    """The worker's :class:`ElasticSpec`: ``plan.preset``'s ``gpt_*`` model, ``straggler_micro_batch``
-    sequences per rank, ``dp_lr``."""
+    """The worker's :class:`ElasticSpec`: ``plan.preset``'s ``gpt``, ``straggler.micro_batch``
+    sequences per rank, ``dp.lr``."""
     p = plan.preset
-    return ElasticSpec(model=gpt_config(p, p.straggler_micro_batch, p.dp_lr), checkpoint_dir=str(checkpoint_dir),
+    return ElasticSpec(model=gpt_config(p, p.straggler.micro_batch, p.dp.lr), checkpoint_dir=str(checkpoint_dir),
                        steps=steps, checkpoint_every=checkpoint_every, timeout_s=collective_timeout)
 
 
@@ -176,11 +176,11 @@ def launch_training(checkpoint_dir, plan: DataParallelPlan | None = None, steps:
     Raises:
         LaunchFailed: a rank failed more often than ``max_restarts`` allows, or ``timeout`` s passed.
     """
-    plan = plan or data_parallel_plan(preset(), ranks_cpu=preset().straggler_ranks_cpu)
+    plan = plan or data_parallel_plan(preset(), ranks_cpu=preset().straggler.ranks_cpu)
     p = plan.preset
     env = {**ELASTIC_ENV, **({FAULT_ENV: fault} if fault else {})}
     start, wall = time.time(), time.perf_counter()
-    spec = elastic_spec(plan, checkpoint_dir, steps or p.elastic_steps, checkpoint_every or p.elastic_checkpoint_every)
+    spec = elastic_spec(plan, checkpoint_dir, steps or p.elastic.steps, checkpoint_every or p.elastic.checkpoint_every)
     results = launch(WORKER, plan.placement, spec=spec, result=ElasticResult, timeout=timeout, env=env, launcher_args=elastic_launcher_args(max_restarts), desc=desc, port=port)
     wall = time.perf_counter() - wall
     lines = (Path(checkpoint_dir) / STEPS_LOG).read_text().splitlines()
@@ -196,10 +196,10 @@ def run(plan: DataParallelPlan | None = None, steps: int | None = None, checkpoi
     whole call 80-98 s.
 
     Args:
-        plan: ranks and sizes (default: ``data_parallel_plan(preset(), ranks_cpu=preset().straggler_ranks_cpu)``,
+        plan: ranks and sizes (default: ``data_parallel_plan(preset(), ranks_cpu=preset().straggler.ranks_cpu)``,
             4 gloo ranks on a CPU machine, one rank per GPU with two or more).
-        steps, checkpoint_every, kill_step: default the preset's ``elastic_steps``,
-            ``elastic_checkpoint_every``, ``elastic_kill_step``.
+        steps, checkpoint_every, kill_step: default the preset's ``elastic.steps``,
+            ``elastic.checkpoint_every``, ``elastic.kill_step``.
         kill_rank: default the last rank.
         timeout: seconds for each launch.
 
@@ -207,13 +207,13 @@ def run(plan: DataParallelPlan | None = None, steps: int | None = None, checkpoi
         ValueError: ``kill_step`` not in ``[0, steps)``, or ``kill_rank`` not a rank.
         LaunchFailed: a launch failed (e.g. the restarted job failed again) or timed out.
     """
-    plan = plan or data_parallel_plan(preset(), ranks_cpu=preset().straggler_ranks_cpu)
+    plan = plan or data_parallel_plan(preset(), ranks_cpu=preset().straggler.ranks_cpu)
     p = plan.preset
-    steps = p.elastic_steps if steps is None else steps
-    every = p.elastic_checkpoint_every if checkpoint_every is None else checkpoint_every
+    steps = p.elastic.steps if steps is None else steps
+    every = p.elastic.checkpoint_every if checkpoint_every is None else checkpoint_every
     if steps < 1 or every < 1:
         raise ValueError(f"steps={steps} and checkpoint_every={every} must be >= 1 (training steps)")
-    kill_step = p.elastic_kill_step if kill_step is None else kill_step
+    kill_step = p.elastic.kill_step if kill_step is None else kill_step
     kill_rank = plan.ranks - 1 if kill_rank is None else kill_rank
     if not 0 <= kill_step < steps:
         raise ValueError(f"kill_step={kill_step} must be a step of the run, 0 to {steps - 1}: a later one never comes")

@@ -32,7 +32,7 @@ Memory models (bytes on one GPU, the largest point of each workload; GB = 1e9, G
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import lru_cache
 
 HEADROOM = 0.8  # fraction of the GPU's memory a workload may plan to use
@@ -63,51 +63,53 @@ def training_bytes(params: int, *, layers: int, d_model: int, seq_len: int, micr
     return 16 * params + 68 * seq_len * micro_batch * d_model * layers + 12 * micro_batch * seq_len * vocab
 
 
+def _activation_sizes(gpt) -> dict[str, int]:
+    """The sizes :func:`training_bytes` reads from a :class:`teraflops.sizing.GPTSizes`."""
+    return dict(layers=gpt.layers, d_model=gpt.d_model, seq_len=gpt.seq_len, vocab=gpt.vocab)
+
+
 def staleness_bytes(p, taus=(0, 1, 4, 16)) -> int:
     """The stale-gradient sweep on one rank: a model and Adam per τ, ``Σ (τ + 1)`` gradients in flight."""
-    psi = gpt_params(p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len)
-    act = training_bytes(0, layers=p.dp_layers, d_model=p.dp_d_model, seq_len=p.dp_seq_len,
-                         micro_batch=p.dp_micro_batch, vocab=p.dp_vocab)
+    psi = gpt_params(**asdict(p.comm_gpt))
+    act = training_bytes(0, micro_batch=p.dp.micro_batch, **_activation_sizes(p.comm_gpt))
     return len(taus) * 16 * psi + sum(t + 1 for t in taus) * 4 * psi + act
 
 
 def decode_bytes(p, batch: int) -> int:
     """Unit 4's decode model at ``batch``: 16-bit weights, the static KV cache, the prefill's fp32 logits."""
-    weights = 2 * llama_params(p.decode_vocab, p.decode_d_model, p.decode_layers)
-    cache = 2 * 2 * p.decode_layers * batch * p.decode_max_seq_len * p.decode_d_model
-    return weights + cache + 4 * batch * p.decode_prompt_len * p.decode_vocab
+    weights = 2 * llama_params(p.decode.vocab, p.decode.d_model, p.decode.layers)
+    cache = 2 * 2 * p.decode.layers * batch * p.decode.max_seq_len * p.decode.d_model
+    return weights + cache + 4 * batch * p.decode.prompt_len * p.decode.vocab
 
 
 def decode_sweep_bytes(p, batch: int) -> int:
     """What the decode batch sweep allocates at ``batch`` (``decode.batch_sweep``: weights and the
     cache, one token per step, no prefill): the bound its out-of-memory step must pass."""
-    return 2 * llama_params(p.decode_vocab, p.decode_d_model, p.decode_layers) + \
-        2 * 2 * p.decode_layers * batch * p.decode_max_seq_len * p.decode_d_model
+    return 2 * llama_params(p.decode.vocab, p.decode.d_model, p.decode.layers) + \
+        2 * 2 * p.decode.layers * batch * p.decode.max_seq_len * p.decode.d_model
 
 
 def workload_bytes(p) -> dict[str, int]:
     """The memory model (bytes on one GPU) of each GPU-preset workload at its largest planned point
     that is meant to fit (the intended OOM points excluded: naive attention, the decode sweep's last)."""
     elem = 2  # the probes' and attention's 16-bit elements
-    gpt = dict(layers=p.gpt_layers, d_model=p.gpt_d_model, seq_len=p.gpt_seq_len, vocab=p.gpt_vocab)
-    gpt_psi = gpt_params(p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len)
-    dp_psi = gpt_params(p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len)
-    n_max = max(p.attn_seq_lens)
+    gpt, comm = _activation_sizes(p.gpt), _activation_sizes(p.comm_gpt)
+    gpt_psi, comm_psi = gpt_params(**asdict(p.gpt)), gpt_params(**asdict(p.comm_gpt))
+    n_max = max(p.attention.seq_lens)
     return {
-        "ceilings probes": max(3 * p.probe_matmul_n ** 2 * elem, 2 * p.probe_copy_bytes),
-        "roofline": max(3 * max(p.matmul_sizes) ** 2 * elem, 3 * p.elementwise_numel * 4),
-        "flash attention at the largest N": 4 * p.attn_batch * p.attn_heads * n_max * p.attn_head_dim * elem,
-        "transformer block (fwd + bwd)": training_bytes(12 * p.block_d_model ** 2, layers=1, d_model=p.block_d_model,
-                                                       seq_len=p.block_seq, micro_batch=p.block_batch, vocab=0),
-        "ZeRO stage 0 (GPT)": training_bytes(gpt_psi, micro_batch=p.dp_micro_batch, **gpt),
-        "stragglers / elastic (GPT)": training_bytes(gpt_psi, micro_batch=p.straggler_micro_batch, **gpt),
+        "ceilings probes": max(3 * p.probe.matmul_n ** 2 * elem, 2 * p.probe.copy_bytes),
+        "roofline": max(3 * max(p.roofline.matmul_sizes) ** 2 * elem, 3 * p.roofline.elementwise_numel * 4),
+        "flash attention at the largest N": 4 * p.attention.batch * p.attention.heads * n_max * p.attention.head_dim * elem,
+        "transformer block (fwd + bwd)": training_bytes(12 * p.block.d_model ** 2, layers=1, d_model=p.block.d_model,
+                                                       seq_len=p.block.seq, micro_batch=p.block.batch, vocab=0),
+        "ZeRO stage 0 (GPT)": training_bytes(gpt_psi, micro_batch=p.dp.micro_batch, **gpt),
+        "stragglers / elastic (GPT)": training_bytes(gpt_psi, micro_batch=p.straggler.micro_batch, **gpt),
         "stale gradients (τ sweep)": staleness_bytes(p),
-        "remedies (DDP)": training_bytes(dp_psi, layers=p.dp_layers, d_model=p.dp_d_model, seq_len=p.dp_seq_len,
-                                         micro_batch=p.dp_micro_batch, vocab=p.dp_vocab) + 4 * dp_psi,
-        "decode at the largest batch that fits": decode_bytes(p, p.decode_fit_batch),
-        "collectives (largest message)": 3 * p.collective_max_bytes,
-        "contention (8 streams)": 2 * 8 * p.contention_bytes,
-        "bandwidth ladder": 2 * p.ladder_bytes,
+        "remedies (DDP)": training_bytes(comm_psi, micro_batch=p.dp.micro_batch, **comm) + 4 * comm_psi,
+        "decode at the largest batch that fits": decode_bytes(p, p.decode.fit_batch),
+        "collectives (largest message)": 3 * p.collective.max_bytes,
+        "contention (8 streams)": 2 * 8 * p.copies.contention_bytes,
+        "bandwidth ladder": 2 * p.copies.ladder_bytes,
     }
 
 
@@ -128,22 +130,23 @@ def fit_preset(base, gpu):
 
     budget = HEADROOM * gpu.memory_bytes
     p = replace(base, name=base.name, dtype=torch.bfloat16 if supports_bf16(gpu.capability) else torch.float16)
-    top = p.collective_max_bytes
+    top = p.collective.max_bytes
     while 3 * top > budget and top > 64 * MiB:
         top //= 2
-    p = replace(p, collective_max_bytes=top)
-    gpt = dict(layers=p.gpt_layers, d_model=p.gpt_d_model, seq_len=p.gpt_seq_len, vocab=p.gpt_vocab)
-    psi = gpt_params(p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len)
-    for field in ("dp_micro_batch", "straggler_micro_batch"):
-        while getattr(p, field) > 1 and training_bytes(psi, micro_batch=getattr(p, field), **gpt) > budget:
-            p = replace(p, **{field: getattr(p, field) // 2})
-    while p.dp_d_model > 256 and staleness_bytes(p) > budget:
-        p = replace(p, dp_d_model=p.dp_d_model - 256)
+    p = replace(p, collective=replace(p.collective, max_bytes=top))
+    gpt, psi = _activation_sizes(p.gpt), gpt_params(**asdict(p.gpt))
+    for unit in ("dp", "straggler"):  # the ZeRO and straggler / elastic micro-batches
+        sizes = getattr(p, unit)
+        while sizes.micro_batch > 1 and training_bytes(psi, micro_batch=sizes.micro_batch, **gpt) > budget:
+            sizes = replace(sizes, micro_batch=sizes.micro_batch // 2)
+        p = replace(p, **{unit: sizes})
+    while p.comm_gpt.d_model > 256 and staleness_bytes(p) > budget:
+        p = replace(p, comm_gpt=replace(p.comm_gpt, d_model=p.comm_gpt.d_model - 256))
     fit = 1
-    while decode_bytes(p, 2 * fit) <= budget and 2 * fit <= max(base.decode_batches):
+    while decode_bytes(p, 2 * fit) <= budget and 2 * fit <= max(base.decode.batches):
         fit *= 2
     over = 2 * fit
     while decode_sweep_bytes(p, over) <= gpu.memory_bytes:  # the first batch past the whole memory: the OOM step
         over *= 2
-    batches = tuple(b for b in base.decode_batches if b <= fit)
-    return replace(p, decode_fit_batch=fit, decode_batches=batches + ((over,) if over > fit else ()))
+    batches = tuple(b for b in base.decode.batches if b <= fit)
+    return replace(p, decode=replace(p.decode, fit_batch=fit, batches=batches + ((over,) if over > fit else ())))

@@ -145,14 +145,14 @@ def offload_memory(psi: float, nd: int, mode: str = "optimizer", *, stage: int |
 
 def host_link_bandwidth(nbytes: int | None = None) -> tuple[float, str]:
     """``(bytes/s, source)`` of the host→device link: with a CUDA GPU, one pinned H2D copy of ``nbytes``
-    (default the preset's ``ladder_bytes``, :mod:`teraflops.sizing`) timed by :func:`teraflops.ceilings.measure_host_device_copy`;
+    (default the preset's ``copies.ladder_bytes``, :mod:`teraflops.sizing`) timed by :func:`teraflops.ceilings.measure_host_device_copy`;
     without one there is no PCIe to measure: the published PCIe Gen5 x16 figure per direction
     (:data:`teraflops.datasheets.PUBLISHED_LINKS`)."""
     if detect().device == "cuda":
         from .ceilings import measure_host_device_copy
         from .sizing import preset
 
-        n = preset().ladder_bytes if nbytes is None else nbytes
+        n = preset().copies.ladder_bytes if nbytes is None else nbytes
         return measure_host_device_copy(n, pinned=True), f"measured pinned H2D, {fmt_bytes(n)}"
     return next(l.bandwidth for l in PUBLISHED_LINKS if l.name == HOST_LINK), f"published {HOST_LINK}, no GPU here"
 

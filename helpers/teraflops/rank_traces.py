@@ -14,7 +14,7 @@ The workloads, and the verdict each should get from rank 0's trace with its wait
   (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
   SC 2020, §5.3; DeepSpeed's CPU path: gloo, fp32). Each parameter lives as a 1/N shard and is
   all-gathered before its module runs, and the gradients are reduce-scattered back to their
-  owners. The GPT is the preset's ``dp_*`` one (wide, few tokens: 1.6 M parameters, one sequence of
+  owners. The GPT is the preset's ``comm_gpt`` (wide, few tokens: 1.6 M parameters, one sequence of
   16 tokens per rank on CPU): the bytes moved grow with the parameters, the FLOPs with parameters
   × tokens, so with few tokens the transfers outweigh the arithmetic → **communication-bound**
   (~60 % of the step on the 2-core machine, ~30 % overhead: DeepSpeed's Python hooks). Config:
@@ -25,12 +25,12 @@ The workloads, and the verdict each should get from rank 0's trace with its wait
   waits for the backward re-gather inside its autograd node ``PreBackwardFunctionForModuleBackward``:
   triage counts such no-work time during a collective in flight as communication.
 * ``"straggler"``: synchronous data parallelism (forward, backward, one all-reduce of all gradients,
-  SGD) on the preset's ``gpt_*`` GPT, the last rank sleeping :data:`STRAGGLER_FACTOR` × the
+  SGD) on the preset's ``gpt``, the last rank sleeping :data:`STRAGGLER_FACTOR` × the
   measured step time before the all-reduce (Unit 3's injected delay, :mod:`teraflops.stragglers`).
   Rank 0 computes, then sits in the all-reduce until the late rank arrives; the waits show the late
   rank waiting least → **waiting (straggler)**, ``stragglers == (ranks - 1,)``, with about
   F / (F + 1) = 3/4 of rank 0's step waiting (67-80 % measured).
-* ``"allreduce"``: :data:`ALLREDUCE_CALLS` all-reduces of ``collective_min_bytes`` (1 KiB) with one
+* ``"allreduce"``: :data:`ALLREDUCE_CALLS` all-reduces of ``collective.min_bytes`` (1 KiB) with one
   trivial op between them: each costs the collective's latency α (the Hockney model of
   :mod:`teraflops.collectives`; ~8 ms with 4 gloo ranks on 2 cores, against µs for the op),
   nothing else to do → **communication-bound** (>90 %), even waits.
@@ -162,7 +162,7 @@ def collective_seconds(trace) -> float:
 
 
 def default_ranks() -> int:
-    """One rank per GPU with 3 GPUs or more, else the preset's ``straggler_ranks_cpu`` CPU ranks
+    """One rank per GPU with 3 GPUs or more, else the preset's ``straggler.ranks_cpu`` CPU ranks
     (:func:`teraflops.placement.place` with the detector's 3 ranks at least)."""
     return _placement(None).world_size
 
@@ -173,20 +173,20 @@ def _placement(ranks, cluster=None):
     from .sizing import preset
 
     p = preset()
-    return place(ranks, cpu_ranks=p.straggler_ranks_cpu, min_ranks=MIN_RANKS if ranks is None else 1, cluster=cluster,
+    return place(ranks, cpu_ranks=p.straggler.ranks_cpu, min_ranks=MIN_RANKS if ranks is None else 1, cluster=cluster,
                  gpus=p.device == "cuda")
 
 
 def rank_trace_spec(workloads, out_dir: Path, steps: int, p, seed: int = 0) -> RankTraceSpec:
-    """The worker's :class:`RankTraceSpec` for preset ``p``: ZeRO-3 on the ``dp_*`` GPT (wide, few
-    tokens, one sequence per rank), the straggler on the ``gpt_*`` GPT (``straggler_micro_batch``
-    sequences), ``collective_min_bytes`` all-reduces; ``seed`` for both models and their data."""
+    """The worker's :class:`RankTraceSpec` for preset ``p``: ZeRO-3 on the ``comm_gpt`` (wide, few
+    tokens, one sequence per rank), the straggler on the ``gpt`` (``straggler.micro_batch``
+    sequences), ``collective.min_bytes`` all-reduces; ``seed`` for both models and their data."""
     from .sizing import dp_config, gpt_config
 
     zero = replace(dp_config(p), micro_batch=1, lr=ZERO_LR, seed=seed)
-    dp = replace(gpt_config(p, p.straggler_micro_batch, STRAGGLER_LR), seed=seed)
+    dp = replace(gpt_config(p, p.straggler.micro_batch, STRAGGLER_LR), seed=seed)
     return RankTraceSpec(workloads=tuple(workloads), out=str(out_dir), steps=steps, zero=zero, dp=dp,
-                         allreduce_bytes=p.collective_min_bytes)
+                         allreduce_bytes=p.collective.min_bytes)
 
 
 def profile_ranks(workloads=WORKLOADS, out_dir=None, ranks: int | None = None, steps: int | None = None,

@@ -29,7 +29,7 @@ hands to ``all_reduce`` (counted in the ranks, not computed: see the worker's do
   bucket (its callbacks' collectives would otherwise be ordered differently on different ranks and
   hang: :data:`~teraflops.workers.remedies.ONE_BUCKET_WHY`).
 * **Bucketing** overlaps the all-reduce with backward: measured in :mod:`teraflops.data_parallel`
-  (the overlap experiment); every setting here uses DDP's buckets (``dp_bucket_mb``).
+  (the overlap experiment); every setting here uses DDP's buckets (``dp.bucket_mb``).
 
 Units: bytes as counted in each rank, printed in binary multiples (KiB = 1024 B, MiB = 2**20 B;
 :func:`teraflops.tables.fmt_bytes`) in tables and plots (the all-reduce payload ``S``; the ring moves ``2(n−1)/n·S``
@@ -168,8 +168,8 @@ def _check_settings(settings, micro_batches: int, accum: int, powersgd_rank: int
 def remedies_spec(plan: DataParallelPlan, settings=SETTINGS, *, micro_batches: int | None = None,
                   accum: int | None = None, powersgd_rank: int | None = None, powersgd_start: int | None = None,
                   collective_timeout: float = 30) -> RemediesSpec:
-    """The worker's :class:`RemediesSpec` from ``plan.preset``'s ``remedy_*`` sizes, its ``dp_*``
-    model (:func:`~teraflops.sizing.dp_config`) and ``dp_bucket_mb``.
+    """The worker's :class:`RemediesSpec` from ``plan.preset``'s ``remedy`` sizes, its ``comm_gpt``
+    model (:func:`~teraflops.sizing.dp_config`) and ``dp.bucket_mb``.
 
     Raises:
         RemediesError: an unknown setting, ``accum < 1``, ``micro_batches`` not a multiple of
@@ -179,11 +179,11 @@ def remedies_spec(plan: DataParallelPlan, settings=SETTINGS, *, micro_batches: i
     def pick(value, default):
         return default if value is None else value
 
-    mb, k = pick(micro_batches, p.remedy_micro_batches), pick(accum, p.remedy_accum)
-    r, start = pick(powersgd_rank, p.remedy_powersgd_rank), pick(powersgd_start, p.remedy_powersgd_start)
+    mb, k = pick(micro_batches, p.remedy.micro_batches), pick(accum, p.remedy.accum)
+    r, start = pick(powersgd_rank, p.remedy.powersgd_rank), pick(powersgd_start, p.remedy.powersgd_start)
     _check_settings(settings, mb, k, r, start)
     return RemediesSpec(model=dp_config(p), settings=tuple(settings), micro_batches=mb, accum=k, powersgd_rank=r,
-                        powersgd_start=start, bucket_mb=p.dp_bucket_mb, timeout_s=collective_timeout)
+                        powersgd_start=start, bucket_mb=p.dp.bucket_mb, timeout_s=collective_timeout)
 
 
 def run(settings=SETTINGS, *, micro_batches: int | None = None, accum: int | None = None,
@@ -195,12 +195,12 @@ def run(settings=SETTINGS, *, micro_batches: int | None = None, accum: int | Non
         settings: names from :data:`SETTINGS`; ``"baseline"`` (else the first) is the reference
             of the ratios and loss differences.
         micro_batches: micro-batches per rank per setting (default the preset's
-            ``remedy_micro_batches``); a multiple of ``accum``.
-        accum: ``k`` of the accumulation settings (default ``remedy_accum``, 4).
+            ``remedy.micro_batches``); a multiple of ``accum``.
+        accum: ``k`` of the accumulation settings (default ``remedy.accum``, 4).
         powersgd_rank, powersgd_start: PowerSGD's ``matrix_approximation_rank`` and
             ``start_powerSGD_iter`` (defaults ``remedy_powersgd_*``: 2 and 2).
         plan: ranks and sizes (default :func:`~teraflops.sizing.data_parallel_plan` with the
-            preset's ``remedy_ranks_cpu`` CPU ranks).
+            preset's ``remedy.ranks_cpu`` CPU ranks).
         timeout: seconds for the whole launch.
         cluster: an emulated :class:`~teraflops.cluster.Cluster` (up) to spread the ranks over its nodes.
 
@@ -210,7 +210,7 @@ def run(settings=SETTINGS, *, micro_batches: int | None = None, accum: int | Non
     """
     if plan is None:
         base = data_parallel_plan()
-        plan = data_parallel_plan(base.preset, ranks_cpu=base.preset.remedy_ranks_cpu)
+        plan = data_parallel_plan(base.preset, ranks_cpu=base.preset.remedy.ranks_cpu)
     spec = remedies_spec(plan, settings, micro_batches=micro_batches, accum=accum, powersgd_rank=powersgd_rank,
                          powersgd_start=powersgd_start)
     results, launched = launch_timed(WORKER, plan, spec, RemediesResult, timeout=timeout,

@@ -5,12 +5,17 @@ lecture under a few minutes (the Triton interpreter runs kernels with NumPy, ~10
 than a GPU); on a GPU they are large enough to show real behaviour, including naive attention
 running out of memory. ``TERAFLOPS_PRESET=cpu|gpu|tiny`` overrides the choice (``tiny`` is for
 smoke tests of the notebooks' code paths).
+
+Each unit's sizes are one frozen, keyword-only record (:class:`ZeroSizes`, :class:`DecodeSizes`, ...);
+a :class:`Preset` composes them by name (``p.zero.steps``, ``p.gpt.d_model``). The CPU preset spells
+every value; ``tiny`` and ``gpu`` are the CPU preset with some units replaced (``dataclasses.replace``).
+They live here rather than beside each unit's module because those modules import this one.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -20,126 +25,356 @@ from .placement import Placement, place
 MiB = 2**20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class ProbeSizes:
+    """Unit 0's ceiling probes (:func:`teraflops.ceilings.measure_ceilings`).
+
+    Attributes:
+        matmul_n: side of the square matmul timed for the peak FLOP/s (elements).
+        copy_bytes: bytes of the tensor copied for the memory bandwidth, far beyond the last-level cache.
+    """
+
+    matmul_n: int
+    copy_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RooflineSizes:
+    """Unit 1's roofline (:func:`teraflops.roofline.measure_roofline`) and launch-overhead sweeps
+    (:mod:`teraflops.launch_overhead`).
+
+    Attributes:
+        matmul_sizes: sides of the square matmuls on the roofline (elements).
+        elementwise_numel: elements of add, copy and softmax (rows × 1024 columns) on the roofline.
+        launch_sizes: the numel sweep of the launch-overhead measurement (elements).
+    """
+
+    matmul_sizes: tuple[int, ...]
+    elementwise_numel: int
+    launch_sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSizes:
+    """Unit 1's attention sweep (:func:`teraflops.attention.attention_sweep`): q, k, v of shape
+    ``(batch, heads, N, head_dim)`` for each ``N`` of ``seq_lens``.
+
+    Attributes:
+        batch, heads, head_dim: the first, second and last dimensions of q, k, v.
+        dtype: their dtype (fp32 on CPU: the Triton interpreter has no bf16).
+        seq_lens: the sequence lengths ``N`` of the sweep (positions).
+    """
+
+    batch: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    seq_lens: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """The transformer block profiled in Unit 1 (:class:`teraflops.models.TransformerBlock`), input
+    ``(batch, seq, d_model)``.
+
+    Attributes:
+        d_model: channels.
+        heads: attention heads.
+        seq: positions per sequence.
+        batch: sequences.
+    """
+
+    d_model: int
+    heads: int
+    seq: int
+    batch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTSizes:
+    """A :class:`teraflops.models.GPT` (its constructor's arguments, in its order).
+
+    Attributes:
+        vocab: tokens in the vocabulary.
+        d_model: channels.
+        layers: transformer blocks.
+        heads: attention heads per block.
+        seq_len: positions per sequence.
+    """
+
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    seq_len: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallelSizes:
+    """Unit 2's data-parallel runs: the ranks and batch shared by ZeRO (:mod:`teraflops.zero`), stale
+    updates and overlapped all-reduce (:mod:`teraflops.data_parallel`) and Unit 5's remedies
+    (:mod:`teraflops.remedies`), and the staleness and overlap experiments' own sizes.
+
+    Attributes:
+        ranks_cpu: ranks on a CPU machine (with GPUs, one rank per GPU).
+        micro_batch: sequences per rank per step.
+        lr: Adam's learning rate (staleness, overlap, remedies, elastic recovery).
+        steps: training steps per staleness τ.
+        overlap_steps: training steps per overlap mode.
+        bucket_mb: DDP's ``bucket_cap_mb`` (MiB) of the overlap and remedies runs.
+    """
+
+    ranks_cpu: int
+    micro_batch: int
+    lr: float
+    steps: int
+    overlap_steps: int
+    bucket_mb: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroSizes:
+    """Unit 2's ZeRO stages (:mod:`teraflops.zero`), on :attr:`Preset.gpt` with
+    :attr:`DataParallelSizes.micro_batch` sequences per rank.
+
+    Attributes:
+        steps: training steps per ZeRO stage (the first is warm-up, left out of timings and comms).
+    """
+
+    steps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerSizes:
+    """Unit 3's synchronous data parallelism with an injected straggler (:mod:`teraflops.stragglers`),
+    on :attr:`Preset.gpt`; its ranks and micro-batch are also the elastic demo's and the rank traces'.
+
+    Attributes:
+        ranks_cpu: ranks on a CPU machine (with GPUs, one rank per GPU).
+        micro_batch: sequences per rank per step (before rebalancing).
+        steps: timed steps per injection setting (after warm-up steps).
+        delays_ms: the constant-delay sweep (ms per step).
+        lr: SGD's learning rate, momentum 0.9 (local SGD at k = 1 equals synchronous DP only for SGD).
+    """
+
+    ranks_cpu: int
+    micro_batch: int
+    steps: int
+    delays_ms: tuple[int, ...]
+    lr: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticSizes:
+    """Unit 3's elastic recovery (:mod:`teraflops.elastic`), on :attr:`Preset.gpt` with
+    :attr:`StragglerSizes.micro_batch` sequences per rank and :attr:`DataParallelSizes.lr`.
+
+    Attributes:
+        steps: training steps of the demo.
+        checkpoint_every: steps between (atomic) checkpoints.
+        kill_step: the step at which one rank is killed.
+    """
+
+    steps: int
+    checkpoint_every: int
+    kill_step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeSizes:
+    """Unit 4's token-by-token decode with a static KV cache (:mod:`teraflops.decode`) on a
+    :class:`teraflops.models.Llama` of these sizes (:func:`teraflops.decode.decode_model`).
+
+    Attributes:
+        vocab, d_model, layers, heads: the Llama's tokens, channels, blocks and attention heads.
+        max_seq_len: KV-cache positions.
+        prompt_len: prompt tokens.
+        new_tokens: greedy tokens per ``generate()`` call.
+        batches: the batch sweep of one decode step (sequences).
+        fit_batch: the largest batch meant to fit (Unit 6's batched decode); on a GPU the sweep's last
+            batch is one past the whole memory, its out-of-memory step (:func:`teraflops.gpu_fit.fit_preset`).
+    """
+
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    max_seq_len: int
+    prompt_len: int
+    new_tokens: int
+    batches: tuple[int, ...]
+    fit_batch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveSizes:
+    """Unit 5 §1's collective bandwidth sweep (:mod:`teraflops.collectives`): float32 messages of
+    powers of two from ``min_bytes`` to ``max_bytes`` (capped by the memory free at run time), each
+    timed over ``volume_bytes / size`` iterations clamped to ``[min_iters, iters]``, after ``warmup``
+    untimed ones.
+
+    Attributes:
+        ranks_cpu: ranks on a CPU machine (with GPUs, one rank per GPU).
+        min_bytes, max_bytes: the smallest and largest message (bytes).
+        iters, min_iters: the most and fewest timed iterations per size.
+        warmup: untimed iterations per size.
+        volume_bytes: bytes timed per size (sets the iterations between the two bounds).
+    """
+
+    ranks_cpu: int
+    min_bytes: int
+    max_bytes: int
+    iters: int
+    min_iters: int
+    warmup: int
+    volume_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemedySizes:
+    """Unit 5 §2's remedies for communication (:mod:`teraflops.remedies`): DDP with gradient
+    accumulation and compression hooks, on :attr:`Preset.comm_gpt` (``bucket_cap_mb``
+    :attr:`DataParallelSizes.bucket_mb`); each setting trains on the same ``micro_batches``
+    micro-batches of :attr:`DataParallelSizes.micro_batch` sequences per rank.
+
+    Attributes:
+        ranks_cpu: ranks on a CPU machine (with GPUs, one rank per GPU).
+        micro_batches: micro-batches per setting (a multiple of ``accum``).
+        accum: k, micro-batches per optimizer step when accumulating.
+        powersgd_rank: PowerSGD's ``matrix_approximation_rank``.
+        powersgd_start: PowerSGD's ``start_powerSGD_iter`` (plain all-reduce before it; >= 2).
+    """
+
+    ranks_cpu: int
+    micro_batches: int
+    accum: int
+    powersgd_rank: int
+    powersgd_start: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopySizes:
+    """Unit 5's copy probes: the bandwidth ladder (:func:`teraflops.ceilings.bandwidth_ladder`) and k
+    streams sharing one link (:func:`teraflops.contention.sweep`). Buffers far beyond the last-level
+    cache (32 MiB of L3 on the course's CPU machine; 50-60 MB of L2 on an H100 / H200), so that the
+    copies measure memory and links, not caches (tiny's buffers fit in that cache: they only run the
+    code paths).
+
+    Attributes:
+        ladder_bytes: bytes per copy of each rung of the ladder.
+        contention_bytes: bytes of each stream's buffer (src + dst: 2 × per stream, 1 GiB at k = 8 on a GPU).
+        contention_seconds: length of one round of the contention sweep (s).
+    """
+
+    ladder_bytes: int
+    contention_bytes: int
+    contention_seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Preset:
-    """Sizes for the course's measurements (element counts unless named ``*_bytes``)."""
+    """Sizes for the course's measurements, one sizes record per unit (element counts unless named
+    ``*_bytes``): ``p.zero.steps``, ``p.gpt.d_model``, ...
+
+    Attributes:
+        name: the preset's name (a key of :data:`PRESETS`).
+        device: ``"cpu"`` or ``"cuda"``.
+        dtype: dtype of the roofline and matmul probes.
+        min_run_time: seconds per ``benchmark()`` call of Unit 1's sweeps.
+        gpt: Unit 2's small GPT (ZeRO), also Unit 3's (stragglers, elastic recovery, rank traces).
+        comm_gpt: a GPT with few tokens per parameter, so that the gradient all-reduce is a visible part
+            of a step: Unit 2 §3-4 (stale updates, overlapped all-reduce) and Unit 5 §2 (remedies).
+    """
 
     name: str
     device: str
-    dtype: torch.dtype  # dtype of the roofline and matmul probes
-    probe_matmul_n: int
-    probe_copy_bytes: int
-    matmul_sizes: tuple[int, ...]  # square matmuls on the roofline
-    elementwise_numel: int  # add, copy, softmax (rows × 1024 columns) on the roofline
-    launch_sizes: tuple[int, ...]  # numel sweep for launch overhead
-    attn_batch: int
-    attn_heads: int
-    attn_head_dim: int
-    attn_dtype: torch.dtype  # fp32 on CPU: the Triton interpreter has no bf16
-    attn_seq_lens: tuple[int, ...]
-    block_d_model: int  # transformer block profiled in Unit 1
-    block_heads: int
-    block_seq: int
-    block_batch: int
-    min_run_time: float  # seconds per benchmark() call
-    # Unit 2: the small GPT trained data-parallel (models.GPT) and its runs
-    gpt_vocab: int = 256
-    gpt_d_model: int = 128
-    gpt_layers: int = 2
-    gpt_heads: int = 4
-    gpt_seq_len: int = 64
-    dp_micro_batch: int = 4  # sequences per rank per step
-    zero_steps: int = 4  # training steps per ZeRO stage (the first is warm-up, left out of timings and comms)
-    dp_ranks_cpu: int = 2  # ranks on a CPU machine; with GPUs, one rank per GPU
-    # Unit 2 §3-4, stale updates and overlapped all-reduce (data_parallel.py): a GPT with few tokens
-    # per parameter, so that the gradient all-reduce is a visible part of a step (heads: gpt_heads,
-    # sequences per rank: dp_micro_batch)
-    dp_vocab: int = 64
-    dp_d_model: int = 256
-    dp_layers: int = 2
-    dp_seq_len: int = 16
-    dp_lr: float = 1e-3  # Adam
-    dp_steps: int = 50  # training steps per staleness τ
-    dp_overlap_steps: int = 16  # training steps per overlap mode
-    dp_bucket_mb: float = 2.0  # DDP bucket_cap_mb (MiB): the CPU model's 6.4 MB of gradients make 4 buckets
-    # Unit 3: synchronous data parallelism with an injected straggler (stragglers.py) and elastic
-    # recovery (elastic.py), on the GPT of gpt_* sizes
-    straggler_ranks_cpu: int = 4  # ranks on a CPU machine; with GPUs, one rank per GPU
-    straggler_micro_batch: int = 4  # sequences per rank per step (before rebalancing)
-    straggler_steps: int = 16  # timed steps per injection setting (after warm-up steps)
-    straggler_delays_ms: tuple[int, ...] = (0, 50, 100, 200)  # constant delay sweep, ms per step
-    straggler_lr: float = 0.3  # SGD with momentum 0.9 (local SGD at k = 1 equals synchronous DP only for SGD)
-    elastic_steps: int = 30  # training steps of the elastic-recovery demo
-    elastic_checkpoint_every: int = 5  # steps between (atomic) checkpoints
-    elastic_kill_step: int = 17  # the step at which one rank is killed
-    # Unit 4 §1-2: token-by-token decode with a static KV cache (decode.py) on a models.Llama of these
-    # sizes (decode.decode_model); CPU sizes keep the lecture, a cold torch.compile (~20-25 s on two
-    # cores) included, to a minute or two
-    decode_vocab: int = 1024
-    decode_d_model: int = 256
-    decode_layers: int = 4
-    decode_heads: int = 4
-    decode_max_seq_len: int = 256  # KV-cache positions
-    decode_prompt_len: int = 16
-    decode_new_tokens: int = 64  # greedy tokens per generate() call
-    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch sweep of one decode step
-    decode_fit_batch: int = 64  # the largest batch meant to fit (Unit 6's batched decode); on a GPU the sweep's
-    # last batch is one past the whole memory, its out-of-memory step (gpu_fit.fit_preset)
-    # Unit 5 §1: the collective bandwidth sweep (collectives.py): float32 messages of powers of two
-    # from collective_min_bytes to collective_max_bytes (capped by the memory free at run time), each
-    # timed over volume_bytes / size iterations, clamped to [collective_min_iters, collective_iters],
-    # after collective_warmup untimed ones. CPU sizes keep the 3-collective sweep (4 gloo ranks on
-    # two cores) near 30 s, the ~10 s launch included
-    collective_ranks_cpu: int = 4  # ranks on a CPU machine; with GPUs, one rank per GPU
-    collective_min_bytes: int = 1024
-    collective_max_bytes: int = 64 * MiB
-    collective_iters: int = 20  # nccl-tests' default -n 20
-    collective_min_iters: int = 3
-    collective_warmup: int = 2
-    collective_volume_bytes: int = 256 * MiB
-    # Unit 5 §2: remedies for communication (remedies.py): DDP with gradient accumulation and compression
-    # hooks, on the GPT of dp_* sizes (bucket_cap_mb dp_bucket_mb); each setting trains on the same
-    # remedy_micro_batches micro-batches (dp_micro_batch sequences per rank each; a multiple of remedy_accum)
-    remedy_ranks_cpu: int = 4  # ranks on a CPU machine; with GPUs, one rank per GPU
-    remedy_micro_batches: int = 32
-    remedy_accum: int = 4  # k: micro-batches per optimizer step when accumulating
-    remedy_powersgd_rank: int = 2  # PowerSGD matrix_approximation_rank
-    remedy_powersgd_start: int = 2  # PowerSGD start_powerSGD_iter (plain all-reduce before; >= 2)
-    # Unit 5: copy probes of the bandwidth ladder (ceilings.bandwidth_ladder) and of k streams sharing one
-    # link (contention.sweep). Buffers far beyond the last-level cache (32 MiB of L3 on the course's CPU
-    # machine; 50-60 MB of L2 on an H100 / H200), so that the copies measure memory and links, not caches
-    # (tiny's buffers fit in that cache: they only run the code paths)
-    ladder_bytes: int = 64 * MiB  # bytes per copy of each rung
-    contention_bytes: int = 64 * MiB  # bytes of each stream's buffer (src + dst: 2 × per stream, 1 GiB at k = 8)
-    contention_seconds: float = 0.8  # length of one round of the contention sweep, s
+    dtype: torch.dtype
+    min_run_time: float
+    probe: ProbeSizes
+    roofline: RooflineSizes
+    attention: AttentionSizes
+    block: BlockSizes
+    gpt: GPTSizes
+    comm_gpt: GPTSizes
+    dp: DataParallelSizes
+    zero: ZeroSizes
+    straggler: StragglerSizes
+    elastic: ElasticSizes
+    decode: DecodeSizes
+    collective: CollectiveSizes
+    remedy: RemedySizes
+    copies: CopySizes
 
+
+# The CPU preset keeps a lecture under a few minutes on the course's two-core CPU machine; tiny and
+# gpu replace the sizes they change.
+_CPU = Preset(
+    name="cpu", device="cpu", dtype=torch.float32, min_run_time=0.1,
+    probe=ProbeSizes(matmul_n=1024, copy_bytes=128 * MiB),
+    roofline=RooflineSizes(matmul_sizes=(16, 64, 256, 1024), elementwise_numel=1 << 24,
+                           launch_sizes=(1, 1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 22)),
+    attention=AttentionSizes(batch=1, heads=2, head_dim=32, dtype=torch.float32, seq_lens=(128, 256, 512, 1024)),
+    block=BlockSizes(d_model=256, heads=4, seq=128, batch=4),
+    gpt=GPTSizes(vocab=256, d_model=128, layers=2, heads=4, seq_len=64),
+    comm_gpt=GPTSizes(vocab=64, d_model=256, layers=2, heads=4, seq_len=16),  # heads: gpt's in every preset
+    # bucket_mb: the CPU comm_gpt's 6.4 MB of gradients make 4 buckets
+    dp=DataParallelSizes(ranks_cpu=2, micro_batch=4, lr=1e-3, steps=50, overlap_steps=16, bucket_mb=2.0),
+    zero=ZeroSizes(steps=4),
+    straggler=StragglerSizes(ranks_cpu=4, micro_batch=4, steps=16, delays_ms=(0, 50, 100, 200), lr=0.3),
+    elastic=ElasticSizes(steps=30, checkpoint_every=5, kill_step=17),
+    # a minute or two of decode lecture on two cores, a cold torch.compile (~20-25 s) included
+    decode=DecodeSizes(vocab=1024, d_model=256, layers=4, heads=4, max_seq_len=256, prompt_len=16, new_tokens=64,
+                       batches=(1, 2, 4, 8, 16, 32, 64), fit_batch=64),
+    # the 3-collective sweep (4 gloo ranks on two cores) near 30 s, the ~10 s launch included;
+    # iters: nccl-tests' default -n 20
+    collective=CollectiveSizes(ranks_cpu=4, min_bytes=1024, max_bytes=64 * MiB, iters=20, min_iters=3, warmup=2,
+                               volume_bytes=256 * MiB),
+    remedy=RemedySizes(ranks_cpu=4, micro_batches=32, accum=4, powersgd_rank=2, powersgd_start=2),
+    copies=CopySizes(ladder_bytes=64 * MiB, contention_bytes=64 * MiB, contention_seconds=0.8),
+)
 
 PRESETS = {
-    "tiny": Preset("tiny", "cpu", torch.float32, 256, 16 * MiB, (32, 256), 1 << 18, (1, 1 << 10, 1 << 16),
-                   1, 2, 32, torch.float32, (64, 128), 64, 2, 32, 2, 0.02, gpt_d_model=64, gpt_seq_len=32, zero_steps=3,
-                   dp_d_model=64, dp_steps=6, dp_overlap_steps=4, dp_bucket_mb=0.05,
-                   straggler_steps=4, straggler_delays_ms=(0, 50), elastic_steps=8, elastic_checkpoint_every=3,
-                   elastic_kill_step=5, decode_vocab=256, decode_d_model=64, decode_layers=2, decode_heads=2,
-                   decode_max_seq_len=32, decode_prompt_len=4, decode_new_tokens=8, decode_batches=(1, 2, 4), decode_fit_batch=4,
-                   collective_ranks_cpu=2, collective_max_bytes=4 * MiB, collective_iters=5,
-                   collective_min_iters=2, collective_warmup=1, remedy_micro_batches=16,
-                   ladder_bytes=8 * MiB, contention_bytes=4 * MiB, contention_seconds=0.1),
-    "cpu": Preset("cpu", "cpu", torch.float32, 1024, 128 * MiB, (16, 64, 256, 1024), 1 << 24,
-                  (1, 1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 22), 1, 2, 32, torch.float32,
-                  (128, 256, 512, 1024), 256, 4, 128, 4, 0.1),
-    "gpu": Preset("gpu", "cuda", torch.bfloat16, 8192, 2048 * MiB, (64, 256, 1024, 4096, 8192), 1 << 28,
-                  (1, 1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26), 4, 16, 64, torch.float16,
-                  (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536), 2048, 16, 2048, 8, 0.2,
-                  gpt_vocab=32768, gpt_d_model=1024, gpt_layers=8, gpt_heads=16, gpt_seq_len=1024, dp_micro_batch=8,
-                  zero_steps=6, dp_vocab=4096, dp_d_model=1024, dp_layers=8, dp_seq_len=256, dp_lr=3e-4,
-                  dp_steps=100, dp_overlap_steps=30, dp_bucket_mb=25.0, straggler_micro_batch=8, straggler_lr=0.05,
-                  straggler_steps=30, elastic_steps=60, elastic_checkpoint_every=10, elastic_kill_step=33,
-                  decode_vocab=32768, decode_d_model=2048, decode_layers=16, decode_heads=16, decode_max_seq_len=1024,
-                  decode_prompt_len=128, decode_new_tokens=256, decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-                  decode_fit_batch=256,
-                  collective_max_bytes=8192 * MiB, collective_warmup=5, collective_volume_bytes=1 << 40,
-                  remedy_micro_batches=64, ladder_bytes=256 * MiB, contention_bytes=256 * MiB,
-                  contention_seconds=0.5),
+    # smoke tests of the notebooks' code paths
+    "tiny": replace(
+        _CPU, name="tiny", min_run_time=0.02,
+        probe=ProbeSizes(matmul_n=256, copy_bytes=16 * MiB),
+        roofline=RooflineSizes(matmul_sizes=(32, 256), elementwise_numel=1 << 18, launch_sizes=(1, 1 << 10, 1 << 16)),
+        attention=replace(_CPU.attention, seq_lens=(64, 128)),
+        block=BlockSizes(d_model=64, heads=2, seq=32, batch=2),
+        gpt=replace(_CPU.gpt, d_model=64, seq_len=32),
+        comm_gpt=replace(_CPU.comm_gpt, d_model=64),
+        dp=replace(_CPU.dp, steps=6, overlap_steps=4, bucket_mb=0.05),
+        zero=ZeroSizes(steps=3),
+        straggler=replace(_CPU.straggler, steps=4, delays_ms=(0, 50)),
+        elastic=ElasticSizes(steps=8, checkpoint_every=3, kill_step=5),
+        decode=replace(_CPU.decode, vocab=256, d_model=64, layers=2, heads=2, max_seq_len=32, prompt_len=4,
+                       new_tokens=8, batches=(1, 2, 4), fit_batch=4),
+        collective=replace(_CPU.collective, ranks_cpu=2, max_bytes=4 * MiB, iters=5, min_iters=2, warmup=1),
+        remedy=replace(_CPU.remedy, micro_batches=16),
+        copies=CopySizes(ladder_bytes=8 * MiB, contention_bytes=4 * MiB, contention_seconds=0.1),
+    ),
+    "cpu": _CPU,
+    # written for an 80 GB H100; preset() fits it to the GPU found (teraflops.gpu_fit.fit_preset)
+    "gpu": replace(
+        _CPU, name="gpu", device="cuda", dtype=torch.bfloat16, min_run_time=0.2,
+        probe=ProbeSizes(matmul_n=8192, copy_bytes=2048 * MiB),
+        roofline=RooflineSizes(matmul_sizes=(64, 256, 1024, 4096, 8192), elementwise_numel=1 << 28,
+                               launch_sizes=(1, 1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26)),
+        attention=AttentionSizes(batch=4, heads=16, head_dim=64, dtype=torch.float16,
+                                 seq_lens=(512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)),
+        block=BlockSizes(d_model=2048, heads=16, seq=2048, batch=8),
+        gpt=GPTSizes(vocab=32768, d_model=1024, layers=8, heads=16, seq_len=1024),
+        comm_gpt=GPTSizes(vocab=4096, d_model=1024, layers=8, heads=16, seq_len=256),
+        dp=replace(_CPU.dp, micro_batch=8, lr=3e-4, steps=100, overlap_steps=30, bucket_mb=25.0),
+        zero=ZeroSizes(steps=6),
+        straggler=replace(_CPU.straggler, micro_batch=8, steps=30, lr=0.05),
+        elastic=ElasticSizes(steps=60, checkpoint_every=10, kill_step=33),
+        decode=DecodeSizes(vocab=32768, d_model=2048, layers=16, heads=16, max_seq_len=1024, prompt_len=128,
+                           new_tokens=256, batches=(1, 2, 4, 8, 16, 32, 64, 128, 256), fit_batch=256),
+        collective=replace(_CPU.collective, max_bytes=8192 * MiB, warmup=5, volume_bytes=1 << 40),
+        remedy=replace(_CPU.remedy, micro_batches=64),
+        copies=CopySizes(ladder_bytes=256 * MiB, contention_bytes=256 * MiB, contention_seconds=0.5),
+    ),
 }
 
 
@@ -167,15 +402,13 @@ class TrainConfig:
 
 
 def dp_config(p: Preset) -> TrainConfig:
-    """Unit 2 §3-4's and Unit 5 §2's GPT: the ``dp_*`` sizes, ``gpt_heads``, ``dp_micro_batch``, ``dp_lr``."""
-    return TrainConfig(vocab=p.dp_vocab, d_model=p.dp_d_model, layers=p.dp_layers, heads=p.gpt_heads,
-                       seq_len=p.dp_seq_len, micro_batch=p.dp_micro_batch, lr=p.dp_lr)
+    """Unit 2 §3-4's and Unit 5 §2's GPT: ``p.comm_gpt``, ``p.dp.micro_batch`` sequences per rank, ``p.dp.lr``."""
+    return TrainConfig(**asdict(p.comm_gpt), micro_batch=p.dp.micro_batch, lr=p.dp.lr)
 
 
 def gpt_config(p: Preset, micro_batch: int, lr: float) -> TrainConfig:
-    """The ``gpt_*`` GPT with ``micro_batch`` sequences per rank and learning rate ``lr``."""
-    return TrainConfig(vocab=p.gpt_vocab, d_model=p.gpt_d_model, layers=p.gpt_layers, heads=p.gpt_heads,
-                       seq_len=p.gpt_seq_len, micro_batch=micro_batch, lr=lr)
+    """``p.gpt`` with ``micro_batch`` sequences per rank and learning rate ``lr``."""
+    return TrainConfig(**asdict(p.gpt), micro_batch=micro_batch, lr=lr)
 
 
 def preset(name: str | None = None) -> Preset:
@@ -226,7 +459,7 @@ class DataParallelPlan:
 def data_parallel_plan(p: Preset | None = None, ranks_cpu: int | None = None, *, min_ranks: int = 2,
                        cluster=None, machine=None) -> DataParallelPlan:
     """One rank per GPU with NCCL when there are at least two GPUs (and at least ``min_ranks``);
-    otherwise ``ranks_cpu`` (default the preset's ``dp_ranks_cpu``) CPU ranks with gloo, the GPUs
+    otherwise ``ranks_cpu`` (default the preset's ``dp.ranks_cpu``) CPU ranks with gloo, the GPUs
     hidden, and the CPU preset's sizes (:func:`teraflops.placement.place` decides; ``cluster``
     spreads the ranks over emulated nodes). A preset for the CPU asks for CPU ranks.
 
@@ -235,6 +468,6 @@ def data_parallel_plan(p: Preset | None = None, ranks_cpu: int | None = None, *,
     """
     p = p or preset()
     cpu = p if p.device == "cpu" else PRESETS["cpu"]
-    where = place(None, cpu_ranks=ranks_cpu or cpu.dp_ranks_cpu, min_ranks=min_ranks, cluster=cluster,
+    where = place(None, cpu_ranks=ranks_cpu or cpu.dp.ranks_cpu, min_ranks=min_ranks, cluster=cluster,
                   gpus=p.device == "cuda", machine=machine)
     return DataParallelPlan(where, p if where.on_gpus else cpu)

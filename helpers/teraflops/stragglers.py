@@ -380,13 +380,13 @@ def rebalance(speeds, global_batch: int) -> list[int]:
 
 def straggler_spec(plan: DataParallelPlan, *, delays_ms=None, steps=None, experiments=EXPERIMENTS,
                    local_ks=(LOCAL_K,), collective_timeout: float = 30) -> StragglerSpec:
-    """The worker's :class:`StragglerSpec` from ``plan.preset``'s ``gpt_*`` GPT (``straggler_micro_batch``
-    sequences per rank, ``straggler_lr``) and ``straggler_*`` sizes."""
+    """The worker's :class:`StragglerSpec` from ``plan.preset``'s ``gpt`` (``straggler.micro_batch``
+    sequences per rank, ``straggler.lr``) and ``straggler`` sizes."""
     p = plan.preset
-    delays = p.straggler_delays_ms if delays_ms is None else delays_ms
-    return StragglerSpec(model=gpt_config(p, p.straggler_micro_batch, p.straggler_lr),
+    delays = p.straggler.delays_ms if delays_ms is None else delays_ms
+    return StragglerSpec(model=gpt_config(p, p.straggler.micro_batch, p.straggler.lr),
                          experiments=tuple(experiments), delays_ms=tuple(float(d) for d in delays),
-                         steps=steps or p.straggler_steps, local_ks=tuple(int(k) for k in local_ks),
+                         steps=steps or p.straggler.steps, local_ks=tuple(int(k) for k in local_ks),
                          timeout_s=collective_timeout)
 
 
@@ -396,10 +396,10 @@ def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None 
 
     Args:
         plan: ranks and sizes (default: :func:`~teraflops.sizing.data_parallel_plan` with the
-            preset's ``straggler_ranks_cpu`` CPU ranks, or one rank per GPU).
-        delays_ms: constant delays of the sweep (ms; default ``straggler_delays_ms``); include 0,
+            preset's ``straggler.ranks_cpu`` CPU ranks, or one rank per GPU).
+        delays_ms: constant delays of the sweep (ms; default ``straggler.delays_ms``); include 0,
             the baseline of :func:`predicted_idle`.
-        steps: timed steps per setting (default ``straggler_steps``), after :data:`WARMUP` untimed.
+        steps: timed steps per setting (default ``straggler.steps``), after :data:`WARMUP` untimed.
         experiments: any of ``"sweep"``, ``"kinds"``, ``"rebalance"``, ``"localsgd"``.
         local_ks: the k values of local SGD (steps between parameter averages).
         timeout: seconds for the whole launch.
@@ -418,7 +418,7 @@ def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None 
                          "Hint: include 0 ms, the baseline of the prediction")
     if plan is None:
         p = preset()
-        plan = data_parallel_plan(p, ranks_cpu=p.straggler_ranks_cpu, min_ranks=MIN_RANKS)
+        plan = data_parallel_plan(p, ranks_cpu=p.straggler.ranks_cpu, min_ranks=MIN_RANKS)
     before, start = os.getloadavg()[0], time.perf_counter()
     spec = straggler_spec(plan, delays_ms=delays_ms, steps=steps, experiments=experiments, local_ks=local_ks)
     results = launch(WORKER, plan.placement, spec=spec, result=StragglerResult, timeout=timeout,

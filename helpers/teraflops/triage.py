@@ -188,7 +188,7 @@ def _ceilings_on(device: str) -> Ceilings:
     if device == detect().device:
         return measure_ceilings(device=device)
     p = PRESETS["cpu"]
-    return measure_ceilings(p.probe_matmul_n, p.probe_copy_bytes, torch.float32, device)
+    return measure_ceilings(p.probe.matmul_n, p.probe.copy_bytes, torch.float32, device)
 
 
 def measured_launch_floor(device: str | None = None) -> float:

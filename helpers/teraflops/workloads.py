@@ -70,11 +70,11 @@ def _attention_seq(p, device: str) -> int:
     four times over (scores, mask, softmax, its copy), fit in a quarter of the GPU's memory (on a GPU
     the longest lengths are there to run naive attention out of memory, Unit 1); on a CPU the longest."""
     if device != "cuda":
-        return max(p.attn_seq_lens)
+        return max(p.attention.seq_lens)
     budget = torch.cuda.get_device_properties(0).total_memory / 4
-    elem = torch.empty((), dtype=p.attn_dtype).element_size()
-    fits = [n for n in p.attn_seq_lens if 4 * p.attn_batch * p.attn_heads * n * n * elem <= budget]
-    return max(fits or [min(p.attn_seq_lens)])
+    elem = torch.empty((), dtype=p.attention.dtype).element_size()
+    fits = [n for n in p.attention.seq_lens if 4 * p.attention.batch * p.attention.heads * n * n * elem <= budget]
+    return max(fits or [min(p.attention.seq_lens)])
 
 
 def _local_fn(name: str, scale: float = 1.0, seed: int = 0) -> Callable[[], object]:
@@ -87,12 +87,12 @@ def _local_fn(name: str, scale: float = 1.0, seed: int = 0) -> Callable[[], obje
     p, dev = preset(), detect().device
     g = torch.Generator().manual_seed(seed)
     if name == "matmul":
-        n = int(max(p.matmul_sizes) * scale) // 16 * 16
+        n = int(max(p.roofline.matmul_sizes) * scale) // 16 * 16
         a, b = (torch.randn(n, n, generator=g).to(dev, p.dtype) for _ in range(2))
         return lambda: a @ b
     if name in ("naive_attention", "sdpa_attention"):
         seq = int(_attention_seq(p, dev) * scale) // 64 * 64
-        q, k, v = (torch.randn(p.attn_batch, p.attn_heads, seq, p.attn_head_dim, generator=g).to(dev, p.attn_dtype)
+        q, k, v = (torch.randn(p.attention.batch, p.attention.heads, seq, p.attention.head_dim, generator=g).to(dev, p.attention.dtype)
                    for _ in range(3))
         if name == "naive_attention":
             return lambda: attention.naive_attention(q, k, v, causal=True)
@@ -103,7 +103,7 @@ def _local_fn(name: str, scale: float = 1.0, seed: int = 0) -> Callable[[], obje
             prompt = torch.randint(0, 64, (1, 4), generator=g).to(dev)
             return lambda: decode.generate(model, prompt, max(4, int(16 * scale)))
         model = decode.decode_model(p, seed=seed).eval()
-        prompt = torch.randint(0, p.decode_vocab, (p.decode_fit_batch, p.decode_prompt_len), generator=g).to(dev)
+        prompt = torch.randint(0, p.decode.vocab, (p.decode.fit_batch, p.decode.prompt_len), generator=g).to(dev)
         return lambda: decode.generate(model, prompt, 8)
     raise CourseError(f"unknown in-process workload {name!r}. Hint: one of {', '.join(LOCAL)}")
 

@@ -239,9 +239,9 @@ def run_zero(stages=(0, 1, 2, 3), plan=None, steps: int | None = None, timeout: 
 
 
 def zero_spec(p, stages=(0, 1, 2, 3), steps: int | None = None) -> ZeroSpec:
-    """The :class:`ZeroSpec` of preset ``p``: its ``gpt_*`` GPT, ``dp_micro_batch`` sequences per
-    rank, AdamW at :data:`LR`, ``steps`` (default ``zero_steps``) per stage."""
-    return ZeroSpec(tuple(int(s) for s in stages), steps or p.zero_steps, gpt_config(p, p.dp_micro_batch, LR))
+    """The :class:`ZeroSpec` of preset ``p``: its ``gpt``, ``dp.micro_batch`` sequences per
+    rank, AdamW at :data:`LR`, ``steps`` (default ``zero.steps``) per stage."""
+    return ZeroSpec(tuple(int(s) for s in stages), steps or p.zero.steps, gpt_config(p, p.dp.micro_batch, LR))
 
 
 def stage_runs(spec: ZeroSpec, ranks: list[ZeroResult]) -> list[StageRun]:
@@ -297,14 +297,14 @@ def expected_comm_bytes(run: StageRun, model) -> float:
 
 
 def trained_gpt(p):
-    """The GPT that :func:`run_zero` trains at preset ``p``'s ``gpt_*`` sizes, on the ``meta``
+    """The GPT that :func:`run_zero` trains at preset ``p``'s ``gpt`` sizes, on the ``meta``
     device (shapes only, no memory), for :func:`expected_comm_bytes`."""
     import torch
 
     from .models import GPT
 
     with torch.device("meta"):
-        return GPT(p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len)
+        return GPT(p.gpt.vocab, p.gpt.d_model, p.gpt.layers, p.gpt.heads, p.gpt.seq_len)
 
 
 def ops_table(run: StageRun) -> str:
