@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from teraflops import data_parallel as dp
-from teraflops.sizing import data_parallel_plan, preset
-from teraflops.workers.data_parallel import (EVAL_BATCHES, Config, DelayedGradients, held_out, make_data, rank_batch,
-                                            train_reference)
+from teraflops.sizing import data_parallel_plan, dp_config, preset
+from teraflops.spec import SpecError, from_json, to_json
+from teraflops.workers.common import EVAL_BATCHES, held_out, make_data, rank_batch
+from teraflops.workers.data_parallel import DelayedGradients, train_reference
 
 STALENESS_KEYS = {"tau", "step_ms", "samples_per_s", "tokens_per_s", "speedup", "final_loss", "loss_delta",
                   "eval_loss", "eval_delta", "updates", "losses"}
@@ -47,7 +48,7 @@ def test_delayed_gradients_refuse_negative_tau():
 
 
 def test_ranks_split_each_global_batch_and_the_held_out_rows_are_unseen():
-    cfg, world, steps = Config(micro_batch=3), 2, 4
+    cfg, world, steps = dataclasses.replace(dp_config(preset("tiny")), micro_batch=3), 2, 4
     inputs, targets = make_data(cfg, steps, world)
     assert inputs.shape == ((steps + EVAL_BATCHES) * world * 3, cfg.seq_len)
     assert (targets[:, :-1] == inputs[:, 1:]).all()
@@ -68,28 +69,34 @@ def test_mean_over_ranks_is_the_per_step_mean():
 
 def test_launch_timed_passes_the_plan_and_returns_the_launch_fields(monkeypatch):
     seen = {}
+    cfg = dp_config(preset("tiny"))
 
-    def fake_launch(module, where, args, **kwargs):
-        seen.update(module=module, where=where, args=args, **kwargs)
+    def fake_launch(module, where, **kwargs):
+        seen.update(module=module, where=where, **kwargs)
         n = where.world_size
-        return [{"params": 10, "world_size": n, "backend": "gloo", "config": {"micro_batch": 2}}] * n
+        return [dp.DataParallelResult(rank=r, world_size=n, backend="gloo", device="cpu", params=10, config=cfg,
+                                      staleness=(), overlap=()) for r in range(n)]
 
     monkeypatch.setattr(dp, "launch", fake_launch)
     plan = data_parallel_plan(preset("tiny"))
-    results, launched = dp.launch_timed("some.worker", plan, ["--x", "1"], timeout=5, desc="d")
+    spec = dp.dp_spec(plan)
+    results, launched = dp.launch_timed("some.worker", plan, spec, dp.DataParallelResult, timeout=5, desc="d")
     assert len(results) == plan.ranks and seen["where"] == plan.placement and seen["timeout"] == 5
-    assert seen["module"] == "some.worker" and seen["args"] == ["--x", "1"] and seen["desc"] == "d"
+    assert seen["module"] == "some.worker" and seen["spec"] == spec and seen["desc"] == "d"
+    assert seen["result"] is dp.DataParallelResult and launched["config"] == cfg
     assert {f.name for f in dataclasses.fields(dp.RankLaunch)} == set(launched)
     assert launched["ranks"] == plan.ranks and launched["params"] == 10 and launched["wall_s"] >= 0
     assert len(launched["load_avg"]) == 2
 
 
-def test_worker_args_carry_the_model_args_of_the_preset():
+def test_the_spec_carries_the_sizes_of_the_preset_and_survives_json():
     p = preset("tiny")
-    args = dp.worker_args(data_parallel_plan(p), steps=3)
-    assert args[args.index("--steps") + 1] == "3" and args[-len(dp.model_args(p)):] == dp.model_args(p)
-    opts = dict(zip(dp.model_args(p)[::2], dp.model_args(p)[1::2]))
-    assert opts["--bucket-mb"] == str(p.dp_bucket_mb) and opts["--d-model"] == str(p.dp_d_model)
+    spec = dp.dp_spec(data_parallel_plan(p), steps=3)
+    assert spec.steps == 3 and spec.overlap_steps == p.dp_overlap_steps and spec.bucket_mb == p.dp_bucket_mb
+    assert spec.model == dp_config(p) and spec.model.d_model == p.dp_d_model and spec.model.heads == p.gpt_heads
+    assert from_json(dp.DataParallelSpec, to_json(spec)) == spec
+    with pytest.raises(SpecError, match=r"^DataParallelSpec: unknown experiment or mode \['fast'\]"):
+        from_json(dp.DataParallelSpec, {**to_json(spec), "modes": ["fast"]})
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +117,7 @@ def test_staleness_rows_and_tau_0_is_plain_synchronous_training(tiny_run):
         assert r["step_ms"] > 0 and math.isfinite(r["eval_loss"]) and r["speedup"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * plan.preset.dp_seq_len)
     for r in rows:  # every τ reproduces one process applying each global-batch gradient τ steps late
-        reference = train_reference(Config(**result.config), STEPS, result.ranks, tau=r["tau"])
+        reference = train_reference(result.config, STEPS, result.ranks, tau=r["tau"])
         assert max(abs(a - b) for a, b in zip(r["losses"], reference)) < 1e-5, r["tau"]
     first = {r["losses"][0] for r in rows}  # same initialisation and data for every τ
     assert max(first) - min(first) < 1e-6

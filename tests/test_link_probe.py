@@ -108,8 +108,8 @@ def test_even_links_flag_nothing_and_a_node_only_a_bit_slower_is_not_flagged():
 
 
 def test_results_are_placed_by_node_not_by_rank():
-    results = [{"rank": r, "node": n, "bytes": 8, "repeats": 1,
-                "times": {str(p): [0.1 * (n + 1) + 0.01 * (pn + 1)] for p, pn in enumerate((2, 0, 1)) if p != r}}
+    results = [lp.LinkProbeResult(rank=r, world_size=3, node=n, bytes=8, repeats=1,
+                                  times={p: [0.1 * (n + 1) + 0.01 * (pn + 1)] for p, pn in enumerate((2, 0, 1)) if p != r})
                for r, n in enumerate((2, 0, 1))]
     res = lp.from_results(results)
     assert res.pair_s[0, 2, 0] == pytest.approx(0.31) and res.pair_s[0, 0, 1] == pytest.approx(0.12)

@@ -6,6 +6,7 @@ accumulation k = 4 cuts the measured bytes per sample 4×, fp16/bf16 hooks halve
 PowerSGD cuts far more, and every loss is finite with its difference from the baseline reported.
 """
 
+import dataclasses
 import math
 
 import matplotlib
@@ -14,7 +15,8 @@ import torch
 
 from teraflops import data_parallel as dp
 from teraflops import remedies as rm
-from teraflops.sizing import data_parallel_plan, preset
+from teraflops.sizing import data_parallel_plan, dp_config, preset
+from teraflops.spec import SpecError, from_json, to_json
 from teraflops.workers import remedies as wr
 
 
@@ -65,19 +67,30 @@ def test_bad_rows_give_one_line_errors(rows, match):
     ({"powersgd_start": 1}, "start"), ({"powersgd_rank": 0}, "rank")])
 def test_bad_settings_fail_before_any_launch_in_one_line(kwargs, match):
     plan = data_parallel_plan(preset("tiny"))
-    settings = kwargs.pop("settings", wr.SETTINGS)
+    settings = kwargs.pop("settings", rm.SETTINGS)
     with pytest.raises(rm.RemediesError, match=match) as info:
-        rm.worker_args(plan, settings, **kwargs)
+        rm.remedies_spec(plan, settings, **kwargs)
     assert "\n" not in str(info.value) and "Hint:" in str(info.value)
 
 
-def test_worker_args_carry_the_preset_sizes():
+def test_the_spec_carries_the_preset_sizes_and_is_checked_when_read():
     p = preset("tiny")
-    args = rm.worker_args(data_parallel_plan(p))
-    opts = dict(zip(args[::2], args[1::2]))
-    assert opts["--micro-batches"] == str(p.remedy_micro_batches) and opts["--accum"] == str(p.remedy_accum)
-    assert opts["--d-model"] == str(p.dp_d_model) and opts["--bucket-mb"] == str(p.dp_bucket_mb)
-    assert opts["--settings"].split(",") == list(wr.SETTINGS)
+    spec = rm.remedies_spec(data_parallel_plan(p))
+    assert spec.micro_batches == p.remedy_micro_batches and spec.accum == p.remedy_accum
+    assert spec.model == dp_config(p) and spec.bucket_mb == p.dp_bucket_mb and spec.settings == rm.SETTINGS
+    assert from_json(rm.RemediesSpec, to_json(spec)) == spec
+    with pytest.raises(SpecError, match=r"^RemediesSpec: accum must be an int >= 1") as info:
+        from_json(rm.RemediesSpec, {**to_json(spec), "accum": 0})
+    assert "\n" not in str(info.value)
+
+
+def ranks(runs_per_rank, world=2, micro_batch=2, powersgd_rank=2):
+    """Typed results of ``world`` ranks (rank r's runs: ``runs_per_rank[r]``, dicts of RemedyResult fields)."""
+    cfg = dataclasses.replace(dp_config(preset("tiny")), micro_batch=micro_batch)
+    return [rm.RemediesResult(rank=r, world_size=world, backend="gloo", device="cpu", params=100, config=cfg,
+                              micro_batches=4, powersgd_rank=powersgd_rank, powersgd_start=2,
+                              runs=tuple(rm.RemedyResult(**{"bucket_mb": 2.0, **run}) for run in runs))
+            for r, runs in enumerate(runs_per_rank)]
 
 
 def test_all_reduce_counter_counts_payload_bytes_and_restores(monkeypatch):
@@ -110,7 +123,7 @@ def test_rows_take_the_last_step_as_bytes_per_step_and_the_whole_run_per_sample(
                 "step_buckets": [1] * n, "eval_loss": losses[-1]}
     runs = [run("baseline", 1, [400] * 4, [4.0, 3.8, 3.6, 3.4]),
             run("powersgd", 1, [400, 400, 20, 20], [4.0, 3.9, 3.8, 3.7])]
-    results = [{"config": {"micro_batch": 2}, "world_size": 2, "powersgd": {"rank": 1, "start": 2}, "runs": runs}] * 2
+    results = ranks([runs, runs], powersgd_rank=1)
     base, psgd = rm.remedy_rows(results)
     assert psgd["label"] == "PowerSGD rank 1" and psgd["samples"] == 16 and psgd["steps"] == 4
     assert psgd["bytes_per_step"] == 20 and psgd["bytes_per_sample"] == pytest.approx(840 / 16)
@@ -122,8 +135,7 @@ def test_rows_take_the_last_step_as_bytes_per_step_and_the_whole_run_per_sample(
 def test_rows_refuse_ranks_that_counted_different_bytes():
     run = {"setting": "baseline", "k": 1, "losses": [4.0], "step_s": [None], "step_bytes": [400],
            "step_bucket_bytes": [400], "step_calls": [1], "step_buckets": [1], "eval_loss": 4.0}
-    results = [{"config": {"micro_batch": 2}, "world_size": 2, "runs": [run]},
-               {"config": {"micro_batch": 2}, "world_size": 2, "runs": [{**run, "step_bytes": [200]}]}]
+    results = ranks([[run], [{**run, "step_bytes": [200]}]])
     with pytest.raises(rm.RemediesError, match="different") as info:
         rm.remedy_rows(results)
     assert "\n" not in str(info.value)
@@ -134,16 +146,14 @@ def test_run_launches_once_and_returns_the_rows_with_the_launch_fields(monkeypat
     plan = data_parallel_plan(p, ranks_cpu=2)
     step = {"k": 1, "losses": [4.0, 3.9], "step_s": [None, 0.01], "step_bytes": [400, 400],
             "step_bucket_bytes": [400, 400], "step_calls": [1, 1], "step_buckets": [1, 1], "eval_loss": 3.8}
-    result = {"params": 100, "world_size": 2, "backend": "gloo", "config": {"micro_batch": 2},
-              "powersgd": {"rank": 2, "start": 2},
-              "runs": [{**step, "setting": "baseline"}, {**step, "setting": "fp16"}]}
+    results = ranks([[{**step, "setting": "baseline"}, {**step, "setting": "fp16"}]] * 2)
     calls = []
-    monkeypatch.setattr(dp, "launch", lambda module, where, args, **kw: calls.append((module, where, kw)) or
-                        [result] * where.world_size)
+    monkeypatch.setattr(dp, "launch", lambda module, where, **kw: calls.append((module, where, kw)) or results)
     out = rm.run(("baseline", "fp16"), micro_batches=2, accum=1, plan=plan, timeout=7)
     assert len(calls) == 1 and calls[0][0] == rm.WORKER and calls[0][1] == plan.placement and calls[0][2]["timeout"] == 7
     assert isinstance(out, rm.RemediesRun) and isinstance(out, dp.RankLaunch)
-    assert (out.params, out.ranks, out.backend, out.config) == (100, 2, "gloo", {"micro_batch": 2})
+    assert (out.params, out.ranks, out.backend, out.config) == (100, 2, "gloo", results[0].config)
+    assert calls[0][2]["spec"].settings == ("baseline", "fp16") and calls[0][2]["result"] is rm.RemediesResult
     assert [r["setting"] for r in out.rows] == ["baseline", "fp16"] and out.wall_s >= 0 and len(out.load_avg) == 2
     assert "bytes/step" in str(out)
 

@@ -4,6 +4,7 @@ The pure functions (idle fraction, prediction, rebalancing, injections, the weig
 tested in-process; one real launch serves the rest. Behaviour is asserted, never speed.
 """
 
+import dataclasses
 import math
 import shutil
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from teraflops import stragglers as st
-from teraflops.sizing import data_parallel_plan, preset
-from teraflops.workers.data_parallel import Config, build_model, make_data
+from teraflops.sizing import data_parallel_plan, gpt_config, preset
+from teraflops.spec import from_json, to_json
+from teraflops.workers.common import build_model, make_data
 from teraflops.workers.straggler import rank_rows, weighted_loss
 
 STEPS, DELAYS_MS = 4, (0, 50, 150)
@@ -131,7 +133,7 @@ def test_run_rejects_bad_arguments_before_launching():
 
 
 def test_any_split_weighted_by_b_over_B_gives_the_global_batch_gradient():
-    cfg, world = Config(d_model=32, micro_batch=4), 4
+    cfg, world = dataclasses.replace(gpt_config(preset("tiny"), 4, 0.3), vocab=64, d_model=32, seq_len=16), 4
     model = build_model(cfg)
     data = make_data(cfg, 2, world)
 
@@ -145,6 +147,16 @@ def test_any_split_weighted_by_b_over_B_gives_the_global_batch_gradient():
     equal, uneven = gradient([4, 4, 4, 4]), gradient([6, 5, 4, 1])
     torch.testing.assert_close(uneven, equal, rtol=1e-5, atol=1e-7)
     assert rank_rows(1, 0, [6, 5, 4, 1]) == slice(16, 22) and rank_rows(1, 3, [6, 5, 4, 1]) == slice(31, 32)
+
+
+def test_the_spec_carries_the_preset_sizes_and_survives_json():
+    p = preset("tiny")
+    spec = st.straggler_spec(data_parallel_plan(p, ranks_cpu=4), steps=3, local_ks=(1, 4))
+    assert spec.model == gpt_config(p, p.straggler_micro_batch, p.straggler_lr) and spec.steps == 3
+    assert spec.delays_ms == tuple(float(d) for d in p.straggler_delays_ms) and spec.local_ks == (1, 4)
+    assert from_json(st.StragglerSpec, to_json(spec)) == spec
+    inj = st.Injection("random", 50, rank=(1, 2), seed=3)
+    assert from_json(st.Injection, to_json(inj)) == inj
 
 
 # ---- one real launch -------------------------------------------------------------------------------

@@ -180,8 +180,12 @@ def test_class_without_source_fails(no_launch):
 
 # --- judging reports (what the ranks saw), without launching --------------------------------------
 
-def reports(n: int = 2, **change) -> list[dict]:
-    """The ranks' reports for a correct class, with ``change`` applied (keys of the report)."""
+def reports(n: int = 2, **change) -> list:
+    """The ranks' reports for a correct class, with ``change`` applied (keys of the report), read
+    as the check reads them (:class:`teraflops.zero.Zero1CheckResult`)."""
+    from teraflops.spec import from_json
+    from teraflops.zero import Zero1CheckResult
+
     from teraflops.workers.zero1_check import HYPER, PSI
 
     g = torch.Generator().manual_seed(0)
@@ -199,7 +203,7 @@ def reports(n: int = 2, **change) -> list[dict]:
                "alt": {"sum": (ref + 0.003).tolist(), "double": (ref - 0.003).tolist()}}
         rep.update({k: v(r, rep) if callable(v) else v for k, v in change.items()})
         out.append(rep)
-    return out
+    return [from_json(Zero1CheckResult, rep) for rep in out]
 
 
 def judged(results) -> str:

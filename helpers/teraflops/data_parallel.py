@@ -33,7 +33,7 @@ slow (another process took its core) no longer stalls the others at every step, 
 straggler problem SSP was designed for; on a shared 2-core machine that gain swings by tens of
 percent from run to run (measured 0.8× to 1.46×). Both are results, not faults.
 
-The launch plumbing (:class:`RankLaunch`, :func:`launch_timed`, :func:`model_args`) and the
+The launch plumbing (:class:`RankLaunch`, :func:`launch_timed`) and the
 reductions over ranks (:func:`slowest_median_ms`, :func:`mean_over_ranks`) also serve the DDP
 remedies of Unit 5 (:mod:`teraflops.remedies`).
 """
@@ -46,15 +46,81 @@ import time
 from dataclasses import dataclass
 
 from .distributed import launch
-from .sizing import DataParallelPlan, Preset, data_parallel_plan
+from .sizing import DataParallelPlan, TrainConfig, data_parallel_plan, dp_config
 from .tables import table
-from .workers.data_parallel import Config, config_args
 
 WORKER = "teraflops.workers.data_parallel"
 TAUS = (0, 1, 4, 16)
 LAST_STEPS = 5  # final_loss averages the global loss of this many last steps
 MODE_LABELS = {"bucketed": "bucketed (overlap)", "after": "all-reduce after backward",
                "local": "no all-reduce (floor)"}
+OVERLAP_MODES = tuple(MODE_LABELS)
+BLOCK = 10  # steps a τ run takes in one turn (at least 2τ + the worker's warm-up + 1)
+
+
+@dataclass(frozen=True)
+class DataParallelSpec:
+    """What :mod:`teraflops.workers.data_parallel` runs: ``model`` trained ``steps`` steps per τ of
+    ``taus`` (in turns of ``block`` steps) and ``overlap_steps`` per mode of ``modes``, for each of
+    ``experiments`` (``"staleness"``, ``"overlap"``); ``bucket_mb``: DDP's bucket_cap_mb (MiB);
+    ``timeout_s``: seconds a collective waits for the others."""
+
+    model: TrainConfig
+    experiments: tuple[str, ...]
+    taus: tuple[int, ...]
+    steps: int
+    overlap_steps: int
+    bucket_mb: float
+    modes: tuple[str, ...] = OVERLAP_MODES
+    block: int = BLOCK
+    timeout_s: float = 30
+
+    def __post_init__(self):
+        bad = set(self.experiments) - {"staleness", "overlap"} or set(self.modes) - set(OVERLAP_MODES)
+        if bad or min(self.steps, self.block, self.overlap_steps) < 1 or min(self.taus, default=0) < 0:
+            raise ValueError(f"unknown experiment or mode {sorted(bad)}, steps < 1 or a negative τ in {self}")
+
+
+@dataclass(frozen=True)
+class StaleResult:
+    """One τ on one rank: ``losses`` (nats) and ``step_s`` (s, None untimed) per step, ``updates``
+    made during the steps, ``eval_loss`` of the held-out rows once the queue is drained."""
+
+    tau: int
+    losses: list[float]
+    step_s: list[float | None]
+    updates: int
+    eval_loss: float
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    """One overlap mode on one rank: per step ``losses`` and the seconds of the step and its parts
+    (None untimed); ``buckets``: all-reduces per step."""
+
+    mode: str
+    losses: list[float]
+    step_s: list[float | None]
+    forward_s: list[float | None]
+    backward_s: list[float | None]
+    comm_s: list[float | None]
+    buckets: int
+
+
+@dataclass(frozen=True)
+class DataParallelResult:
+    """One rank's runs: one :class:`StaleResult` per τ and one :class:`ModeResult` per mode, in the
+    spec's order; ``params`` of the model; ``config`` it trained."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+    params: int
+    config: TrainConfig
+    staleness: tuple[StaleResult, ...]
+    overlap: tuple[ModeResult, ...]
+    node: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +133,7 @@ class RankLaunch:
     Attributes:
         params: parameters of the model (its gradient is ``4 * params`` bytes, fp32).
         ranks, backend: data-parallel ranks and their torch.distributed backend.
-        config: the model, batch and optimizer settings (``Config`` of the worker, as a dict).
+        config: the model, batch and optimizer settings the ranks trained (:class:`~teraflops.sizing.TrainConfig`).
         load_avg: the machine's 1-minute load average before and after the launch (other
             processes' load makes timings noisy).
         wall_s: seconds the launch took, process start-up included.
@@ -76,7 +142,7 @@ class RankLaunch:
     params: int
     ranks: int
     backend: str
-    config: dict
+    config: TrainConfig
     load_avg: tuple
     wall_s: float
 
@@ -95,44 +161,37 @@ class DataParallelRun(RankLaunch):
     overlap: list
 
 
-def launch_timed(worker: str, plan: DataParallelPlan, args: list[str], *, timeout: float,
-                 desc: str, cluster=None) -> tuple[list[dict], dict]:
-    """Launch ``worker`` on ``plan.placement`` (:func:`~teraflops.distributed.launch`) and time the
-    launch; with ``cluster`` (an emulated :class:`~teraflops.cluster.Cluster`), the ranks are spread
-    over its nodes (:func:`~teraflops.placement.across`).
+def launch_timed(worker: str, plan: DataParallelPlan, spec, result, *, timeout: float,
+                 desc: str, cluster=None) -> tuple[list, dict]:
+    """Launch ``worker`` with ``spec`` on ``plan.placement`` (:func:`~teraflops.distributed.launch`),
+    its ranks' results read as ``result`` (a dataclass with ``params``, ``world_size``, ``backend``
+    and ``config``), and time the launch; with ``cluster`` (an emulated
+    :class:`~teraflops.cluster.Cluster`), the ranks are spread over its nodes
+    (:func:`~teraflops.placement.across`).
 
     Returns:
-        The ranks' results (one dict per rank, rank 0 first) and the keyword arguments of
-        :class:`RankLaunch`: ``params``, ``ranks`` (``world_size``), ``backend`` and ``config`` from
-        rank 0's result, ``load_avg`` (1-minute load average before and after) and ``wall_s``.
+        The ranks' results (rank 0 first) and the keyword arguments of :class:`RankLaunch`:
+        ``params``, ``ranks`` (``world_size``), ``backend`` and ``config`` from rank 0's result,
+        ``load_avg`` (1-minute load average before and after) and ``wall_s``.
 
     Raises:
         LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
     """
     before, start = os.getloadavg()[0], time.perf_counter()
-    results = launch(worker, plan.placement, args, timeout=timeout, desc=desc, cluster=cluster)
+    results = launch(worker, plan.placement, spec=spec, result=result, timeout=timeout, desc=desc, cluster=cluster)
     r0 = results[0]
-    return results, {"params": r0["params"], "ranks": r0["world_size"], "backend": r0["backend"],
-                     "config": r0["config"], "load_avg": (before, os.getloadavg()[0]),
-                     "wall_s": time.perf_counter() - start}
+    return results, {"params": r0.params, "ranks": r0.world_size, "backend": r0.backend, "config": r0.config,
+                     "load_avg": (before, os.getloadavg()[0]), "wall_s": time.perf_counter() - start}
 
 
-def model_args(p: Preset, collective_timeout: float = 30) -> list[str]:
-    """The workers' model, batch, optimizer and DDP arguments from a preset: the GPT of its ``dp_*`` sizes
-    and ``gpt_heads`` (:func:`~teraflops.workers.data_parallel.config_args`), ``--bucket-mb``
-    (``dp_bucket_mb``, MiB) and ``--timeout`` (seconds a rank waits on one collective)."""
-    return ["--bucket-mb", str(p.dp_bucket_mb),
-            *config_args(Config(p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len, p.dp_micro_batch,
-                                p.dp_lr)), "--timeout", str(collective_timeout)]
-
-
-def worker_args(plan: DataParallelPlan, *, taus=TAUS, steps=None, overlap_steps=None,
-                experiments=("staleness", "overlap"), collective_timeout: float = 30) -> list[str]:
-    """Command-line arguments for the worker from ``plan.preset``'s ``dp_*`` sizes (:func:`model_args`)."""
+def dp_spec(plan: DataParallelPlan, *, taus=TAUS, steps=None, overlap_steps=None,
+            experiments=("staleness", "overlap"), collective_timeout: float = 30) -> DataParallelSpec:
+    """The worker's :class:`DataParallelSpec` from ``plan.preset``: its ``dp_*`` GPT
+    (:func:`~teraflops.sizing.dp_config`), ``dp_steps``, ``dp_overlap_steps``, ``dp_bucket_mb``."""
     p = plan.preset
-    return ["--experiments", ",".join(experiments), "--taus", ",".join(str(int(t)) for t in taus),
-            "--steps", str(steps or p.dp_steps), "--overlap-steps", str(overlap_steps or p.dp_overlap_steps),
-            *model_args(p, collective_timeout)]
+    return DataParallelSpec(model=dp_config(p), experiments=tuple(experiments), taus=tuple(int(t) for t in taus),
+                            steps=steps or p.dp_steps, overlap_steps=overlap_steps or p.dp_overlap_steps,
+                            bucket_mb=p.dp_bucket_mb, timeout_s=collective_timeout)
 
 
 def run(taus=TAUS, steps: int | None = None, overlap_steps: int | None = None, plan: DataParallelPlan | None = None,
@@ -155,8 +214,8 @@ def run(taus=TAUS, steps: int | None = None, overlap_steps: int | None = None, p
     if any(int(t) < 0 for t in taus):
         raise ValueError(f"taus must be >= 0 (steps a gradient is applied late), got {tuple(taus)}")
     plan = plan or data_parallel_plan()
-    args = worker_args(plan, taus=taus, steps=steps, overlap_steps=overlap_steps, experiments=experiments)
-    results, launched = launch_timed(WORKER, plan, args, timeout=timeout,
+    spec = dp_spec(plan, taus=taus, steps=steps, overlap_steps=overlap_steps, experiments=experiments)
+    results, launched = launch_timed(WORKER, plan, spec, DataParallelResult, timeout=timeout,
                                      desc="data parallel: " + " and ".join(experiments))
     return DataParallelRun(staleness_rows(results), overlap_rows(results), **launched)
 
@@ -188,7 +247,7 @@ def mean_over_ranks(per_rank: list[list[float]]) -> list[float]:
     return [sum(v) / len(v) for v in zip(*per_rank)]
 
 
-def staleness_rows(results: list[dict]) -> list[dict]:
+def staleness_rows(results: list[DataParallelResult]) -> list[dict]:
     """One row per τ from the ranks' results of a launch.
 
     Keys: ``tau``; ``step_ms`` (median step time); ``samples_per_s``, ``tokens_per_s`` (all ranks);
@@ -198,18 +257,18 @@ def staleness_rows(results: list[dict]) -> list[dict]:
     has made the same number of updates) and ``eval_delta``; ``updates`` (optimizer steps made
     during training: ``max(0, steps - tau)``); ``losses`` (global loss per step).
     """
-    cfg, world = results[0]["config"], results[0]["world_size"]
-    samples = world * cfg["micro_batch"]
+    cfg, world = results[0].config, results[0].world_size
+    samples = world * cfg.micro_batch
     rows = []
-    for i, run0 in enumerate(results[0]["staleness"]):
-        runs = [r["staleness"][i] for r in results]
-        losses = mean_over_ranks([r["losses"] for r in runs])
-        step_ms = slowest_median_ms([r["step_s"] for r in runs])
+    for run0 in results[0].staleness:
+        runs = [next(s for s in r.staleness if s.tau == run0.tau) for r in results]
+        losses = mean_over_ranks([r.losses for r in runs])
+        step_ms = slowest_median_ms([r.step_s for r in runs])
         tail = losses[-LAST_STEPS:]
-        rows.append({"tau": run0["tau"], "step_ms": step_ms, "samples_per_s": samples / step_ms * 1e3,
-                     "tokens_per_s": samples * cfg["seq_len"] / step_ms * 1e3,
-                     "final_loss": sum(tail) / len(tail), "eval_loss": run0["eval_loss"],
-                     "updates": run0["updates"], "losses": losses})
+        rows.append({"tau": run0.tau, "step_ms": step_ms, "samples_per_s": samples / step_ms * 1e3,
+                     "tokens_per_s": samples * cfg.seq_len / step_ms * 1e3,
+                     "final_loss": sum(tail) / len(tail), "eval_loss": run0.eval_loss,
+                     "updates": run0.updates, "losses": losses})
     for row in rows:
         row["speedup"] = rows[0]["step_ms"] / row["step_ms"]
         row["loss_delta"] = row["final_loss"] - rows[0]["final_loss"]
@@ -217,7 +276,7 @@ def staleness_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
-def overlap_rows(results: list[dict]) -> list[dict]:
+def overlap_rows(results: list[DataParallelResult]) -> list[dict]:
     """One row per mode from the ranks' results of a launch.
 
     Keys: ``mode`` (label), ``step_ms``, ``forward_ms``, ``backward_ms`` (DDP's includes waiting
@@ -228,12 +287,12 @@ def overlap_rows(results: list[dict]) -> list[dict]:
     the after-backward mode; None for the floor, whose ranks train apart), ``losses``.
     """
     rows = []
-    for i, run0 in enumerate(results[0]["overlap"]):
-        runs = [r["overlap"][i] for r in results]
-        row = {"mode": MODE_LABELS[run0["mode"]], "key": run0["mode"]}
+    for run0 in results[0].overlap:
+        runs = [next(m for m in r.overlap if m.mode == run0.mode) for r in results]
+        row = {"mode": MODE_LABELS[run0.mode], "key": run0.mode}
         for name in ("step", "forward", "backward", "comm"):
-            row[f"{name}_ms"] = slowest_median_ms([r[f"{name}_s"] for r in runs])
-        row.update(buckets=run0["buckets"], losses=mean_over_ranks([r["losses"] for r in runs]))
+            row[f"{name}_ms"] = slowest_median_ms([getattr(r, f"{name}_s") for r in runs])
+        row.update(buckets=run0.buckets, losses=mean_over_ranks([r.losses for r in runs]))
         rows.append(row)
     floor = next((r for r in rows if r["key"] == "local"), None)
     after = next((r for r in rows if r["key"] == "after"), None)

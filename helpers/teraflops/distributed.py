@@ -2,9 +2,12 @@
 
 :func:`launch` starts ``python -m MODULE`` on N local ranks (127.0.0.1) through ``torchrun``
 (https://pytorch.org/docs/stable/elastic/run.html) or DeepSpeed's launcher, each rank inside
-``workers/_rank.py``, which records how it ended. Ranks hand back a JSON dict with
-:func:`write_result`; their output goes to files in ``$TERAFLOPS_RESULTS_DIR`` (a fresh temporary
-directory per launch, kept when it fails): ``rank{r}.json``, ``rank{r}.out``/``.err``, ``rank{r}.exit``,
+``workers/_rank.py``, which records how it ended. A host module sends its rank program a Spec
+(``launch(..., spec=)``, a frozen dataclass written to ``spec.json``, read with :func:`read_spec`)
+and ranks hand back a Result (a dataclass, or a JSON dict) with :func:`write_result`, read back as
+``result=`` (:mod:`teraflops.spec` checks every field). Their output goes to files in
+``$TERAFLOPS_RESULTS_DIR`` (a fresh temporary directory per launch, kept when it fails):
+``spec.json``, ``rank{r}.json``, ``rank{r}.out``/``.err``, ``rank{r}.exit``,
 ``progress.json`` (rank 0's :func:`report_progress`) and ``launcher.log``. A crash, a killed or hung
 rank or a timeout raises :class:`LaunchFailed` (one line) once every process of the launch is gone
 and its port is free (and, for DeepSpeed on CPU, its shared-memory files are removed), also when
@@ -99,8 +102,13 @@ def port_in_use(port: int) -> bool:
 def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "torchrun",
            timeout: float = 120, env: dict | None = None, launcher_args: Sequence[str] = (),
            desc: str | None = None, verbose: bool = False, port: int | None = None,
-           cluster=None, deepspeed: bool = False) -> list[dict]:
+           cluster=None, deepspeed: bool = False, spec=None, result=None) -> list:
     """Run ``python -m module *args`` on the ranks of a run; return their results, by rank.
+
+    ``spec`` (a frozen dataclass, :mod:`teraflops.spec`) is written to ``spec.json`` in the launch
+    folder and the ranks get ``--spec PATH`` after ``args`` (:func:`read_spec` reads it). ``result``
+    (a dataclass) is what each rank's :func:`write_result` is read back as, every field checked;
+    without it the results are the ranks' dicts.
 
     ``ranks`` is a :class:`~teraflops.placement.Placement` (world size, backend, each rank's device
     and environment; :func:`teraflops.placement.place` decides it) or an int, the ranks per node,
@@ -150,6 +158,10 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
     stale.sweep()  # what launches of dead notebooks left: folders, /dev/shm buffers, torchelastic_* folders
     port, results = port or free_port(), Path(tempfile.mkdtemp(prefix="teraflops-launch-"))
     stale.record(results, port)
+    if spec is not None:
+        from . import spec as wire
+
+        args = [*args, "--spec", str(wire.write(spec, results / "spec.json"))]
     cmds = launch_commands(where, module, args, launcher=launcher, port=port, rdzv_id=results.name,
                            launcher_args=launcher_args, cluster=cluster, log_dir=results / "torchelastic")
     child_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(_extensions_dir()), RESULTS_ENV: str(results),
@@ -167,9 +179,9 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
         out = [_read_json(results / f"rank{r}.json") for r in range(world)]
         if code == 0 and None not in out:
             if cluster is not None:
-                for r, result in enumerate(out):
-                    result["node"] = (_read_json(results / f"rank{r}.exit") or {}).get("node")
-            return out
+                for r, got in enumerate(out):
+                    got["node"] = (_read_json(results / f"rank{r}.exit") or {}).get("node")
+            return out if result is None else _typed(out, result)
         keep = True
         rank, why = _diagnose(results, world, code, timeout, launcher, child_env.get(FAULT_ENV))
         gone = cluster.taken_down() if cluster is not None else None
@@ -193,6 +205,18 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
     err = LaunchFailed(f"{desc or module}: {why} Logs: {results}")
     err.rank, err.logs, err.port = rank, results, port
     raise err
+
+
+def _typed(out: list[dict], cls) -> list:
+    """Each rank's result dict as a ``cls`` (:func:`teraflops.spec.from_json`); ``node`` (multi-node
+    launches) only where ``cls`` has such a field."""
+    from dataclasses import fields
+
+    from .spec import from_json
+
+    names = {f.name for f in fields(cls)}
+    return [from_json(cls, {k: v for k, v in got.items() if k != "node" or k in names}, f"{cls.__name__} of rank {r}")
+            for r, got in enumerate(out)]
 
 
 def launch_commands(where, module: str, args: Sequence[str] = (), *, launcher: str = "torchrun",
@@ -619,8 +643,32 @@ def _read_json(path: Path):
         return None
 
 
-def write_result(obj: dict) -> None:
-    """Hand ``obj`` (JSON-able; tensors become lists) back to :func:`launch`; printed when not launched."""
+def read_spec(cls, argv: Sequence[str] | None = None):
+    """The ``cls`` Spec that :func:`launch` (``spec=``) wrote for this rank: the file after
+    ``--spec`` in ``argv`` (default ``sys.argv``; other options, such as DeepSpeed's
+    ``--local_rank``, are ignored), every field checked.
+
+    Raises:
+        SpecError: no ``--spec``, the file is unreadable, or a field is missing or wrong (one line).
+    """
+    from . import spec as wire
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--spec" not in argv or argv.index("--spec") + 1 >= len(argv):
+        raise wire.SpecError(f"{cls.__name__}: no --spec PATH on the command line. Hint: start this rank "
+                             "program with teraflops.distributed.launch(..., spec=...)")
+    return wire.read(cls, Path(argv[argv.index("--spec") + 1]))
+
+
+def write_result(obj) -> None:
+    """Hand ``obj`` (a dataclass, :mod:`teraflops.spec`, or a JSON-able dict; tensors become lists)
+    back to :func:`launch`; printed when not launched."""
+    from dataclasses import is_dataclass
+
+    if is_dataclass(obj):
+        from .spec import to_json
+
+        obj = to_json(obj)
     if RESULTS_ENV in os.environ:
         _write_json(Path(os.environ[RESULTS_ENV]) / f"rank{os.environ.get('RANK', '0')}.json", obj)
     else:

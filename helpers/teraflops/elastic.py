@@ -54,13 +54,48 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .distributed import FAULT_ENV, launch
-from .sizing import DataParallelPlan, data_parallel_plan, preset
+from .sizing import DataParallelPlan, TrainConfig, data_parallel_plan, gpt_config, preset
 from .tables import table
-from .workers.data_parallel import Config, config_args
-from .workers.elastic_train import STEPS_LOG
 
 WORKER = "teraflops.workers.elastic_train"
+STEPS_LOG = "steps.jsonl"  # rank 0's per-step log in the checkpoint folder (outlives an attempt)
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a fresh store per attempt (module docstring)
+
+
+@dataclass(frozen=True)
+class ElasticSpec:
+    """What :mod:`teraflops.workers.elastic_train` runs: ``model`` (Adam at ``model.lr``) trained
+    ``steps`` steps, checkpointing into ``checkpoint_dir`` every ``checkpoint_every`` completed
+    steps (and resuming from the newest checkpoint there); ``timeout_s``: seconds a collective waits."""
+
+    model: TrainConfig
+    checkpoint_dir: str
+    steps: int
+    checkpoint_every: int
+    timeout_s: float = 30
+
+    def __post_init__(self):
+        if min(self.steps, self.checkpoint_every) < 1:
+            raise ValueError(f"steps={self.steps} and checkpoint_every={self.checkpoint_every} must be >= 1")
+
+
+@dataclass(frozen=True)
+class ElasticResult:
+    """One rank's attempt that finished: ``attempt`` (torchrun's restart count), ``resumed_from``
+    (the checkpoint's step, 0 if none), ``losses`` (global loss per step, all steps, nats),
+    ``final_loss``, ``params``, ``train_s`` (this attempt's training seconds)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    attempt: int
+    resumed_from: int
+    steps: int
+    losses: list[float]
+    final_loss: float
+    params: int
+    train_s: float
+    node: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,15 +155,13 @@ def elastic_launcher_args(max_restarts: int = 1) -> list[str]:
             "--rdzv-id", f"teraflops-elastic-{uuid.uuid4().hex[:8]}"]
 
 
-def worker_args(plan: DataParallelPlan, checkpoint_dir, steps: int, checkpoint_every: int,
-                collective_timeout: float = 30) -> list[str]:
-    """Command-line arguments of the worker: ``plan.preset``'s ``gpt_*`` model, ``straggler_micro_batch``
+def elastic_spec(plan: DataParallelPlan, checkpoint_dir, steps: int, checkpoint_every: int,
+                 collective_timeout: float = 30) -> ElasticSpec:
+    """The worker's :class:`ElasticSpec`: ``plan.preset``'s ``gpt_*`` model, ``straggler_micro_batch``
     sequences per rank, ``dp_lr``."""
     p = plan.preset
-    return ["--checkpoint-dir", str(checkpoint_dir), "--steps", str(steps), "--checkpoint-every",
-            str(checkpoint_every), *config_args(Config(p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads,
-                                                       p.gpt_seq_len, p.straggler_micro_batch, p.dp_lr)),
-            "--timeout", str(collective_timeout)]
+    return ElasticSpec(model=gpt_config(p, p.straggler_micro_batch, p.dp_lr), checkpoint_dir=str(checkpoint_dir),
+                       steps=steps, checkpoint_every=checkpoint_every, timeout_s=collective_timeout)
 
 
 def launch_training(checkpoint_dir, plan: DataParallelPlan | None = None, steps: int | None = None,
@@ -138,7 +171,7 @@ def launch_training(checkpoint_dir, plan: DataParallelPlan | None = None, steps:
     (which must exist; a checkpoint already in it is resumed from).
 
     ``fault``: a ``TERAFLOPS_FAULT`` spec, e.g. ``"kill:rank=1:step=17"``. Returns ``(results by
-    rank, rank 0's step records with ``time`` in seconds since the launch began, wall seconds)``.
+    rank (:class:`ElasticResult`), rank 0's step records with ``time`` in seconds since the launch began, wall seconds)``.
 
     Raises:
         LaunchFailed: a rank failed more often than ``max_restarts`` allows, or ``timeout`` s passed.
@@ -147,9 +180,8 @@ def launch_training(checkpoint_dir, plan: DataParallelPlan | None = None, steps:
     p = plan.preset
     env = {**ELASTIC_ENV, **({FAULT_ENV: fault} if fault else {})}
     start, wall = time.time(), time.perf_counter()
-    results = launch(WORKER, plan.placement, worker_args(plan, checkpoint_dir, steps or p.elastic_steps,
-                                                     checkpoint_every or p.elastic_checkpoint_every),
-                     timeout=timeout, env=env, launcher_args=elastic_launcher_args(max_restarts), desc=desc, port=port)
+    spec = elastic_spec(plan, checkpoint_dir, steps or p.elastic_steps, checkpoint_every or p.elastic_checkpoint_every)
+    results = launch(WORKER, plan.placement, spec=spec, result=ElasticResult, timeout=timeout, env=env, launcher_args=elastic_launcher_args(max_restarts), desc=desc, port=port)
     wall = time.perf_counter() - wall
     lines = (Path(checkpoint_dir) / STEPS_LOG).read_text().splitlines()
     records = [{**r, "time": r["time"] - start} for r in map(json.loads, lines)]
@@ -204,11 +236,15 @@ def run(plan: DataParallelPlan | None = None, steps: int | None = None, checkpoi
     restart_s = after[0] - before[-1] - step_s if before and after else math.nan
     span = [rs[-1]["time"] - rs[0]["time"] for rs in (ref_records, records)]
     training_lost_s = span[1] - span[0] if before else math.nan
-    ref_losses, losses = ref[0]["losses"], out[0]["losses"]
-    return ElasticRun(ref_losses, ref_records, records, losses, steps, every, kill_step, kill_rank, plan.ranks,
-                      out[0]["backend"], out[0]["attempt"], out[0]["resumed_from"], kill_step - out[0]["resumed_from"],
-                      step_s, restart_s, wall - ref_wall, training_lost_s, abs(losses[-1] - ref_losses[-1]),
-                      max(abs(a - b) for a, b in zip(losses, ref_losses)), ref_wall, wall)
+    ref_losses, losses, r0 = ref[0].losses, out[0].losses, out[0]
+    return ElasticRun(reference_losses=ref_losses, reference_records=ref_records, records=records, losses=losses,
+                      steps=steps, checkpoint_every=every, kill_step=kill_step, kill_rank=kill_rank, ranks=plan.ranks,
+                      backend=r0.backend, restarts=r0.attempt, last_checkpoint_step=r0.resumed_from,
+                      steps_recomputed=kill_step - r0.resumed_from, step_s=step_s, restart_s=restart_s,
+                      time_lost_s=wall - ref_wall, training_lost_s=training_lost_s,
+                      final_loss_diff=abs(losses[-1] - ref_losses[-1]),
+                      max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)), reference_wall_s=ref_wall,
+                      interrupted_wall_s=wall)
 
 
 def recovery_table(run: ElasticRun) -> str:

@@ -57,6 +57,36 @@ class LinkProbeError(CourseError, ValueError):
     """A link test cannot run or its input is unusable; one line with a hint."""
 
 
+@dataclass(frozen=True)
+class LinkProbeSpec:
+    """What :mod:`teraflops.workers.link_probe` runs: per pair, ``warmup`` untimed round trips, then
+    ``repeats`` timed ones each way, ``nbytes`` (whole float32) out and back; ``timeout_s``:
+    seconds a collective or exchange waits."""
+
+    nbytes: int
+    repeats: int
+    warmup: int = 1
+    timeout_s: float = 60
+
+    def __post_init__(self):
+        if self.nbytes < 4 or self.repeats < 1 or self.warmup < 0:
+            raise LinkProbeError(f"need nbytes >= 4 (one float32), repeats >= 1 and warmup >= 0, got {self.nbytes}, "
+                                 f"{self.repeats}, {self.warmup}. Hint: nbytes is bytes each way per round trip")
+
+
+@dataclass(frozen=True)
+class LinkProbeResult:
+    """One rank's round trips: ``times[peer]``, seconds of each round trip it initiated with
+    ``peer`` (one per repeat); ``bytes`` each way; ``node``: its emulated node."""
+
+    rank: int
+    world_size: int
+    bytes: int
+    repeats: int
+    times: dict[int, list[float]]
+    node: int | None = None
+
+
 @dataclass(frozen=True, eq=False)
 class LinkProbe:
     """Times of a pairwise link test, and what they say about each node's link.
@@ -115,22 +145,22 @@ class LinkProbe:
         return 2 * self.nbytes / self.link_median_s
 
 
-def from_results(results: list[dict]) -> LinkProbe:
-    """A :class:`LinkProbe` from the ranks' results of ``workers/link_probe.py`` (each with ``"node"``).
+def from_results(results: list[LinkProbeResult]) -> LinkProbe:
+    """A :class:`LinkProbe` from the ranks' results of ``workers/link_probe.py`` (each with its ``node``).
 
     Raises:
         LinkProbeError: two ranks on one node, or a pair missing (via :class:`LinkProbe`).
     """
-    node = [r.get("node", r["rank"]) for r in results]
+    node = [r.rank if r.node is None else r.node for r in results]
     if sorted(node) != list(range(len(results))):
         raise LinkProbeError(f"the link test needs one rank per node, got ranks on nodes {node}. "
                              "Hint: launch it with nproc=1 and cluster=...")
-    repeats = results[0]["repeats"]
+    repeats = results[0].repeats
     t = np.full((repeats, len(results), len(results)), np.nan)
     for r in results:
-        for peer, spans in r["times"].items():
-            t[:, node[r["rank"]], node[int(peer)]] = spans
-    return LinkProbe(results[0]["bytes"], t)
+        for peer, spans in r.times.items():
+            t[:, node[r.rank], node[peer]] = spans
+    return LinkProbe(results[0].bytes, t)
 
 
 def probe(cluster, nbytes: int | None = None, repeats: int | None = None, timeout: float = 180) -> LinkProbe:
@@ -158,10 +188,10 @@ def probe(cluster, nbytes: int | None = None, repeats: int | None = None, timeou
             or nbytes < 4 or repeats < 1:
         raise LinkProbeError(f"need integers nbytes >= 4 and repeats >= 1, got {nbytes!r} and {repeats!r}. "
                              "Hint: nbytes is bytes each way per round trip, e.g. 1 << 20.")
-    args = ["--bytes", str(nbytes), "--repeats", str(repeats), "--timeout", str(timeout)]
+    spec = LinkProbeSpec(nbytes=int(nbytes), repeats=int(repeats), timeout_s=timeout)
     # gloo CPU ranks, one per node: the probe measures the emulated (TCP) links, not the GPUs
     where = place(int(nodes), cluster=cluster, gpus=False)
-    return from_results(launch(WORKER, where, args, timeout=timeout, cluster=cluster,
+    return from_results(launch(WORKER, where, spec=spec, result=LinkProbeResult, timeout=timeout, cluster=cluster,
                                desc=f"link test, {nodes * (nodes - 1) // 2} pairs"))
 
 

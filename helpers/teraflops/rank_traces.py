@@ -18,7 +18,7 @@ The workloads, and the verdict each should get from rank 0's trace with its wait
   16 tokens per rank on CPU): the bytes moved grow with the parameters, the FLOPs with parameters
   × tokens, so with few tokens the transfers outweigh the arithmetic → **communication-bound**
   (~60 % of the step on the 2-core machine, ~30 % overhead: DeepSpeed's Python hooks). Config:
-  Unit 2's :func:`teraflops.workers.zero_train.config` (no overlap, no prefetch, parameters released
+  Unit 2's :func:`teraflops.workers.common.zero_config` (no overlap, no prefetch, parameters released
   after use and gathered again for backward: 3Ψ per step) with the comms logger off (its
   bookkeeping is Python time on every call) and one reduce bucket for all gradients (one
   reduce-scatter after backward; DeepSpeed's default 5e8 elements would allocate 2 GB). DeepSpeed
@@ -47,10 +47,11 @@ ranks sharing its cores); on GPUs the same workloads' shares follow NVLink's or 
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import CourseError
+from .sizing import TrainConfig
 
 WORKLOADS = ("zero3", "straggler", "allreduce")
 EXPECTED = {"zero3": "communication-bound", "straggler": "waiting (straggler)", "allreduce": "communication-bound"}
@@ -60,7 +61,53 @@ WARMUP = 2  # untimed steps per workload before the profiled ones
 STEPS = 5  # profiled steps per workload (rows of the waits)
 STRAGGLER_FACTOR = 3.0  # the late rank's sleep, × the slowest rank's median step without delay
 ALLREDUCE_CALLS = 32  # all-reduces per step of the "allreduce" workload
-SIZE_FLAGS = ("vocab", "d-model", "layers", "heads", "seq-len", "micro-batch")  # the worker's --zero-*/--dp-* sizes
+ZERO_LR, STRAGGLER_LR = 1e-3, 0.1  # AdamW of the zero3 workload, SGD of the straggler workload
+
+
+@dataclass(frozen=True)
+class RankTraceSpec:
+    """What :mod:`teraflops.workers.triage_trace` runs: ``workloads`` in this order, each warmed up
+    :data:`WARMUP` steps and profiled ``steps`` steps, traces into ``out``; ``zero``: the GPT of the
+    zero3 workload, ``dp``: the straggler's; ``allreduce_bytes``: the allreduce workload's message
+    (bytes); ``timeout_s``: seconds a collective waits for the others."""
+
+    workloads: tuple[str, ...]
+    out: str
+    steps: int
+    zero: TrainConfig
+    dp: TrainConfig
+    allreduce_bytes: int
+    timeout_s: float = 60
+
+    def __post_init__(self):
+        if not self.workloads or set(self.workloads) - set(WORKLOADS) or self.steps < 1:
+            raise ValueError(f"workloads {self.workloads} must be some of {', '.join(WORKLOADS)} and steps >= 1")
+
+
+@dataclass(frozen=True)
+class WorkloadResult:
+    """One workload on one rank: ``waits`` (s inside collectives per profiled step), ``step_s``
+    (s per profiled step), ``trace`` (the kept Chrome trace), ``params`` of its model (0: none),
+    ``delayed_rank`` and ``delay_s`` (the straggler's; None and 0 otherwise)."""
+
+    waits: list[float]
+    trace: str
+    step_s: list[float]
+    params: int
+    delayed_rank: int | None = None
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankTraceResult:
+    """One rank's workloads, by name."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+    workloads: dict[str, WorkloadResult]
+    node: int | None = None
 
 
 class RankTraceError(CourseError, ValueError):
@@ -130,22 +177,16 @@ def _placement(ranks, cluster=None):
                  gpus=p.device == "cuda")
 
 
-def model_sizes(p) -> dict[str, tuple]:
-    """The GPT sizes (:data:`SIZE_FLAGS` order) of the worker's ``--zero-*`` and ``--dp-*`` flags for
-    preset ``p``: ZeRO-3 on the ``dp_*`` GPT (wide, few tokens, one sequence per rank), the straggler
-    on the ``gpt_*`` GPT."""
-    return {"zero": (p.dp_vocab, p.dp_d_model, p.dp_layers, p.gpt_heads, p.dp_seq_len, 1),
-            "dp": (p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len, p.straggler_micro_batch)}
+def rank_trace_spec(workloads, out_dir: Path, steps: int, p, seed: int = 0) -> RankTraceSpec:
+    """The worker's :class:`RankTraceSpec` for preset ``p``: ZeRO-3 on the ``dp_*`` GPT (wide, few
+    tokens, one sequence per rank), the straggler on the ``gpt_*`` GPT (``straggler_micro_batch``
+    sequences), ``collective_min_bytes`` all-reduces; ``seed`` for both models and their data."""
+    from .sizing import dp_config, gpt_config
 
-
-def worker_args(workloads, out_dir: Path, steps: int, p, seed: int = 0) -> list[str]:
-    """The worker's command line for preset ``p``: :func:`model_sizes`, 1-KiB all-reduces."""
-    args = ["--workloads", ",".join(workloads), "--out", str(out_dir), "--steps", str(steps), "--seed", str(seed),
-            "--allreduce-bytes", str(p.collective_min_bytes)]
-    for prefix, sizes in model_sizes(p).items():
-        for name, v in zip(SIZE_FLAGS, sizes):
-            args += [f"--{prefix}-{name}", str(v)]
-    return args
+    zero = replace(dp_config(p), micro_batch=1, lr=ZERO_LR, seed=seed)
+    dp = replace(gpt_config(p, p.straggler_micro_batch, STRAGGLER_LR), seed=seed)
+    return RankTraceSpec(workloads=tuple(workloads), out=str(out_dir), steps=steps, zero=zero, dp=dp,
+                         allreduce_bytes=p.collective_min_bytes)
 
 
 def profile_ranks(workloads=WORKLOADS, out_dir=None, ranks: int | None = None, steps: int | None = None,
@@ -195,13 +236,14 @@ def profile_ranks(workloads=WORKLOADS, out_dir=None, ranks: int | None = None, s
     out.mkdir(parents=True, exist_ok=True)
     # ZeRO-3 last: DeepSpeed swaps torch's linear for its own in the whole process, for good
     order = sorted(names, key=lambda n: n == "zero3")
-    results = launch(WORKER, where, worker_args(order, out.resolve(), steps, p, seed), timeout=timeout,
-                     desc="rank traces: " + ", ".join(order), deepspeed="zero3" in names, cluster=cluster)
+    results = launch(WORKER, where, spec=rank_trace_spec(order, out.resolve(), steps, p, seed), result=RankTraceResult,
+                     timeout=timeout, desc="rank traces: " + ", ".join(order), deepspeed="zero3" in names,
+                     cluster=cluster)
     found = {}
     for name in names:
-        per_rank = [r["workloads"][name] for r in results]
-        waits = [list(row) for row in zip(*(r["waits"] for r in per_rank))]  # [steps, ranks]
-        traces = tuple(Path(r["trace"]) for r in per_rank)
-        found[name] = RankTrace(name, traces[0], traces, waits, per_rank[0]["delayed_rank"], len(results),
-                                per_rank[0]["delay_s"])
+        per_rank = [r.workloads[name] for r in results]
+        waits = [list(row) for row in zip(*(r.waits for r in per_rank))]  # [steps, ranks]
+        traces = tuple(Path(r.trace) for r in per_rank)
+        found[name] = RankTrace(workload=name, trace=traces[0], traces=traces, waits=waits,
+                                straggler=per_rank[0].delayed_rank, ranks=len(results), delay_s=per_rank[0].delay_s)
     return found

@@ -57,12 +57,12 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .data_parallel import RankLaunch, launch_timed, mean_over_ranks, model_args, slowest_median_ms
+from .data_parallel import RankLaunch, launch_timed, mean_over_ranks, slowest_median_ms
 from .errors import CourseError
-from .sizing import DataParallelPlan, data_parallel_plan
+from .sizing import DataParallelPlan, TrainConfig, data_parallel_plan, dp_config
 from .tables import fmt_bytes, table
-from .workers.remedies import SETTINGS
 
+SETTINGS = ("baseline", "accumulate", "accumulate-sync", "fp16", "bf16", "powersgd")
 WORKER = "teraflops.workers.remedies"
 LABELS = {"baseline": "baseline (sync every micro-batch)", "accumulate": "accumulate k, no_sync",
           "accumulate-sync": "accumulate k, sync every micro-batch", "fp16": "fp16 compression hook",
@@ -75,10 +75,66 @@ class RemediesError(CourseError, ValueError):
 
 
 @dataclass(frozen=True)
+class RemediesSpec:
+    """What :mod:`teraflops.workers.remedies` runs: ``model`` trained on ``micro_batches``
+    micro-batches per rank under each of ``settings``; ``accum``: k of the accumulation settings;
+    PowerSGD's ``powersgd_rank`` and ``powersgd_start``; DDP's ``bucket_mb`` (MiB); ``timeout_s``:
+    seconds a collective waits for the others. Checked on construction (:class:`RemediesError`)."""
+
+    model: TrainConfig
+    settings: tuple[str, ...]
+    micro_batches: int
+    accum: int
+    powersgd_rank: int
+    powersgd_start: int
+    bucket_mb: float
+    timeout_s: float = 30
+
+    def __post_init__(self):
+        _check_settings(self.settings, self.micro_batches, self.accum, self.powersgd_rank, self.powersgd_start)
+
+
+@dataclass(frozen=True)
+class RemedyResult:
+    """One setting on one rank: ``losses`` per micro-batch (this rank's, nats); per optimizer step
+    ``step_s`` (s, None untimed), ``step_bytes`` and ``step_calls`` (what ``all_reduce`` was
+    handed), ``step_bucket_bytes`` and ``step_buckets`` (what DDP handed the hook); DDP's
+    ``bucket_mb``; ``eval_loss`` of the held-out rows."""
+
+    setting: str
+    k: int
+    losses: list[float]
+    step_s: list[float | None]
+    step_bytes: list[int]
+    step_bucket_bytes: list[int]
+    step_calls: list[int]
+    step_buckets: list[int]
+    bucket_mb: float
+    eval_loss: float
+
+
+@dataclass(frozen=True)
+class RemediesResult:
+    """One rank's runs, one :class:`RemedyResult` per setting of the spec, in its order."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+    params: int
+    config: TrainConfig
+    micro_batches: int
+    powersgd_rank: int
+    powersgd_start: int
+    runs: tuple[RemedyResult, ...]
+    node: int | None = None
+
+
+@dataclass(frozen=True)
 class RemediesRun(RankLaunch):
     """What :func:`run` measured: the rows below, and the model and launch of
     :class:`~teraflops.data_parallel.RankLaunch` (``params``: fp32 gradients of ``4 * params`` bytes
-    per step; ``ranks``, ``backend``, ``config`` (the worker's ``Config``, as a dict), ``load_avg``,
+    per step; ``ranks``, ``backend``, ``config`` (a :class:`~teraflops.sizing.TrainConfig`), ``load_avg``,
     ``wall_s``). ``str()`` gives :func:`remedies_table`.
 
     Attributes:
@@ -109,11 +165,11 @@ def _check_settings(settings, micro_batches: int, accum: int, powersgd_rank: int
                             f"{powersgd_start!r}. Hint: PowerSGD with error feedback needs start_powerSGD_iter > 1")
 
 
-def worker_args(plan: DataParallelPlan, settings=SETTINGS, *, micro_batches: int | None = None,
-                accum: int | None = None, powersgd_rank: int | None = None, powersgd_start: int | None = None,
-                collective_timeout: float = 30) -> list[str]:
-    """Command-line arguments for the worker from ``plan.preset``'s ``remedy_*`` sizes and its ``dp_*`` model
-    (:func:`~teraflops.data_parallel.model_args`).
+def remedies_spec(plan: DataParallelPlan, settings=SETTINGS, *, micro_batches: int | None = None,
+                  accum: int | None = None, powersgd_rank: int | None = None, powersgd_start: int | None = None,
+                  collective_timeout: float = 30) -> RemediesSpec:
+    """The worker's :class:`RemediesSpec` from ``plan.preset``'s ``remedy_*`` sizes, its ``dp_*``
+    model (:func:`~teraflops.sizing.dp_config`) and ``dp_bucket_mb``.
 
     Raises:
         RemediesError: an unknown setting, ``accum < 1``, ``micro_batches`` not a multiple of
@@ -126,8 +182,8 @@ def worker_args(plan: DataParallelPlan, settings=SETTINGS, *, micro_batches: int
     mb, k = pick(micro_batches, p.remedy_micro_batches), pick(accum, p.remedy_accum)
     r, start = pick(powersgd_rank, p.remedy_powersgd_rank), pick(powersgd_start, p.remedy_powersgd_start)
     _check_settings(settings, mb, k, r, start)
-    return ["--settings", ",".join(settings), "--micro-batches", str(mb), "--accum", str(k),
-            "--powersgd-rank", str(r), "--powersgd-start", str(start), *model_args(p, collective_timeout)]
+    return RemediesSpec(model=dp_config(p), settings=tuple(settings), micro_batches=mb, accum=k, powersgd_rank=r,
+                        powersgd_start=start, bucket_mb=p.dp_bucket_mb, timeout_s=collective_timeout)
 
 
 def run(settings=SETTINGS, *, micro_batches: int | None = None, accum: int | None = None,
@@ -149,20 +205,20 @@ def run(settings=SETTINGS, *, micro_batches: int | None = None, accum: int | Non
         cluster: an emulated :class:`~teraflops.cluster.Cluster` (up) to spread the ranks over its nodes.
 
     Raises:
-        RemediesError: bad settings (see :func:`worker_args`), before anything is launched.
+        RemediesError: bad settings (see :func:`remedies_spec`), before anything is launched.
         LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
     """
     if plan is None:
         base = data_parallel_plan()
         plan = data_parallel_plan(base.preset, ranks_cpu=base.preset.remedy_ranks_cpu)
-    args = worker_args(plan, settings, micro_batches=micro_batches, accum=accum, powersgd_rank=powersgd_rank,
-                       powersgd_start=powersgd_start)
-    results, launched = launch_timed(WORKER, plan, args, timeout=timeout, desc="remedies: " + ", ".join(settings),
-                                     cluster=cluster)
+    spec = remedies_spec(plan, settings, micro_batches=micro_batches, accum=accum, powersgd_rank=powersgd_rank,
+                         powersgd_start=powersgd_start)
+    results, launched = launch_timed(WORKER, plan, spec, RemediesResult, timeout=timeout,
+                                     desc="remedies: " + ", ".join(settings), cluster=cluster)
     return RemediesRun(remedy_rows(results), **launched)
 
 
-def remedy_rows(results: list[dict]) -> list[dict]:
+def remedy_rows(results: list[RemediesResult]) -> list[dict]:
     """One row per setting from the ranks' results of a launch (then :func:`add_ratios`).
 
     Keys: ``setting``, ``label``, ``k`` (micro-batches per optimizer step), ``steps`` (optimizer
@@ -180,31 +236,29 @@ def remedy_rows(results: list[dict]) -> list[dict]:
         RemediesError: ranks counted different bytes for one setting (they all-reduce together, so
             the counts must agree).
     """
-    cfg, world = results[0]["config"], results[0]["world_size"]
-    per_micro = world * cfg["micro_batch"]
-    runs0 = results[0]["runs"]
-    tail = max(r["k"] for r in runs0)
+    r0 = results[0]
+    per_micro = r0.world_size * r0.config.micro_batch
+    tail = max(r.k for r in r0.runs)
     rows = []
-    for i, run0 in enumerate(runs0):
-        runs = [r["runs"][i] for r in results]
-        if any(r["step_bytes"] != run0["step_bytes"] for r in runs):
-            raise RemediesError(f"{run0['setting']}: ranks counted different all-reduce bytes "
-                                f"{[sum(r['step_bytes']) for r in runs]}. Hint: every rank must run the same settings")
-        losses = mean_over_ranks([r["losses"] for r in runs])
-        steps, k = len(run0["step_bytes"]), run0["k"]
+    for run0 in r0.runs:
+        runs = [next((s for s in r.runs if s.setting == run0.setting), None) for r in results]
+        if any(r is None or r.step_bytes != run0.step_bytes for r in runs):
+            raise RemediesError(f"{run0.setting}: ranks counted different all-reduce bytes "
+                                f"{[r and sum(r.step_bytes) for r in runs]}. Hint: every rank must run the same settings")
+        losses = mean_over_ranks([r.losses for r in runs])
+        steps, k = len(run0.step_bytes), run0.k
         samples = len(losses) * per_micro
-        step_ms = slowest_median_ms([r["step_s"] for r in runs])
-        psgd = results[0].get("powersgd", {})
-        label = LABELS[run0["setting"]].replace(" k", f" k={k}").replace("rank r", f"rank {psgd.get('rank', '?')}")
-        rows.append({"setting": run0["setting"], "label": label, "k": k, "steps": steps, "samples": samples,
+        step_ms = slowest_median_ms([r.step_s for r in runs])
+        label = LABELS[run0.setting].replace(" k", f" k={k}").replace("rank r", f"rank {r0.powersgd_rank}")
+        rows.append({"setting": run0.setting, "label": label, "k": k, "steps": steps, "samples": samples,
                      "samples_per_micro_batch": per_micro,
-                     "bytes_per_step": run0["step_bytes"][-1],
-                     "bucket_bytes_per_step": statistics.median(run0["step_bucket_bytes"]),
-                     "calls_per_step": statistics.median(run0["step_calls"]),
-                     "buckets_per_step": statistics.median(run0["step_buckets"]),
-                     "bytes_per_sample": sum(run0["step_bytes"]) / samples, "step_ms": step_ms,
+                     "bytes_per_step": run0.step_bytes[-1],
+                     "bucket_bytes_per_step": statistics.median(run0.step_bucket_bytes),
+                     "calls_per_step": statistics.median(run0.step_calls),
+                     "buckets_per_step": statistics.median(run0.step_buckets),
+                     "bytes_per_sample": sum(run0.step_bytes) / samples, "step_ms": step_ms,
                      "samples_per_s": k * per_micro / step_ms * 1e3,
-                     "final_loss": sum(losses[-tail:]) / len(losses[-tail:]), "eval_loss": run0["eval_loss"],
+                     "final_loss": sum(losses[-tail:]) / len(losses[-tail:]), "eval_loss": run0.eval_loss,
                      "losses": losses})
     return add_ratios(rows)
 

@@ -143,6 +143,41 @@ PRESETS = {
 }
 
 
+@dataclass(frozen=True)
+class TrainConfig:
+    """The GPT (:class:`teraflops.models.GPT`), batch and optimizer of a training run on ranks, as a
+    rank program's Spec carries it (built from a preset by :func:`dp_config` or :func:`gpt_config`;
+    :mod:`teraflops.workers.common` builds the model and data from it).
+
+    Attributes:
+        vocab, d_model, layers, heads, seq_len: the GPT's sizes (tokens, channels, blocks, heads, positions).
+        micro_batch: sequences per rank per step.
+        lr: the optimizer's learning rate (which optimizer: the rank program's).
+        seed: seed of the initial weights (the data uses ``seed + 1`` or ``seed``, per rank program).
+    """
+
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    seq_len: int
+    micro_batch: int
+    lr: float
+    seed: int = 0
+
+
+def dp_config(p: Preset) -> TrainConfig:
+    """Unit 2 §3-4's and Unit 5 §2's GPT: the ``dp_*`` sizes, ``gpt_heads``, ``dp_micro_batch``, ``dp_lr``."""
+    return TrainConfig(vocab=p.dp_vocab, d_model=p.dp_d_model, layers=p.dp_layers, heads=p.gpt_heads,
+                       seq_len=p.dp_seq_len, micro_batch=p.dp_micro_batch, lr=p.dp_lr)
+
+
+def gpt_config(p: Preset, micro_batch: int, lr: float) -> TrainConfig:
+    """The ``gpt_*`` GPT with ``micro_batch`` sequences per rank and learning rate ``lr``."""
+    return TrainConfig(vocab=p.gpt_vocab, d_model=p.gpt_d_model, layers=p.gpt_layers, heads=p.gpt_heads,
+                       seq_len=p.gpt_seq_len, micro_batch=micro_batch, lr=lr)
+
+
 def preset(name: str | None = None) -> Preset:
     """The preset for this machine (``"gpu"`` with CUDA, else ``"cpu"``), or the one named. The GPU
     preset is fitted to the GPU's memory and compute capability (:func:`teraflops.gpu_fit.fit_preset`).

@@ -59,9 +59,8 @@ import numpy as np
 
 from .detection import MIN_RANKS
 from .distributed import launch
-from .sizing import DataParallelPlan, data_parallel_plan, preset
+from .sizing import DataParallelPlan, TrainConfig, data_parallel_plan, gpt_config, preset
 from .tables import table
-from .workers.data_parallel import Config, config_args
 
 WORKER = "teraflops.workers.straggler"
 EXPERIMENTS = ("sweep", "kinds", "rebalance", "localsgd")
@@ -75,7 +74,7 @@ WARMUP = 2  # untimed steps at the start of each setting (dropped from the recor
 
 @dataclass(frozen=True)
 class Injection:
-    """How a rank is made late. Shared by the host and the ranks (which receive it as a dict).
+    """How a rank is made late. Shared by the host and the ranks (in :class:`StragglerSpec` and its results).
 
     Args:
         kind: ``"none"``; ``"constant"`` (``delay_ms`` every step); ``"intermittent"`` (every
@@ -101,8 +100,6 @@ class Injection:
     seed: int = 0
 
     def __post_init__(self):
-        if isinstance(self.rank, list):
-            object.__setattr__(self, "rank", tuple(self.rank))  # as it comes back from JSON
         if self.kind not in KINDS:
             raise ValueError(f"unknown injection kind {self.kind!r}; choose one of {KINDS}")
         if not (0 <= self.delay_ms < math.inf and self.every >= 1 and 0 <= self.prob <= 1 and 1 <= self.factor < math.inf):
@@ -192,6 +189,81 @@ class Timeline:
 
 
 @dataclass(frozen=True)
+class StragglerSpec:
+    """What :mod:`teraflops.workers.straggler` runs: ``model`` (SGD with momentum at ``model.lr``)
+    under each setting of ``experiments``; ``delays_ms``: the sweep's constant delays; ``steps``:
+    timed steps per setting; ``local_ks``: local SGD's steps between averages; ``kind_delay_ms``:
+    the intermittent and random kinds' delay; ``factor``: compute slow-down of the compute kind and
+    rebalance; ``jitter_ms``, ``jitter_prob``: local SGD's random delay on every rank and its
+    probability per step; ``timeout_s``: seconds a collective waits for the others."""
+
+    model: TrainConfig
+    experiments: tuple[str, ...]
+    delays_ms: tuple[float, ...]
+    steps: int
+    local_ks: tuple[int, ...] = (LOCAL_K,)
+    kind_delay_ms: float = KIND_DELAY_MS
+    factor: float = FACTOR
+    jitter_ms: float = JITTER_MS
+    jitter_prob: float = JITTER_PROB
+    timeout_s: float = 30
+
+    def __post_init__(self):
+        if set(self.experiments) - set(EXPERIMENTS) or not self.experiments:
+            raise ValueError(f"experiments must be some of {EXPERIMENTS}, got {self.experiments}")
+        if self.steps < 1 or min(self.local_ks, default=1) < 1 or min(self.delays_ms, default=0) < 0:
+            raise ValueError(f"steps ({self.steps}) and every k of {self.local_ks} must be >= 1, delays >= 0 ms")
+
+
+@dataclass(frozen=True)
+class SettingRecords:
+    """One setting's timed steps on one rank, a value per step each: ``start`` (``time.time()`` s),
+    ``compute``, ``delay``, ``wait``, ``update``, ``step`` (s), ``batch`` (sequences), ``loss``
+    (the micro-batch's mean loss, nats)."""
+
+    start: list[float]
+    compute: list[float]
+    delay: list[float]
+    wait: list[float]
+    update: list[float]
+    step: list[float]
+    batch: list[int]
+    loss: list[float]
+
+
+@dataclass(frozen=True)
+class SettingResult:
+    """One setting on one rank: its ``name``, ``injection``, ``local_k`` (0: synchronous), every
+    rank's micro-batch ``sizes``, ``records`` and ``eval_loss`` (held-out, nats; None unmeasured)."""
+
+    name: str
+    injection: Injection
+    local_k: int
+    sizes: list[int]
+    records: SettingRecords
+    eval_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class StragglerResult:
+    """One rank's settings, per experiment in the spec's order (none for an experiment not run);
+    ``calibration_speeds``: every rank's samples/s in rebalance's calibration run (None without it)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+    params: int
+    config: TrainConfig
+    sweep: tuple[SettingResult, ...] = ()
+    kinds: tuple[SettingResult, ...] = ()
+    rebalance: tuple[SettingResult, ...] = ()
+    localsgd: tuple[SettingResult, ...] = ()
+    calibration_speeds: list[float] | None = None
+    node: int | None = None
+
+
+@dataclass(frozen=True)
 class StragglerRun:
     """What :func:`run` measured.
 
@@ -212,7 +284,7 @@ class StragglerRun:
     world_size: int
     backend: str
     params: int
-    config: dict
+    config: TrainConfig
     load_avg: tuple
     wall_s: float
 
@@ -306,15 +378,16 @@ def rebalance(speeds, global_batch: int) -> list[int]:
 # ---- the launch ------------------------------------------------------------------------------------
 
 
-def worker_args(plan: DataParallelPlan, *, delays_ms=None, steps=None, experiments=EXPERIMENTS,
-                local_ks=(LOCAL_K,), collective_timeout: float = 30) -> list[str]:
-    """Command-line arguments of the worker from ``plan.preset``'s ``gpt_*`` and ``straggler_*`` sizes."""
+def straggler_spec(plan: DataParallelPlan, *, delays_ms=None, steps=None, experiments=EXPERIMENTS,
+                   local_ks=(LOCAL_K,), collective_timeout: float = 30) -> StragglerSpec:
+    """The worker's :class:`StragglerSpec` from ``plan.preset``'s ``gpt_*`` GPT (``straggler_micro_batch``
+    sequences per rank, ``straggler_lr``) and ``straggler_*`` sizes."""
     p = plan.preset
     delays = p.straggler_delays_ms if delays_ms is None else delays_ms
-    return ["--experiments", ",".join(experiments), "--delays-ms", ",".join(f"{d:g}" for d in delays),
-            "--steps", str(steps or p.straggler_steps), "--local-ks", ",".join(str(int(k)) for k in local_ks),
-            *config_args(Config(p.gpt_vocab, p.gpt_d_model, p.gpt_layers, p.gpt_heads, p.gpt_seq_len,
-                                p.straggler_micro_batch, p.straggler_lr)), "--timeout", str(collective_timeout)]
+    return StragglerSpec(model=gpt_config(p, p.straggler_micro_batch, p.straggler_lr),
+                         experiments=tuple(experiments), delays_ms=tuple(float(d) for d in delays),
+                         steps=steps or p.straggler_steps, local_ks=tuple(int(k) for k in local_ks),
+                         timeout_s=collective_timeout)
 
 
 def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None = None, experiments=EXPERIMENTS,
@@ -347,28 +420,32 @@ def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None 
         p = preset()
         plan = data_parallel_plan(p, ranks_cpu=p.straggler_ranks_cpu, min_ranks=MIN_RANKS)
     before, start = os.getloadavg()[0], time.perf_counter()
-    results = launch(WORKER, plan.placement, worker_args(plan, delays_ms=delays_ms, steps=steps, experiments=experiments,
-                                                local_ks=local_ks),
-                     timeout=timeout, desc="stragglers: " + ", ".join(experiments), cluster=cluster)
+    spec = straggler_spec(plan, delays_ms=delays_ms, steps=steps, experiments=experiments, local_ks=local_ks)
+    results = launch(WORKER, plan.placement, spec=spec, result=StragglerResult, timeout=timeout,
+                     desc="stragglers: " + ", ".join(experiments), cluster=cluster)
     r0, tl = results[0], {key: timelines(results, key) for key in EXPERIMENTS}
-    return StragglerRun(tl["sweep"], tl["kinds"], rebalance_rows(tl["rebalance"], r0.get("calibration_speeds")),
-                        local_sgd_rows(tl["localsgd"], r0["params"]), r0["world_size"], r0["backend"], r0["params"],
-                        r0["config"], (before, os.getloadavg()[0]), time.perf_counter() - start)
+    return StragglerRun(sweep=tl["sweep"], kinds=tl["kinds"],
+                        rebalance=rebalance_rows(tl["rebalance"], r0.calibration_speeds),
+                        local_sgd=local_sgd_rows(tl["localsgd"], r0.params), world_size=r0.world_size,
+                        backend=r0.backend, params=r0.params, config=r0.config,
+                        load_avg=(before, os.getloadavg()[0]), wall_s=time.perf_counter() - start)
 
 
-def timelines(results: list[dict], key: str) -> list[Timeline]:
-    """The :class:`Timeline` of each setting of experiment ``key`` from the ranks' results."""
+def timelines(results: list[StragglerResult], key: str) -> list[Timeline]:
+    """The :class:`Timeline` of each setting of experiment ``key`` (a :class:`StragglerResult`
+    field) from the ranks' results, each rank's setting found by its name."""
     out = []
-    for i, s0 in enumerate(results[0].get(key, [])):
-        recs = [r[key][i]["records"] for r in results]
+    for s0 in getattr(results[0], key):
+        recs = [next(s for s in getattr(r, key) if s.name == s0.name).records for r in results]
 
         def arr(name, dtype=np.float64):
-            return np.array([rec[name] for rec in recs], dtype).T  # [steps, ranks]
+            return np.array([getattr(rec, name) for rec in recs], dtype).T  # [steps, ranks]
 
         start, batch, losses = arr("start"), arr("batch", np.int64), arr("loss")
-        out.append(Timeline(s0["name"], Injection(**s0["injection"]), start - start.min(), arr("compute"),
-                            arr("delay"), arr("wait"), arr("update"), arr("step"), batch,
-                            (losses * batch).sum(1) / batch.sum(1), s0["local_k"], s0["eval_loss"]))
+        out.append(Timeline(name=s0.name, injection=s0.injection, start=start - start.min(), compute=arr("compute"),
+                            delay=arr("delay"), wait=arr("wait"), update=arr("update"), step=arr("step"),
+                            batch=batch, loss=(losses * batch).sum(1) / batch.sum(1), local_k=s0.local_k,
+                            eval_loss=s0.eval_loss))
     return out
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .model_states import FP32_ADAM, FP32_ADAM_MASTER, STAGE_NAMES, comm_volume, model_states
+from .sizing import TrainConfig, gpt_config
 from .tables import table
 
 PAPER_FACTOR = {"all_reduce": 2, "inference_all_reduce": 2, "all_reduce_coalesced": 2, "reduce": 1,
@@ -27,6 +28,114 @@ PAPER_FACTOR = {"all_reduce": 2, "inference_all_reduce": 2, "all_reduce_coalesce
 """Bytes counted per logged byte, by collective (all-gathers: × world size, see the module doc)."""
 ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_base")
 CATEGORIES = ("params", "grads", "optimizer")
+WORKER = "teraflops.workers.zero_train"
+LR = 1e-3  # torch's AdamW in every stage
+BUCKET = 100_000  # DeepSpeed's reduce / all-gather bucket, elements
+
+
+@dataclass(frozen=True)
+class ZeroSpec:
+    """What :mod:`teraflops.workers.zero_train` runs: ``model`` trained ``steps`` steps at each of
+    ``stages`` in turn (``bucket``: reduce / all-gather bucket, elements; ``timeout_s``: seconds a
+    collective may wait)."""
+
+    stages: tuple[int, ...]
+    steps: int
+    model: TrainConfig
+    bucket: int = BUCKET
+    timeout_s: float = 30
+
+
+@dataclass(frozen=True)
+class ZeroStageResult:
+    """One stage on one rank (see :mod:`teraflops.workers.zero_train`): ``held`` fp32 elements by
+    category, ``comms`` DeepSpeed's comms log ``{op: {msg_size_bytes: [count, latencies, algbws,
+    busbws]}}`` of the ``logged_steps`` steps after the first, ``losses`` (nats) and ``step_s`` (s)
+    per step."""
+
+    stage: int
+    psi: int
+    held: dict[str, int]
+    comms: dict[str, dict[int, list]]
+    logged_steps: int
+    losses: list[float]
+    step_s: list[float]
+    optimizer_type: str
+    master_copy: bool
+
+
+@dataclass(frozen=True)
+class ZeroResult:
+    """One rank's runs, one per stage of the :class:`ZeroSpec` (``node``: its emulated node, multi-node launches)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    runs: tuple[ZeroStageResult, ...]
+    node: int | None = None
+
+
+@dataclass(frozen=True)
+class Zero1CheckSpec:
+    """What :mod:`teraflops.workers.zero1_check` runs: the learner's class block ``source`` (its
+    class named ``name``) trained ``steps`` steps next to DDP + AdamW; ``timeout_s``: seconds a
+    collective waits for the others."""
+
+    source: str
+    name: str
+    steps: int = 3
+    timeout_s: float = 20
+
+
+@dataclass(frozen=True)
+class RankError:
+    """An exception the learner's code raised in a rank: ``where`` (what was called), its ``type``,
+    first ``message`` line, ``time`` (Unix s); ``secondary``: the fallout of another rank's error."""
+
+    where: str
+    type: str
+    message: str
+    time: float
+    secondary: bool = False
+
+
+@dataclass(frozen=True)
+class OptimizerInfo:
+    """A ``torch.optim.Optimizer`` found among the learner's object's attributes: its ``type``,
+    whether it is torch.optim's own (``torch``), elements of its state tensors with dim > 0
+    (``state``) and of the parameters it ``owned``; its first group's hyperparameters (None where absent)."""
+
+    type: str
+    torch: bool
+    state: int
+    owned: int
+    lr: object = None
+    betas: object = None
+    eps: object = None
+    weight_decay: object = None
+
+
+@dataclass(frozen=True)
+class Zero1CheckResult:
+    """One rank's report (see :mod:`teraflops.workers.zero1_check`): ``params``, the learner's final
+    flat parameters (None after an error); ``grad_left``, max |grad| right after its ``zero_grad()``;
+    ``comm``, elements it passed to each collective; rank 0 adds ``initial``, ``ref`` and ``alt``
+    (the references' flat parameters)."""
+
+    rank: int
+    world_size: int
+    psi: int
+    hyper: dict[str, object]
+    steps: int
+    error: RankError | None
+    params: list[float] | None
+    grad_left: float
+    optimizers: list[OptimizerInfo]
+    comm: dict[str, int]
+    initial: list[float] | None = None
+    ref: list[float] | None = None
+    alt: dict[str, list[float]] | None = None
+    node: int | None = None
 
 
 def comm_bytes_per_step(comms: dict, world_size: int, steps: int) -> float:
@@ -122,24 +231,35 @@ def run_zero(stages=(0, 1, 2, 3), plan=None, steps: int | None = None, timeout: 
     if steps is not None and steps < 2:
         raise ValueError(f"steps must be >= 2 (the first is warm-up, left out of timings and comms), got {steps}")
     plan = plan or data_parallel_plan()
-    p = plan.preset
-    args = ["--stages", ",".join(map(str, stages)), "--steps", steps or p.zero_steps,
-            "--micro-batch", p.dp_micro_batch, "--vocab", p.gpt_vocab, "--d-model", p.gpt_d_model,
-            "--layers", p.gpt_layers, "--heads", p.gpt_heads, "--seq-len", p.gpt_seq_len]
+    spec = zero_spec(plan.preset, stages, steps)
     spread = {} if cluster is None else {"cluster": cluster, "launcher": "torchrun", "deepspeed": True}
-    ranks = launch("teraflops.workers.zero_train", plan.placement, args, **{"launcher": "deepspeed", **spread},
+    ranks = launch(WORKER, plan.placement, spec=spec, result=ZeroResult, **{"launcher": "deepspeed", **spread},
                    timeout=timeout, env=env, desc="ZeRO stages " + ",".join(map(str, stages)))
-    def as_logged(comms):  # JSON made the message sizes strings; DeepSpeed keys them by int
-        return {op: {int(size): entry for size, entry in sizes.items()} for op, sizes in comms.items()}
+    return stage_runs(spec, ranks)
 
+
+def zero_spec(p, stages=(0, 1, 2, 3), steps: int | None = None) -> ZeroSpec:
+    """The :class:`ZeroSpec` of preset ``p``: its ``gpt_*`` GPT, ``dp_micro_batch`` sequences per
+    rank, AdamW at :data:`LR`, ``steps`` (default ``zero_steps``) per stage."""
+    return ZeroSpec(tuple(int(s) for s in stages), steps or p.zero_steps, gpt_config(p, p.dp_micro_batch, LR))
+
+
+def stage_runs(spec: ZeroSpec, ranks: list[ZeroResult]) -> list[StageRun]:
+    """One :class:`StageRun` per stage of ``spec``, each rank's run of it found by its ``stage``.
+
+    Raises:
+        ValueError: a rank did not run a stage of the spec.
+    """
     runs = []
-    for i, stage in enumerate(stages):
-        per_rank = [r["runs"][i] for r in ranks]
+    for stage in spec.stages:
+        per_rank = [next((s for s in r.runs if s.stage == stage), None) for r in ranks]
+        if None in per_rank:
+            raise ValueError(f"rank {per_rank.index(None)} has no run of ZeRO stage {stage}")
         first = per_rank[0]
-        runs.append(StageRun(stage, first["psi"], ranks[0]["world_size"], ranks[0]["backend"],
-                             [r["held"] for r in per_rank], [as_logged(r["comms"]) for r in per_rank],
-                             first["logged_steps"], [r["losses"] for r in per_rank], [r["step_s"] for r in per_rank],
-                             first["master_copy"]))
+        runs.append(StageRun(stage=stage, psi=first.psi, world_size=ranks[0].world_size, backend=ranks[0].backend,
+                             held=[r.held for r in per_rank], comms=[r.comms for r in per_rank],
+                             logged_steps=first.logged_steps, losses=[r.losses for r in per_rank],
+                             step_s=[r.step_s for r in per_rank], master_copy=first.master_copy))
     return runs
 
 

@@ -14,17 +14,15 @@ import inspect
 import linecache
 import math
 import re
-import tempfile
 import textwrap
 import types
-from pathlib import Path
 
 import torch
 
 from ..distributed import LaunchFailed, launch
 from ..labs import PLACEHOLDER_MESSAGE
 from ..model_states import Precision, comm_volume, model_states
-from ..zero import ALL_GATHERS, PAPER_FACTOR, comm_bytes_per_step
+from ..zero import ALL_GATHERS, PAPER_FACTOR, Zero1CheckResult, Zero1CheckSpec, comm_bytes_per_step
 from ..sizing import data_parallel_plan
 from .core import check_cases, close, exercise, fail
 
@@ -173,17 +171,17 @@ _ALL_GATHER = ("all-gather the updated shards into the full flat vector (dist.al
                "back into the parameters on every rank")
 
 
-def _rank_error(results: list[dict]) -> str | None:
+def _rank_error(results: list[Zero1CheckResult]) -> str | None:
     """One line for the error the learner's code raised first in any rank (None if none did)."""
-    errors = [(r["error"], r["rank"]) for r in results if r.get("error")]
+    errors = [(r.error, r.rank) for r in results if r.error]
     if not errors:
         return None
-    (first, rank) = min(errors, key=lambda er: (bool(er[0].get("secondary")), er[0]["time"]))  # the cause, not the fallout
-    text = f"{first['type']}: {first['message']}"
-    same = sum(f"{e['type']}: {e['message']}" == text for e, _ in errors) == len(results)
+    (first, rank) = min(errors, key=lambda er: (er[0].secondary, er[0].time))  # the cause, not the fallout
+    text = f"{first.type}: {first.message}"
+    same = sum(f"{e.type}: {e.message}" == text for e, _ in errors) == len(results)
     hint = next((h for needle, h in _ERROR_HINTS.items() if needle in text), "")
-    message = f": {first['message'].rstrip('.')}" if first["message"] else " (with no message)"
-    return (f"your {first['where']} raised {first['type']}{'' if same else f' on rank {rank}'}{message}"
+    message = f": {first.message.rstrip('.')}" if first.message else " (with no message)"
+    return (f"your {first.where} raised {first.type}{'' if same else f' on rank {rank}'}{message}"
             + (f". Hint: {hint}" if hint else ""))
 
 
@@ -195,19 +193,19 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def _judge_zero1(results: list[dict], tol: float = ZERO1_TOL) -> None:
+def _judge_zero1(results: list[Zero1CheckResult], tol: float = ZERO1_TOL) -> None:
     """Fail with the first problem the ranks' reports show (see :mod:`teraflops.workers.zero1_check`)."""
     error = _rank_error(results)
     if error:
         fail(error)
     r0 = results[0]
-    n, psi, steps, hyper = r0["world_size"], r0["psi"], r0["steps"], r0["hyper"]
-    params = [torch.tensor(r["params"], dtype=torch.float64) for r in results]
-    ref, initial = (torch.tensor(r0[k], dtype=torch.float64) for k in ("ref", "initial"))
+    n, psi, steps, hyper = r0.world_size, r0.psi, r0.steps, r0.hyper
+    params = [torch.tensor(r.params, dtype=torch.float64) for r in results]
+    ref, initial = (torch.tensor(t, dtype=torch.float64) for t in (r0.ref, r0.initial))
     if not all(torch.isfinite(p).all() for p in params):
         fail("after step() the parameters hold NaN or inf. Hint: AdamW divides by √v + eps: "
              "check that every rank's shard gets its gradient before the AdamW step")
-    grad_left = max(r["grad_left"] for r in results)
+    grad_left = max(r.grad_left for r in results)
     if grad_left > 0:
         fail(f"after zero_grad() the parameters still hold gradients (max |grad| {grad_left:.2e}), so the next "
              "backward() adds to them. Hint: set p.grad = None for every parameter in zero_grad()")
@@ -223,23 +221,23 @@ def _judge_zero1(results: list[dict], tol: float = ZERO1_TOL) -> None:
         why = "each rank updated only its own shard" if only_own else "yet data parallelism keeps every replica identical"
         fail(f"after step() the ranks hold different parameters (max difference {spread:.2e} between rank 0 and "
              f"rank {other}): {why}. Hint: {_ALL_GATHER}")
-    opts = [o for r in results for o in r["optimizers"]]
+    opts = [o for r in results for o in r.optimizers]
     err = _max_diff(params[0], ref)
     if err > tol:
         lead = f"after {steps} steps your parameters differ from DDP + AdamW by up to {err:.2e} (tolerance {tol:.0e})"
-        kind = next((o["type"] for o in opts if o.get("torch") and o["type"] != "AdamW"), None)
+        kind = next((o.type for o in opts if o.torch and o.type != "AdamW"), None)
         if kind:
             extra = (": its weight_decay adds an L2 term to the gradient, AdamW decays the weights directly"
                      if kind == "Adam" else "")
             fail(f"{lead}; your shard's optimizer is torch.optim.{kind}{extra}. Hint: use torch.optim.AdamW")
         for o in opts:
-            for k, want in hyper.items() if o.get("torch") else ():
-                got = o.get(k)
+            for k, want in hyper.items() if o.torch else ():
+                got = getattr(o, k, None)
                 if got is not None and (list(got) if isinstance(got, (list, tuple)) else got) != (
                         list(want) if isinstance(want, (list, tuple)) else want):
                     fail(f"{lead}: your AdamW has {k}={_fmt(got)}, but the check built your class with {k}={_fmt(want)}. "
                          "Hint: pass lr, betas, eps and weight_decay on to the AdamW")
-        alt = {k: _max_diff(params[0], torch.tensor(v, dtype=torch.float64)) for k, v in r0["alt"].items()}
+        alt = {k: _max_diff(params[0], torch.tensor(v, dtype=torch.float64)) for k, v in r0.alt.items()}
         if alt["sum"] <= tol:
             fail(f"{lead}, and match DDP fed the sum of the gradients instead of their mean. Hint: "
                  f"reduce_scatter_tensor sums over the {n} ranks: divide the shard's gradient by the world size")
@@ -255,7 +253,7 @@ def _judge_zero1(results: list[dict], tol: float = ZERO1_TOL) -> None:
         fail("the parameters are right, but no torch.optim optimizer is among your object's attributes, so the "
              "check cannot see the optimizer state each rank holds. Hint: keep the AdamW that owns this rank's "
              "shard as an attribute (self.optimizer = torch.optim.AdamW([shard], ...))")
-    states = [sum(o["state"] for o in r["optimizers"]) for r in results]
+    states = [sum(o.state for o in r.optimizers) for r in results]
     worst = max(range(n), key=lambda r: states[r])
     if states[worst] > min(aligned, full - 1):
         who = "each rank holds" if len(set(states)) == 1 else f"rank {worst} holds"
@@ -267,7 +265,7 @@ def _judge_zero1(results: list[dict], tol: float = ZERO1_TOL) -> None:
         fail(f"the ranks' optimizers hold {sum(states):,} state elements in all, fewer than 2Ψ = {full:,}: some "
              "parameters are updated without AdamW state. Hint: every element of the flat vector belongs to "
              "exactly one rank's shard, and that rank's AdamW steps it")
-    comm = r0["comm"]
+    comm = r0.comm
     scattered = sum(v for k, v in comm.items() if "reduce_scatter" in k or k == "reduce")
     if comm.get("all_reduce", 0) >= steps * psi and scattered < steps * psi:
         fail(f"your step() all-reduces the whole gradient ({comm['all_reduce'] // steps:,} elements a step), "
@@ -302,17 +300,14 @@ def zero1_optimizer(cls) -> None:
     if PLACEHOLDER_MESSAGE in source:
         raise NotImplementedError(PLACEHOLDER_MESSAGE)  # the decorator reports "not attempted"
     plan = data_parallel_plan()
-    with tempfile.TemporaryDirectory(prefix="teraflops-zero1-") as tmp:
-        path = Path(tmp) / "zero1_learner.py"
-        path.write_text(source, encoding="utf-8")
-        try:
-            results = launch("teraflops.workers.zero1_check", plan.placement, [str(path), cls.__name__],
-                             timeout=LAUNCH_TIMEOUT, desc="ZeRO-1 check")
-        except LaunchFailed as e:
-            if "timed out after" not in str(e):
-                raise
-            fail(f"the ranks did not finish within {LAUNCH_TIMEOUT} s (the check's steps take well under a second). "
-                 f"Hint: look for a loop that never ends in your step() or __init__; {_SAME_CALLS}")
+    try:
+        results = launch("teraflops.workers.zero1_check", plan.placement, spec=Zero1CheckSpec(source, cls.__name__),
+                         result=Zero1CheckResult, timeout=LAUNCH_TIMEOUT, desc="ZeRO-1 check")
+    except LaunchFailed as e:
+        if "timed out after" not in str(e):
+            raise
+        fail(f"the ranks did not finish within {LAUNCH_TIMEOUT} s (the check's steps take well under a second). "
+             f"Hint: look for a loop that never ends in your step() or __init__; {_SAME_CALLS}")
     _judge_zero1(results)
 
 

@@ -1,9 +1,9 @@
 """Rank side of Unit 2 §3-4: stale (relaxed) gradient updates, and all-reduce overlapped with backward.
 
-``python -m teraflops.workers.data_parallel [--experiments staleness,overlap] [--taus 0,1,4,16] ...``,
+``python -m teraflops.workers.data_parallel --spec PATH`` (a :class:`teraflops.data_parallel.DataParallelSpec`),
 started by :func:`teraflops.data_parallel.run` through :func:`~teraflops.distributed.launch`. Every
-run builds the same :class:`~teraflops.models.GPT` from ``--seed`` and feeds it the same Markov
-token stream (:func:`~teraflops.data.markov_tokens`): at step ``t`` rank ``r`` trains on sequences
+run builds the same :class:`~teraflops.models.GPT` (:func:`~teraflops.workers.common.build_model`) and feeds it the same Markov
+token stream (:func:`~teraflops.workers.common.make_data`): at step ``t`` rank ``r`` trains on sequences
 ``(t * world + r) * B ... + B`` of it, so the global batch of step ``t`` is the same in every run.
 Optimizer: Adam.
 
@@ -15,7 +15,7 @@ Optimizer: Adam.
   update, and the all-reduce of a step may run while the next τ steps compute. τ = 0 is plain
   synchronous data parallelism. After the last step the queue is drained (untimed) and the loss of
   held-out batches is measured, so every τ is compared after the same number of updates.
-* **overlap**: ``DistributedDataParallel`` with ``--bucket-mb`` buckets, whose hooks start the
+* **overlap**: ``DistributedDataParallel`` with ``bucket_mb`` buckets, whose hooks start the
   all-reduce of a bucket as soon as its gradients are ready, while backward goes on (``bucketed``),
   against the same model without DDP and one all-reduce of all gradients after backward
   (``after``), and, as the floor, the same steps with no communication at all (``local``, whose
@@ -23,7 +23,7 @@ Optimizer: Adam.
 
 Interleaving, against the drift of other processes' load on a shared machine: the overlap modes
 take turns step by step (each finishes its communication within its step); the τ runs take turns
-in blocks of ``--block`` steps (at least 2τ + WARMUP_STEPS + 1, so that most timed steps of a
+in blocks of ``block`` steps (at least 2τ + WARMUP_STEPS + 1, so that most timed steps of a
 stale run are in the steady state, each waiting for the all-reduce of τ steps ago), and between
 blocks the paused run's in-flight all-reduces are
 waited for, untimed, which leaves its arithmetic unchanged. Times are ``time.perf_counter``
@@ -35,82 +35,18 @@ step of each later block (its all-reduces had been drained, so it would look fas
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-from teraflops.data import markov_tokens
-from teraflops.models import GPT, lm_loss
+from teraflops.data_parallel import DataParallelResult, DataParallelSpec, ModeResult, StaleResult
+from teraflops.models import lm_loss
+from teraflops.sizing import TrainConfig
+from teraflops.workers.common import build_model, flat_grads, held_out, make_data, rank_batch, set_grads, sync_device
 
-OVERLAP_MODES = ("bucketed", "after", "local")
 WARMUP_STEPS = 3  # untimed: first-call allocations, DDP's bucket rebuild after its first step
-EVAL_BATCHES = 8  # global batches held out for eval_loss
-
-
-@dataclass(frozen=True)
-class Config:
-    """Model, batch and optimizer of every run (the same for all τ and all modes)."""
-
-    vocab: int = 64
-    d_model: int = 64
-    layers: int = 2
-    heads: int = 4
-    seq_len: int = 16
-    micro_batch: int = 4  # sequences per rank per step
-    lr: float = 1e-3  # Adam
-    seed: int = 0
-
-
-CONFIG_FLAGS = ("vocab", "d_model", "layers", "heads", "seq_len", "micro_batch", "lr", "seed")
-
-
-def config_args(cfg: Config) -> list[str]:
-    """``cfg`` as the command-line options :func:`add_config_arguments` reads (host side)."""
-    return [item for f in CONFIG_FLAGS for item in ("--" + f.replace("_", "-"), str(getattr(cfg, f)))]
-
-
-def add_config_arguments(parser, lr_help: str = "Adam") -> None:
-    """Add the :class:`Config` options (defaults: its fields) and ``--timeout`` (s a collective
-    waits for the others) to a worker's ``parser``; :func:`config_from_args` reads them back."""
-    d = Config()
-    for f in CONFIG_FLAGS:
-        parser.add_argument("--" + f.replace("_", "-"), type=type(getattr(d, f)), default=getattr(d, f),
-                            help=lr_help if f == "lr" else None)
-    parser.add_argument("--timeout", type=float, default=30, help="seconds a collective waits for the others")
-
-
-def config_from_args(a) -> Config:
-    """The :class:`Config` of parsed :func:`add_config_arguments` options."""
-    return Config(**{f: getattr(a, f) for f in CONFIG_FLAGS})
-
-
-def build_model(cfg: Config, device="cpu") -> GPT:
-    """The GPT of ``cfg``, initialised from ``cfg.seed`` (identical on every rank and in every run)."""
-    torch.manual_seed(cfg.seed)
-    return GPT(cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len).to(device)
-
-
-def make_data(cfg: Config, steps: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, targets)``: ``steps`` global batches of ``world * micro_batch`` sequences, then
-    :data:`EVAL_BATCHES` more, held out (see :func:`held_out`)."""
-    return markov_tokens((steps + EVAL_BATCHES) * world * cfg.micro_batch, cfg.seq_len, cfg.vocab, seed=cfg.seed + 1)
-
-
-def held_out(data, steps: int, world: int, micro_batch: int):
-    """The rows after the first ``steps`` global batches of ``data``: no run of ``steps`` steps trained on them."""
-    rows = slice(steps * world * micro_batch, (steps + EVAL_BATCHES) * world * micro_batch)
-    return data[0][rows], data[1][rows]
-
-
-def rank_batch(data, step: int, rank: int, world: int, micro_batch: int):
-    """Rank ``rank``'s micro-batch of global step ``step``: ``micro_batch`` rows from row
-    ``(step * world + rank) * micro_batch`` of ``data = (inputs, targets)``."""
-    start = (step * world + rank) * micro_batch
-    return data[0][start:start + micro_batch], data[1][start:start + micro_batch]
 
 
 class DelayedGradients:
@@ -150,25 +86,7 @@ class DelayedGradients:
             self._queue[i] = (None, buf)
 
 
-def flat_grads(params) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in params])
-
-
-def set_grads(params, flat: torch.Tensor) -> None:
-    """Point each parameter's ``.grad`` at its slice of ``flat`` (no copy)."""
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-
-
-def sync_device(device) -> None:
-    """Wait for this rank's own queued device work (the current CUDA stream); nothing on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
-def train_reference(cfg: Config, steps: int, world: int, tau: int = 0) -> list[float]:
+def train_reference(cfg: TrainConfig, steps: int, world: int, tau: int = 0) -> list[float]:
     """Single-process training on the whole global batch of each step, each step's gradient applied
     ``tau`` steps late: the losses that data parallelism with staleness τ must reproduce (the mean
     of the ranks' micro-batch losses), as floats."""
@@ -193,7 +111,7 @@ def train_reference(cfg: Config, steps: int, world: int, tau: int = 0) -> list[f
 class _Run:
     """One training run on this rank: model, optimizer, per-step losses and times."""
 
-    def __init__(self, cfg: Config, data, w):
+    def __init__(self, cfg: TrainConfig, data, w):
         self.cfg, self.data, self.w = cfg, data, w
         self.model = build_model(cfg, w.device)
         self.params = list(self.model.parameters())
@@ -213,7 +131,7 @@ class _Run:
 class StaleRun(_Run):
     """Data parallelism with every gradient applied ``tau`` steps late (see the module docstring)."""
 
-    def __init__(self, cfg: Config, tau: int, data, w):
+    def __init__(self, cfg: TrainConfig, tau: int, data, w):
         super().__init__(cfg, data, w)
         self.tau, self.queue, self.updates = tau, DelayedGradients(tau), 0
 
@@ -243,8 +161,8 @@ class StaleRun(_Run):
             torch.cuda.synchronize(self.w.device)
         self.timed_next = False
 
-    def result(self, eval_step: int) -> dict:
-        """``{"tau", "losses", "step_s", "updates", "eval_loss"}``: ``updates`` made during the steps;
+    def result(self, eval_step: int) -> StaleResult:
+        """This τ's :class:`~teraflops.data_parallel.StaleResult`: ``updates`` made during the steps;
         then the queue is drained and ``eval_loss`` is the loss of the held-out rows after the first
         ``eval_step`` global batches."""
         made = self.updates
@@ -253,14 +171,13 @@ class StaleRun(_Run):
         x, y = (t.to(self.w.device) for t in held_out(self.data, eval_step, self.w.world_size, self.cfg.micro_batch))
         with torch.no_grad():
             eval_loss = lm_loss(self.model(x), y).item()
-        return {"tau": self.tau, "losses": self.losses, "step_s": self.step_s, "updates": made,
-                "eval_loss": eval_loss}
+        return StaleResult(tau=self.tau, losses=self.losses, step_s=self.step_s, updates=made, eval_loss=eval_loss)
 
 
 class ModeRun(_Run):
     """One overlap mode: ``bucketed`` (DDP), ``after`` (one all-reduce after backward) or ``local``."""
 
-    def __init__(self, cfg: Config, mode: str, bucket_mb: float, data, w):
+    def __init__(self, cfg: TrainConfig, mode: str, bucket_mb: float, data, w):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         super().__init__(cfg, data, w)
@@ -296,44 +213,31 @@ class ModeRun(_Run):
         for key, dt in (("forward_s", t1 - t0), ("backward_s", t2 - t1), ("comm_s", t3 - t2)):
             self.parts[key].append(dt if timed else None)
 
-    def result(self) -> dict:
-        """``{"mode", "losses", "step_s", "forward_s", "backward_s", "comm_s", "buckets"}``;
-        ``buckets``: all-reduces per step (DDP's after its rebuild on the first step)."""
+    def result(self) -> ModeResult:
+        """This mode's :class:`~teraflops.data_parallel.ModeResult`; ``buckets``: all-reduces per
+        step (DDP's after its rebuild on the first step)."""
         buckets = {"after": 1, "local": 0}.get(self.mode)
         if buckets is None:
             info = self.net._get_ddp_logging_data()
             sizes = str(info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes") or "")
             buckets = len([s for s in sizes.split(",") if s.strip()])
-        return {"mode": self.mode, "losses": self.losses, "step_s": self.step_s, **self.parts, "buckets": buckets}
+        return ModeResult(mode=self.mode, losses=self.losses, step_s=self.step_s, **self.parts, buckets=buckets)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the experiments; write ``{"rank", "world_size", "backend", "device", "params", "config",
-    "staleness": [StaleRun.result()], "overlap": [ModeRun.result()]}`` for this rank. Fault points
-    (``TERAFLOPS_FAULT``) count every training step of the launch, in the order they run."""
-    from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
+    """Run the experiments of the :class:`~teraflops.data_parallel.DataParallelSpec`; write this
+    rank's :class:`~teraflops.data_parallel.DataParallelResult`. Fault points (``TERAFLOPS_FAULT``)
+    count every training step of the launch, in the order they run."""
+    from teraflops.distributed import fault_point, finish, init_worker, read_spec, report_progress, write_result
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--experiments", default="staleness,overlap", help="comma-separated: staleness, overlap")
-    p.add_argument("--taus", default="0,1,4,16", help="comma-separated staleness values (steps)")
-    p.add_argument("--steps", type=int, default=20, help="training steps per τ")
-    p.add_argument("--block", type=int, default=10, help="steps a τ run takes in one turn")
-    p.add_argument("--overlap-steps", type=int, default=10, help="training steps per overlap mode")
-    p.add_argument("--modes", default=",".join(OVERLAP_MODES), help="comma-separated overlap modes")
-    p.add_argument("--bucket-mb", type=float, default=2.0, help="DDP bucket_cap_mb (MiB)")
-    add_config_arguments(p)
-    a = p.parse_args(argv)
-    cfg = config_from_args(a)
-    experiments = [e for e in a.experiments.split(",") if e]
-    taus = [int(t) for t in a.taus.split(",") if t] if "staleness" in experiments else []
-    modes = [m for m in a.modes.split(",") if m] if "overlap" in experiments else []
-    bad = set(experiments) - {"staleness", "overlap"} or set(modes) - set(OVERLAP_MODES)
-    if bad or min(a.steps, a.block, a.overlap_steps) < 1:
-        p.error(f"unknown experiment or mode in {a.experiments!r} / {a.modes!r}, or steps < 1")
+    spec = read_spec(DataParallelSpec, argv)
+    cfg = spec.model
+    taus = spec.taus if "staleness" in spec.experiments else ()
+    modes = spec.modes if "overlap" in spec.experiments else ()
 
-    w = init_worker(a.timeout)
-    data = make_data(cfg, max(a.steps if taus else 0, a.overlap_steps if modes else 0), w.world_size)
-    total, done = len(taus) * a.steps + len(modes) * a.overlap_steps, 0
+    w = init_worker(spec.timeout_s)
+    data = make_data(cfg, max(spec.steps if taus else 0, spec.overlap_steps if modes else 0), w.world_size)
+    total, done = len(taus) * spec.steps + len(modes) * spec.overlap_steps, 0
 
     def step(run, i):
         nonlocal done
@@ -342,25 +246,24 @@ def main(argv: list[str] | None = None) -> None:
         done += 1
         report_progress(done, total)
 
-    result = {"rank": w.rank, "world_size": w.world_size, "backend": w.backend, "device": str(w.device),
-              "params": build_model(cfg).num_params(), "config": asdict(cfg), "staleness": [], "overlap": []}
     stale = [StaleRun(cfg, tau, data, w) for tau in taus]
     # A block must be well over τ long: the first τ steps after a pause start all-reduces and wait for
     # none, so with short blocks the timed steps of a large τ would never wait at all.
-    block = max(a.block, 2 * max(taus, default=0) + WARMUP_STEPS + 1)
-    for start in range(0, a.steps if stale else 0, block):
+    block = max(spec.block, 2 * max(taus, default=0) + WARMUP_STEPS + 1)
+    for start in range(0, spec.steps if stale else 0, block):
         for run in stale:
-            for i in range(start, min(start + block, a.steps)):
+            for i in range(start, min(start + block, spec.steps)):
                 step(run, i)
             run.pause()
-    result["staleness"] = [run.result(eval_step=a.steps) for run in stale]
+    staleness = tuple(run.result(eval_step=spec.steps) for run in stale)
     del stale
-    runs = [ModeRun(cfg, mode, a.bucket_mb, data, w) for mode in modes]
-    for i in range(a.overlap_steps if runs else 0):
+    runs = [ModeRun(cfg, mode, spec.bucket_mb, data, w) for mode in modes]
+    for i in range(spec.overlap_steps if runs else 0):
         for run in runs:
             step(run, i)
-    result["overlap"] = [run.result() for run in runs]
-    write_result(result)
+    write_result(DataParallelResult(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
+                                    params=build_model(cfg).num_params(), config=cfg, staleness=staleness,
+                                    overlap=tuple(run.result() for run in runs)))
     finish()
 
 

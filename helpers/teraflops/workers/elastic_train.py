@@ -1,19 +1,19 @@
 """Rank side of Unit 3 §4b: synchronous data-parallel training that resumes from its last checkpoint.
 
-``python -m teraflops.workers.elastic_train --checkpoint-dir DIR [--steps 30] [--checkpoint-every 5] ...``,
+``python -m teraflops.workers.elastic_train --spec PATH`` (a :class:`teraflops.elastic.ElasticSpec`),
 started by :func:`teraflops.elastic.run` through :func:`~teraflops.distributed.launch`, under
 torchrun's elastic agent, which restarts every rank when one fails.
 
-Training: the :class:`~teraflops.models.GPT` of ``--seed`` on the Markov token stream
+Training: the :class:`~teraflops.models.GPT` of the spec's seed on the Markov token stream
 (:func:`~teraflops.data.markov_tokens`); at step ``t`` rank ``r`` trains on sequences
 ``(t * world + r) * B ... + B``, so the batches depend on the global step only and a resumed run
 sees exactly the batches an uninterrupted one does. Each step all-reduces one flat buffer holding
 every gradient and the loss (gloo or NCCL sum, divided by the world size) and takes an Adam step,
 so all ranks keep identical parameters and the logged loss is the global batch's.
 
-Recovery: at start every rank loads the newest checkpoint in ``--checkpoint-dir``
+Recovery: at start every rank loads the newest checkpoint in the spec's ``checkpoint_dir``
 (:func:`teraflops.checkpoint.latest`; model, optimizer, step, loss history) or starts from
-scratch if there is none. After every ``--checkpoint-every`` completed steps rank 0 saves
+scratch if there is none. After every ``checkpoint_every`` completed steps rank 0 saves
 ``step-NNNNNN.pt`` atomically and deletes the older ones (:func:`teraflops.checkpoint.save_latest`:
 one checkpoint on disk per run), then all ranks pass a
 barrier, so a rank that fails later can only lose the steps after a checkpoint that is on disk.
@@ -25,7 +25,6 @@ kills rank 1 before step 17 in the first attempt. Rank 0 appends ``{"step", "los
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -36,42 +35,31 @@ import torch.distributed as dist
 
 from teraflops.checkpoint import latest, load, save_latest
 from teraflops.data import markov_tokens
+from teraflops.elastic import STEPS_LOG, ElasticResult, ElasticSpec
 from teraflops.models import lm_loss
-from teraflops.workers.data_parallel import (add_config_arguments, build_model, config_from_args, rank_batch,
-                                              set_grads)
-
-STEPS_LOG = "steps.jsonl"
+from teraflops.workers.common import build_model, rank_batch, set_grads
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Train; write ``{"rank", "world_size", "backend", "attempt", "resumed_from" (the checkpoint's
-    step, 0 if none), "steps", "losses" (global loss per step, all steps), "final_loss", "params",
-    "train_s" (this attempt's training seconds)}`` for this rank."""
-    from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
+    """Train the :class:`~teraflops.elastic.ElasticSpec`; write this rank's :class:`~teraflops.elastic.ElasticResult`."""
+    from teraflops.distributed import fault_point, finish, init_worker, read_spec, report_progress, write_result
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint-dir", required=True, type=Path)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--checkpoint-every", type=int, default=5, help="completed steps between checkpoints")
-    add_config_arguments(p)
-    a = p.parse_args(argv)
-    cfg = config_from_args(a)
-    if min(a.steps, a.checkpoint_every) < 1:
-        p.error("--steps and --checkpoint-every must be >= 1")
+    a = read_spec(ElasticSpec, argv)
+    cfg, folder = a.model, Path(a.checkpoint_dir)
 
-    w = init_worker(a.timeout)
+    w = init_worker(a.timeout_s)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     model = build_model(cfg, w.device)
     params = list(model.parameters())
     opt = torch.optim.Adam(params, lr=cfg.lr)
     inputs, targets = markov_tokens(a.steps * w.world_size * cfg.micro_batch, cfg.seq_len, cfg.vocab, seed=cfg.seed + 1)
     start, losses = 0, []
-    if (found := latest(a.checkpoint_dir)) is not None:
+    if (found := latest(folder)) is not None:
         state = load(found, map_location=w.device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start, losses = state["step"], list(state["losses"])
-    log = open(a.checkpoint_dir / STEPS_LOG, "a") if w.rank == 0 else None
+    log = open(folder / STEPS_LOG, "a") if w.rank == 0 else None
     t0 = time.perf_counter()
     for step in range(start, a.steps):
         fault_point(step)
@@ -91,14 +79,14 @@ def main(argv: list[str] | None = None) -> None:
         if (step + 1) % a.checkpoint_every == 0:
             if w.rank == 0:
                 save_latest({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
-                             "losses": losses}, a.checkpoint_dir, step + 1)
+                             "losses": losses}, folder, step + 1)
             dist.barrier()
         report_progress(step + 1, a.steps)
     if log:
         log.close()
-    write_result({"rank": w.rank, "world_size": w.world_size, "backend": w.backend, "attempt": attempt,
-                  "resumed_from": start, "steps": a.steps, "losses": losses, "final_loss": losses[-1],
-                  "params": sum(q.numel() for q in params), "train_s": time.perf_counter() - t0})
+    write_result(ElasticResult(rank=w.rank, world_size=w.world_size, backend=w.backend, attempt=attempt,
+                               resumed_from=start, steps=a.steps, losses=losses, final_loss=losses[-1],
+                               params=sum(q.numel() for q in params), train_s=time.perf_counter() - t0))
     finish()
 
 

@@ -1,6 +1,6 @@
 """Rank side of the pairwise link test: every pair of ranks exchanges a buffer, one pair at a time.
 
-``python -m teraflops.workers.link_probe --bytes 1048576 --repeats 5``, started by
+``python -m teraflops.workers.link_probe --spec PATH`` (a :class:`teraflops.link_probe.LinkProbeSpec`), started by
 :func:`teraflops.link_probe.probe` through :func:`~teraflops.distributed.launch` with one rank per
 emulated node, so that rank ``r``'s traffic crosses its node's link and nothing else. This is how
 practitioners find a bad link: a bandwidth test between two hosts at a time (``ib_write_bw``
@@ -9,13 +9,13 @@ names the pair, and the pairs a node is in name the node.
 
 Every rank walks the same schedule, the unordered pairs ``(i, j), i < j`` in lexicographic order
 (:func:`schedule`), with a barrier before each pair so that it runs alone on the switch. The two
-ranks of the pair exchange a float32 buffer of ``--bytes`` bytes both ways as a *ping-pong*
+ranks of the pair exchange a float32 buffer of ``nbytes`` bytes both ways as a *ping-pong*
 (the PingPong benchmark of the Intel MPI Benchmarks): the initiator sends its
 buffer and receives the peer's back (``dist.send`` then ``dist.recv``), timed on the initiator's
 clock with ``time.perf_counter`` from the send to the end of the receive, so the time needs no
 clock shared by two processes; a one-float token then tells the responder that the link is quiet
-(:func:`round_trip`). The two take turns as initiator: after ``--warmup`` untimed round
-trips, ``--repeats`` times i times a round trip, then j does. Each rank thus times ``repeats``
+(:func:`round_trip`). The two take turns as initiator: after ``warmup`` untimed round
+trips, ``repeats`` times i times a round trip, then j does. Each rank thus times ``repeats``
 round trips with every peer: ``S`` bytes out and ``S`` back, ``t ≈ 2 S / rate`` on a link of
 ``rate`` bytes/s (IMB reports ``S / (t / 2)`` as the bandwidth). Ranks outside the pair wait at
 the next barrier.
@@ -25,21 +25,21 @@ here, gloo on CPU serialises the two directions of one pair (a bidirectional 1 M
 50 MB/s link took 40 ms on one rank, the time of a ping-pong, and 21 ms on the other), so the time
 would depend on which rank's clock read it.
 
-Result of each rank (:func:`~teraflops.distributed.write_result`): ``{"rank", "world_size",
-"bytes", "repeats", "times": {peer: [seconds per round trip it initiated, one per repeat]}}``,
-peers as strings (JSON keys).
+Result of each rank (:func:`~teraflops.distributed.write_result`): a
+:class:`teraflops.link_probe.LinkProbeResult`, ``times`` ``{peer: [seconds per round trip it
+initiated, one per repeat]}``.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import time
 
 import torch
 import torch.distributed as dist
 
-from teraflops.distributed import finish, init_worker, report_progress, write_result
+from teraflops.distributed import finish, init_worker, read_spec, report_progress, write_result
+from teraflops.link_probe import LinkProbeResult, LinkProbeSpec
 
 
 def schedule(world: int) -> list[tuple[int, int]]:
@@ -71,21 +71,14 @@ def round_trip(send: torch.Tensor, recv: torch.Tensor, token: torch.Tensor, peer
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--bytes", type=int, default=1 << 20, help="bytes of the buffer sent each way per round trip")
-    p.add_argument("--repeats", type=int, default=5, help="timed round trips per rank and peer")
-    p.add_argument("--warmup", type=int, default=1, help="untimed round trips per pair before the timed ones")
-    p.add_argument("--timeout", type=float, default=60, help="seconds a collective or exchange waits")
-    a = p.parse_args(argv)
-    if a.bytes < 4 or a.repeats < 1 or a.warmup < 0:
-        p.error("need --bytes >= 4 (one float32), --repeats >= 1 and --warmup >= 0")
-    w = init_worker(a.timeout)
+    a = read_spec(LinkProbeSpec, argv)
+    w = init_worker(a.timeout_s)
     torch.set_num_threads(1)  # nothing to compute: the ranks share the cores
-    numel = a.bytes // 4
+    numel = a.nbytes // 4
     send = torch.full((numel,), float(w.rank + 1))
     recv, token = torch.empty(numel), torch.zeros(1)
     pairs = schedule(w.world_size)
-    times: dict[str, list[float]] = {}
+    times: dict[int, list[float]] = {}
     for done, (i, j) in enumerate(pairs):
         dist.barrier()  # the previous pair is finished everywhere: this one runs alone
         if w.rank in (i, j):
@@ -100,10 +93,10 @@ def main(argv: list[str] | None = None) -> None:
                         spans.append(t)
             if recv[0].item() != peer + 1:  # the peer's buffer arrived, not stale memory
                 raise RuntimeError(f"rank {w.rank} received {recv[0].item()} from rank {peer}, expected {peer + 1}")
-            times[str(peer)] = spans
+            times[peer] = spans
         report_progress(done + 1, len(pairs))
-    write_result({"rank": w.rank, "world_size": w.world_size, "bytes": numel * 4, "repeats": a.repeats,
-                  "times": times})
+    write_result(LinkProbeResult(rank=w.rank, world_size=w.world_size, bytes=numel * 4, repeats=a.repeats,
+                                 times=times))
     finish()
 
 

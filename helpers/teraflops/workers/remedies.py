@@ -1,18 +1,18 @@
 """Rank side of Unit 5's communication remedies: gradient accumulation and gradient compression under DDP.
 
-``python -m teraflops.workers.remedies [--settings baseline,accumulate,...] [--micro-batches 32] ...``,
+``python -m teraflops.workers.remedies --spec PATH`` (a :class:`teraflops.remedies.RemediesSpec`),
 started by :func:`teraflops.remedies.run` through :func:`~teraflops.distributed.launch`. Every
 setting trains its own ``DistributedDataParallel`` copy of the same :class:`~teraflops.models.GPT`
-(:func:`~teraflops.workers.data_parallel.build_model`, same seed) on the same micro-batches in the
-same order: micro-batch ``i`` of rank ``r`` is :func:`~teraflops.workers.data_parallel.rank_batch`
+(:func:`~teraflops.workers.common.build_model`, same seed) on the same micro-batches in the
+same order: micro-batch ``i`` of rank ``r`` is :func:`~teraflops.workers.common.rank_batch`
 ``(data, i, r, world, micro_batch)``. Optimizer: Adam, the same learning rate everywhere.
 
-Settings (:data:`SETTINGS`; ``k`` micro-batches per optimizer step, the loss of each scaled by
+Settings (:data:`teraflops.remedies.SETTINGS`; ``k`` micro-batches per optimizer step, the loss of each scaled by
 ``1/k`` so the step's gradient is the mean over its global batch of ``k × world × micro_batch``
 sequences):
 
 * ``baseline``: ``k = 1``, DDP's plain all-reduce (``allreduce_hook``) after every micro-batch.
-* ``accumulate``: ``k = --accum``; the first ``k − 1`` micro-batches run forward and backward inside
+* ``accumulate``: ``k = accum``; the first ``k − 1`` micro-batches run forward and backward inside
   ``ddp.no_sync()`` (no all-reduce; gradients add up locally), the last one syncs the sum.
 * ``accumulate-sync``: the same ``k`` and updates, without ``no_sync``: DDP all-reduces after every
   micro-batch anyway. Same losses as ``accumulate`` (to float rounding), ``k``× its bytes: it is
@@ -20,7 +20,7 @@ sequences):
 * ``fp16``, ``bf16``: ``k = 1``, ``fp16_compress_hook`` / ``bf16_compress_hook`` (cast the bucket to
   16 bits, all-reduce, cast back).
 * ``powersgd``: ``k = 1``, ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank =
-  --powersgd-rank, start_powerSGD_iter = --powersgd-start)`` (error feedback and warm start on, the
+  powersgd_rank, start_powerSGD_iter = powersgd_start)`` (error feedback and warm start on, the
   defaults; plain all-reduce for the first ``start`` steps). On gloo with all gradients in one
   bucket (:data:`ONE_BUCKET_WHY`).
 
@@ -46,20 +46,17 @@ Interleaving, against drift in the machine's load: the settings take turns in ro
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from teraflops.models import lm_loss
-from teraflops.workers.data_parallel import (add_config_arguments, build_model, config_from_args, held_out,
-                                             make_data, rank_batch, sync_device)
+from teraflops.remedies import RemediesResult, RemediesSpec, RemedyResult
+from teraflops.workers.common import build_model, held_out, make_data, rank_batch, sync_device
 
-SETTINGS = ("baseline", "accumulate", "accumulate-sync", "fp16", "bf16", "powersgd")
 ONE_BUCKET_WHY = (
     "on gloo, PowerSGD runs with all gradients in one DDP bucket: it launches its P and Q all-reduces from "
     "future callbacks, so with several buckets their order depends on which bucket's all-reduce finishes "
@@ -168,59 +165,43 @@ class RemedyRun:
             self.step_bucket_bytes.append(self.tally["bucket_bytes"] - self._start[2])
             self.step_buckets.append(self.tally["buckets"] - self._start[3])
 
-    def result(self, trained: int) -> dict:
-        """``{"setting", "k", "losses" (per micro-batch, this rank's), "step_s", "step_bytes",
-        "step_bucket_bytes", "step_calls", "step_buckets" (per optimizer step), "bucket_mb" (DDP's
-        bucket_cap_mb), "eval_loss"}``; ``eval_loss``: the
-        loss of the held-out rows after the first ``trained`` micro-batches."""
+    def result(self, trained: int) -> RemedyResult:
+        """This setting's :class:`~teraflops.remedies.RemedyResult`; ``eval_loss``: the loss of the
+        held-out rows after the first ``trained`` micro-batches."""
         x, y = (t.to(self.w.device) for t in held_out(self.data, trained, self.w.world_size, self.cfg.micro_batch))
         with torch.no_grad():
             eval_loss = lm_loss(self.model(x), y).item()
-        return {"setting": self.setting, "k": self.k, "losses": self.losses, "step_s": self.step_s,
-                "step_bytes": self.step_bytes, "step_bucket_bytes": self.step_bucket_bytes,
-                "step_calls": self.step_calls, "step_buckets": self.step_buckets, "bucket_mb": self.bucket_mb,
-                "eval_loss": eval_loss}
+        return RemedyResult(setting=self.setting, k=self.k, losses=self.losses, step_s=self.step_s,
+                            step_bytes=self.step_bytes, step_bucket_bytes=self.step_bucket_bytes,
+                            step_calls=self.step_calls, step_buckets=self.step_buckets, bucket_mb=self.bucket_mb,
+                            eval_loss=eval_loss)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Train every setting; write ``{"rank", "world_size", "backend", "device", "params", "config",
-    "micro_batches", "powersgd": {"rank", "start"}, "runs": [RemedyRun.result()]}`` for this rank."""
-    from teraflops.distributed import finish, init_worker, report_progress, write_result
+    """Train every setting of the :class:`~teraflops.remedies.RemediesSpec`; write this rank's
+    :class:`~teraflops.remedies.RemediesResult`."""
+    from teraflops.distributed import finish, init_worker, read_spec, report_progress, write_result
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
-    p.add_argument("--micro-batches", type=int, default=32, help="micro-batches per rank per setting")
-    p.add_argument("--accum", type=int, default=4, help="k: micro-batches per optimizer step when accumulating")
-    p.add_argument("--powersgd-rank", type=int, default=2, help="PowerSGD matrix_approximation_rank")
-    p.add_argument("--powersgd-start", type=int, default=2, help="PowerSGD start_powerSGD_iter (>= 2)")
-    p.add_argument("--bucket-mb", type=float, default=2.0, help="DDP bucket_cap_mb (MiB)")
-    add_config_arguments(p)
-    a = p.parse_args(argv)
-    cfg = config_from_args(a)
-    settings = [s for s in a.settings.split(",") if s]
-    if not settings or set(settings) - set(SETTINGS) or a.accum < 1 or a.powersgd_rank < 1 or a.powersgd_start < 2:
-        p.error(f"settings {a.settings!r} must come from {SETTINGS}; accum, powersgd-rank >= 1; powersgd-start >= 2")
-    if a.micro_batches < 1 or a.micro_batches % a.accum:
-        p.error(f"--micro-batches ({a.micro_batches}) must be a positive multiple of --accum ({a.accum})")
-
-    w = init_worker(a.timeout)
-    data = make_data(cfg, a.micro_batches, w.world_size)
-    ks = {s: a.accum if s.startswith("accumulate") else 1 for s in settings}
+    spec = read_spec(RemediesSpec, argv)  # its settings were checked where it was built, and again here
+    cfg = spec.model
+    w = init_worker(spec.timeout_s)
+    data = make_data(cfg, spec.micro_batches, w.world_size)
+    ks = {s: spec.accum if s.startswith("accumulate") else 1 for s in spec.settings}
     turn = max(ks.values())
     with AllReduceBytes() as counter:
-        runs = [RemedyRun(s, ks[s], cfg, data, w, counter, bucket_mb=a.bucket_mb, powersgd_rank=a.powersgd_rank,
-                          powersgd_start=a.powersgd_start, untimed_micro_batches=turn) for s in settings]
-        total, done = len(runs) * a.micro_batches, 0
-        for start in range(0, a.micro_batches, turn):
+        runs = [RemedyRun(s, ks[s], cfg, data, w, counter, bucket_mb=spec.bucket_mb, powersgd_rank=spec.powersgd_rank,
+                          powersgd_start=spec.powersgd_start, untimed_micro_batches=turn) for s in spec.settings]
+        total, done = len(runs) * spec.micro_batches, 0
+        for start in range(0, spec.micro_batches, turn):
             for run in runs:
                 for i in range(start, start + turn):
                     run.micro_batch(i)
                 done += turn
                 report_progress(done, total)
-    write_result({"rank": w.rank, "world_size": w.world_size, "backend": w.backend, "device": str(w.device),
-                  "params": build_model(cfg).num_params(), "config": asdict(cfg), "micro_batches": a.micro_batches,
-                  "powersgd": {"rank": a.powersgd_rank, "start": a.powersgd_start},
-                  "runs": [run.result(a.micro_batches) for run in runs]})
+    write_result(RemediesResult(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
+                                params=build_model(cfg).num_params(), config=cfg, micro_batches=spec.micro_batches,
+                                powersgd_rank=spec.powersgd_rank, powersgd_start=spec.powersgd_start,
+                                runs=tuple(run.result(spec.micro_batches) for run in runs)))
     finish()
 
 

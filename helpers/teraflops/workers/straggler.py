@@ -1,8 +1,8 @@
 """Rank side of Unit 3 §1 and §4: synchronous data parallelism with an injected straggler.
 
-``python -m teraflops.workers.straggler --experiments sweep,kinds,rebalance,localsgd [sizes...]``,
+``python -m teraflops.workers.straggler --spec PATH`` (a :class:`teraflops.stragglers.StragglerSpec`),
 started by :func:`teraflops.stragglers.run` through :func:`~teraflops.distributed.launch`. Every
-setting trains a fresh :class:`~teraflops.models.GPT` from ``--seed`` with SGD (momentum
+setting trains a fresh :class:`~teraflops.models.GPT` from the spec's seed with SGD (momentum
 :data:`MOMENTUM`) on the same Markov token stream: at step ``t`` the global batch is rows
 ``t·B ... (t+1)·B`` and rank ``r`` takes ``sizes[r]`` of them after those of the ranks before it
 (:func:`rank_rows`), so every setting sees the same global batches.
@@ -19,33 +19,31 @@ Each rank's loss is weighted by ``b_r / B`` and the gradients are summed: the gl
 gradient for any split. Local SGD (``local_k = k``): the rank steps on its own gradient (loss not
 weighted, no all-reduce); every ``k`` steps the parameters are all-reduce-averaged (the wait).
 
-Experiments: ``sweep`` (a constant delay per ``--delays-ms``) and ``kinds`` (intermittent, random,
+Experiments: ``sweep`` (a constant delay per ``delays_ms``) and ``kinds`` (intermittent, random,
 compute on the last rank), all taking turns step by step (:func:`take_turns`), so that drift in
-other processes' load hits them alike; ``rebalance`` (compute ×``--factor`` on the last rank: a
+other processes' load hits them alike; ``rebalance`` (compute ×``factor`` on the last rank: a
 calibration run with equal micro-batches, then, taking turns, the equal split and the sizes that
 :func:`teraflops.stragglers.rebalance` gives for the calibration's speeds); ``localsgd`` (random
-delays on every rank; synchronous, then local SGD per ``--local-ks``, one after the other; steps
+delays on every rank; synchronous, then local SGD per ``local_ks``, one after the other; steps
 rounded up so that the last step is an average). Each setting begins with
 :data:`~teraflops.stragglers.WARMUP` untimed steps and a barrier.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from teraflops.models import lm_loss
-from teraflops.stragglers import (EXPERIMENTS, FACTOR, JITTER_MS, JITTER_PROB, KIND_DELAY_MS, LOCAL_K, WARMUP,
-                                  Injection, rebalance)
-from teraflops.workers.data_parallel import (Config, add_config_arguments, build_model, config_from_args, flat_grads,
-                                              held_out, make_data, set_grads, sync_device)
+from teraflops.sizing import TrainConfig
+from teraflops.stragglers import (WARMUP, Injection, SettingRecords, SettingResult, StragglerResult, StragglerSpec,
+                                  rebalance)
+from teraflops.workers.common import build_model, flat_grads, held_out, make_data, set_grads, sync_device
 
 MOMENTUM = 0.9
 RECORDS = ("start", "compute", "delay", "wait", "update", "step", "batch", "loss")
@@ -96,7 +94,7 @@ class Setting:
     micro-batch sizes of all ranks, and the records of its timed steps. :meth:`step` runs the next
     step; the first :data:`WARMUP` are not recorded."""
 
-    def __init__(self, w, cfg: Config, data, name: str, inj: Injection, steps: int, sizes, local_k: int = 0):
+    def __init__(self, w, cfg: TrainConfig, data, name: str, inj: Injection, steps: int, sizes, local_k: int = 0):
         self.w, self.cfg, self.data, self.name, self.inj = w, cfg, data, name, inj
         self.sizes, self.local_k = list(sizes), local_k
         self.model = build_model(cfg, w.device)
@@ -146,9 +144,9 @@ class Setting:
         """This rank's samples/s: micro-batch over the median compute time of the timed steps."""
         return self.sizes[self.w.rank] / statistics.median(self.rec["compute"])
 
-    def result(self, evaluate: bool = False) -> dict:
-        """``{"name", "injection", "local_k", "sizes", "records", "eval_loss"}``: ``records`` holds a list
-        per :data:`RECORDS` entry, one value per timed step (times in s, ``start`` in ``time.time()``
+    def result(self, evaluate: bool = False) -> SettingResult:
+        """This setting's :class:`~teraflops.stragglers.SettingResult`: ``records`` holds a list per
+        :data:`RECORDS` entry, one value per timed step (times in s, ``start`` in ``time.time()``
         seconds); ``eval_loss`` (held-out rows, nats) if ``evaluate``, else None."""
         eval_loss = None
         if evaluate:
@@ -156,8 +154,8 @@ class Setting:
             x, y = (v.to(self.w.device) for v in rows)
             with torch.no_grad():
                 eval_loss = lm_loss(self.model(x), y).item()
-        return {"name": self.name, "injection": asdict(self.inj), "local_k": self.local_k, "sizes": self.sizes,
-                "records": self.rec, "eval_loss": eval_loss}
+        return SettingResult(name=self.name, injection=self.inj, local_k=self.local_k, sizes=self.sizes,
+                             records=SettingRecords(**self.rec), eval_loss=eval_loss)
 
 
 def take_turns(settings: list[Setting], tick) -> None:
@@ -175,19 +173,19 @@ def take_turns(settings: list[Setting], tick) -> None:
             tick()
 
 
-def settings(a) -> dict[str, list[tuple]]:
+def settings(a: StragglerSpec) -> dict[str, list[tuple]]:
     """Per experiment, ``(name, Injection, steps, local_k)`` of each setting (rebalance: the
     calibration, whose speeds size the micro-batches, and the equal split; the rebalanced setting
     is the equal split's with those sizes)."""
-    kind_d, ks = a.kind_delay_ms, [int(k) for k in a.local_ks.split(",") if k]
+    kind_d, ks = a.kind_delay_ms, list(a.local_ks)
     lcm = math.lcm(*ks) if ks else 1
     local_steps = -(-(WARMUP + a.steps) // lcm) * lcm - WARMUP  # the last step of every k is an average
-    jitter = Injection("random", a.jitter_ms, rank="all", prob=a.jitter_prob, seed=a.seed)
+    jitter = Injection("random", a.jitter_ms, rank="all", prob=a.jitter_prob, seed=a.model.seed)
     slow = Injection("compute", factor=a.factor)
     return {"sweep": [(f"{d:g} ms", Injection("constant", d), a.steps, 0)
-                      for d in (float(s) for s in a.delays_ms.split(",") if s)],
+                      for d in a.delays_ms],
             "kinds": [("intermittent", Injection("intermittent", kind_d), a.steps, 0),
-                      ("random", Injection("random", kind_d, seed=a.seed), a.steps, 0),
+                      ("random", Injection("random", kind_d, seed=a.model.seed), a.steps, 0),
                       ("compute", slow, a.steps, 0)],
             "rebalance": [("calibration", slow, max(2, a.steps // 2), 0), ("equal split", slow, a.steps, 0)],
             "localsgd": [("synchronous", jitter, local_steps, 0)] + [(f"local SGD k={k}", jitter, local_steps, k)
@@ -195,34 +193,21 @@ def settings(a) -> dict[str, list[tuple]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the experiments; write ``{"rank", "world_size", "backend", "device", "params", "config",
-    EXPERIMENT: [Setting.result() per setting], "calibration_speeds"}`` for this rank. The sweep and kinds settings take
-    turns (:func:`take_turns`); rebalance runs its calibration alone, then the equal split and the
+    """Run the experiments of the :class:`~teraflops.stragglers.StragglerSpec`; write this rank's
+    :class:`~teraflops.stragglers.StragglerResult`. The sweep and kinds settings take turns
+    (:func:`take_turns`); rebalance runs its calibration alone, then the equal split and the
     rebalanced split in turns; the local-SGD runs go one after the other (taking turns step by step
     would synchronise local SGD's ranks at every step)."""
-    from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
+    from teraflops.distributed import fault_point, finish, init_worker, read_spec, report_progress, write_result
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--experiments", default=",".join(EXPERIMENTS), help="comma-separated: " + ", ".join(EXPERIMENTS))
-    p.add_argument("--delays-ms", default="0,50,100,200", help="comma-separated constant delays of the sweep (ms)")
-    p.add_argument("--steps", type=int, default=16, help="timed steps per setting")
-    p.add_argument("--kind-delay-ms", type=float, default=KIND_DELAY_MS, help="delay of intermittent and random")
-    p.add_argument("--factor", type=float, default=FACTOR, help="compute slow-down of the compute kind and rebalance")
-    p.add_argument("--jitter-ms", type=float, default=JITTER_MS, help="local SGD: random delay on every rank (ms)")
-    p.add_argument("--jitter-prob", type=float, default=JITTER_PROB, help="local SGD: its probability per step")
-    p.add_argument("--local-ks", default=str(LOCAL_K), help="comma-separated steps between averages of local SGD")
-    add_config_arguments(p, lr_help="SGD learning rate")
-    a = p.parse_args(argv)
-    experiments = [e for e in a.experiments.split(",") if e]
-    if set(experiments) - set(EXPERIMENTS) or a.steps < 1:
-        p.error(f"unknown experiment in {a.experiments!r}, or steps < 1")
-    cfg = config_from_args(a)
-    plan = {e: s for e, s in settings(a).items() if e in experiments}
+    spec = read_spec(StragglerSpec, argv)
+    cfg = spec.model
+    plan = {e: s for e, s in settings(spec).items() if e in spec.experiments}
 
-    w = init_worker(a.timeout)
+    w = init_worker(spec.timeout_s)
     equal = [cfg.micro_batch] * w.world_size
     data = make_data(cfg, max(WARMUP + s[2] for ss in plan.values() for s in ss), w.world_size)
-    total = sum(WARMUP + s[2] for ss in plan.values() for s in ss) + (WARMUP + a.steps if "rebalance" in plan else 0)
+    total = sum(WARMUP + s[2] for ss in plan.values() for s in ss) + (WARMUP + spec.steps if "rebalance" in plan else 0)
     done = 0
 
     def tick():  # after each step of any setting: the launch's step count, for progress and TERAFLOPS_FAULT
@@ -231,31 +216,31 @@ def main(argv: list[str] | None = None) -> None:
         done += 1
         report_progress(done, total)
 
-    def setting(spec, sizes=equal, name=None):
-        return Setting(w, cfg, data, name or spec[0], spec[1], spec[2], sizes, spec[3])
+    def setting(entry, sizes=equal, name=None):
+        return Setting(w, cfg, data, name or entry[0], entry[1], entry[2], sizes, entry[3])
 
-    result = {"rank": w.rank, "world_size": w.world_size, "backend": w.backend, "device": str(w.device),
-              "params": build_model(cfg).num_params(), "config": asdict(cfg)}
+    result = {}
     group = {e: [setting(s) for s in plan[e]] for e in ("sweep", "kinds") if e in plan}
     take_turns([s for ss in group.values() for s in ss], tick)
-    result.update({e: [s.result() for s in ss] for e, ss in group.items()})
+    result.update({e: tuple(s.result() for s in ss) for e, ss in group.items()})
     del group
     if "rebalance" in plan:  # micro-batches proportional to the speeds measured with equal ones
-        probe, spec = setting(plan["rebalance"][0]), plan["rebalance"][1]
+        probe, entry = setting(plan["rebalance"][0]), plan["rebalance"][1]
         take_turns([probe], tick)
         speeds = torch.zeros(w.world_size, dtype=torch.float64, device=w.device)
         speeds[w.rank] = probe.speed()
         dist.all_reduce(speeds)
-        pair = [setting(spec), setting(spec, rebalance(speeds.tolist(), sum(equal)), "rebalanced")]
+        pair = [setting(entry), setting(entry, rebalance(speeds.tolist(), sum(equal)), "rebalanced")]
         take_turns(pair, tick)
-        result["rebalance"], result["calibration_speeds"] = [s.result() for s in pair], speeds.tolist()
+        result["rebalance"], result["calibration_speeds"] = tuple(s.result() for s in pair), speeds.tolist()
         del pair
-    result["localsgd"] = []
-    for spec in plan.get("localsgd", []):
-        run = setting(spec)
+    localsgd = []
+    for entry in plan.get("localsgd", []):
+        run = setting(entry)
         take_turns([run], tick)
-        result["localsgd"].append(run.result(evaluate=True))
-    write_result(result)
+        localsgd.append(run.result(evaluate=True))
+    write_result(StragglerResult(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
+                                 params=build_model(cfg).num_params(), config=cfg, localsgd=tuple(localsgd), **result))
     finish()
 
 

@@ -1,28 +1,27 @@
 """Rank side of the triage capstone: distributed workloads, each profiled on every rank.
 
-``python -m teraflops.workers.triage_trace --workloads zero3,straggler,allreduce --out DIR --steps 5 ...``,
+``python -m teraflops.workers.triage_trace --spec PATH`` (a :class:`teraflops.rank_traces.RankTraceSpec`),
 started by :func:`teraflops.rank_traces.profile_ranks` through :func:`~teraflops.distributed.launch`
 (``deepspeed=True`` when ``zero3`` is asked for: only then do the ranks join through
 ``deepspeed.init_distributed``). The workloads run one after the other in the order asked; what
 each one does and which verdict it should get is in :mod:`teraflops.rank_traces`.
 
-Per workload, on every rank: :data:`WARMUP` untimed steps, then ``--steps`` steps, each after a
+Per workload, on every rank: :data:`WARMUP` untimed steps, then the spec's ``steps`` steps, each after a
 barrier (so that every step starts together and no rank is late because it wrote its trace
 longer) and each profiled on its own as :func:`teraflops.triage.record` profiles one call
 (``torch.profiler``, CPU plus CUDA with GPUs, ``record_shapes=True``). The first profiled step's
-Chrome trace stays, as ``DIR/<workload>.rank<r>.json``; from every profiled step the rank keeps
+Chrome trace stays, as ``<out>/<workload>.rank<r>.json``; from every profiled step the rank keeps
 its seconds inside collectives (:func:`teraflops.rank_traces.collective_seconds`), which the
 caller stacks into the waits ``[steps, ranks]`` of :func:`teraflops.triage.triage`. So the waits
 come from the same instrument, and the same events, as the communication of the trace they go with.
 
-Hands back (:func:`~teraflops.distributed.write_result`) ``{"rank", "world_size", "backend",
-"device", "workloads": {name: {"waits": [steps] s, "trace": path, "step_s": [steps] s,
-"delayed_rank": int | None, "delay_s": s, "params": int}}}``.
+Hands back (:func:`~teraflops.distributed.write_result`) a :class:`teraflops.rank_traces.RankTraceResult`:
+per workload name a :class:`~teraflops.rank_traces.WorkloadResult` (``waits`` and ``step_s``,
+``[steps]`` s; ``trace``, the kept trace's path; ``delayed_rank``, ``delay_s``, ``params``).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import time
@@ -32,12 +31,12 @@ import torch
 import torch.distributed as dist
 
 from teraflops.data import markov_tokens
-from teraflops.models import GPT, lm_loss
-from teraflops.rank_traces import (ALLREDUCE_CALLS, SIZE_FLAGS, STEPS, STRAGGLER_FACTOR, WARMUP, WORKLOADS,
-                                   collective_seconds, model_sizes)
-from teraflops.sizing import PRESETS
+from teraflops.models import lm_loss
+from teraflops.rank_traces import (ALLREDUCE_CALLS, STRAGGLER_FACTOR, WARMUP, RankTraceResult, RankTraceSpec,
+                                   WorkloadResult, collective_seconds)
+from teraflops.sizing import TrainConfig
 from teraflops.triage import record
-from teraflops.workers.data_parallel import flat_grads, set_grads, sync_device
+from teraflops.workers.common import build_model, flat_grads, set_grads, sync_device, zero_config
 
 
 def profile_step(step, path: Path) -> float:
@@ -46,37 +45,28 @@ def profile_step(step, path: Path) -> float:
     return collective_seconds(record(step, path, warmup=0))
 
 
-def _model(a, prefix: str, device) -> GPT:
-    """The GPT of the ``--{prefix}-*`` sizes, initialised from ``--seed`` (the same on every rank)."""
-    torch.manual_seed(a.seed)
-    return GPT(a.__dict__[f"{prefix}_vocab"], a.__dict__[f"{prefix}_d_model"], a.__dict__[f"{prefix}_layers"],
-               a.__dict__[f"{prefix}_heads"], a.__dict__[f"{prefix}_seq_len"]).to(device)
-
-
-def _batch(a, prefix: str, rank: int, device):
+def _batch(cfg: TrainConfig, rank: int, device):
     """This rank's micro-batch ``(inputs, targets)``, int64 ``[micro_batch, seq_len]`` (the same every step)."""
-    b = a.__dict__[f"{prefix}_micro_batch"]
-    x, y = markov_tokens(b * (rank + 1), a.__dict__[f"{prefix}_seq_len"], a.__dict__[f"{prefix}_vocab"], seed=a.seed)
+    b = cfg.micro_batch
+    x, y = markov_tokens(b * (rank + 1), cfg.seq_len, cfg.vocab, seed=cfg.seed)
     return x[-b:].to(device), y[-b:].to(device)
 
 
 def zero3(w, a):
     """One training step of the GPT under DeepSpeed ZeRO stage 3 (fp32, torch's AdamW) with Unit 2's
-    :func:`teraflops.workers.zero_train.config` (every parameter partitioned, gathered before its
+    :func:`teraflops.workers.common.zero_config` (every parameter partitioned, gathered before its
     forward and again before its backward: 3Ψ per step) with two changes (why: :mod:`teraflops.rank_traces`):
     no comms logger (its per-call bookkeeping is Python time on every collective) and one reduce
     bucket for all gradients (one reduce-scatter, after backward). Returns ``(step, info, close)``."""
     import deepspeed
 
-    from teraflops.workers.zero_train import config
-
-    model = _model(a, "zero", w.device)
+    model = build_model(a.zero, w.device)
     params = model.num_params()  # before initialize: ZeRO-3 partitions the parameters (numel() then reads 0)
-    cfg = config(3, a.zero_micro_batch, params)
+    cfg = zero_config(3, a.zero.micro_batch, params)
     cfg["comms_logger"] = {"enabled": False}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=a.zero.lr),
                                       config=cfg)
-    x, y = _batch(a, "zero", w.rank, engine.device)
+    x, y = _batch(a.zero, w.rank, engine.device)
 
     def step():
         engine.backward(lm_loss(engine(x), y))
@@ -92,10 +82,10 @@ def straggler(w, a):
     """Synchronous data parallelism, the last rank late by a sleep of :data:`STRAGGLER_FACTOR` × the
     slowest rank's median step without delay (measured here, over :data:`WARMUP` + 2 steps): forward,
     backward, the sleep (last rank only), one blocking all-reduce of all gradients, SGD."""
-    model = _model(a, "dp", w.device)
+    model = build_model(a.dp, w.device)
     params = list(model.parameters())
-    opt = torch.optim.SGD(params, lr=0.1)
-    x, y = _batch(a, "dp", w.rank, w.device)
+    opt = torch.optim.SGD(params, lr=a.dp.lr)
+    x, y = _batch(a.dp, w.rank, w.device)
     delay = [0.0]
 
     def step():
@@ -124,7 +114,7 @@ def straggler(w, a):
 
 
 def allreduce(w, a):
-    """:data:`ALLREDUCE_CALLS` blocking all-reduces of a ``--allreduce-bytes`` float32 message, each
+    """:data:`ALLREDUCE_CALLS` blocking all-reduces of an ``allreduce_bytes`` float32 message, each
     followed by one trivial op (scaling by 1/world, so the values stay put)."""
     x = torch.ones(max(1, a.allreduce_bytes // 4), device=w.device)
 
@@ -139,7 +129,7 @@ def allreduce(w, a):
 BUILDERS = {"zero3": zero3, "straggler": straggler, "allreduce": allreduce}
 
 
-def run(name: str, w, a, tick) -> dict:
+def run(name: str, w, a: RankTraceSpec, tick) -> WorkloadResult:
     """Build workload ``name``, warm it up, profile ``a.steps`` steps; this rank's result for it."""
     out = Path(a.out)
     step, info, close = BUILDERS[name](w, a)
@@ -159,40 +149,29 @@ def run(name: str, w, a, tick) -> dict:
     if close is not None:
         close()
     gc.collect()
-    return {"waits": waits, "trace": str(kept), "step_s": step_s, "delayed_rank": info.get("delayed_rank"),
-            "delay_s": info.get("delay_s", 0.0), "params": info["params"]}
+    return WorkloadResult(waits=waits, trace=str(kept), step_s=step_s, params=info["params"],
+                          delayed_rank=info.get("delayed_rank"), delay_s=info.get("delay_s", 0.0))
 
 
 def main(argv: list[str] | None = None) -> None:
-    from teraflops.distributed import finish, init_worker, report_progress, write_result
+    """Run the workloads of the :class:`~teraflops.rank_traces.RankTraceSpec`; write this rank's
+    :class:`~teraflops.rank_traces.RankTraceResult`."""
+    from teraflops.distributed import finish, init_worker, read_spec, report_progress, write_result
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
-    p.add_argument("--out", required=True, help="folder for the traces (shared by all ranks)")
-    p.add_argument("--steps", type=int, default=STEPS, help="profiled steps per workload (after warm-up)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=60, help="seconds a collective waits for the others")
-    for prefix, sizes in model_sizes(PRESETS["cpu"]).items():  # defaults: the CPU preset's
-        for name, default in zip(SIZE_FLAGS, sizes):
-            p.add_argument(f"--{prefix}-{name}", type=int, default=default, help=f"GPT of the {prefix} workload")
-    p.add_argument("--allreduce-bytes", type=int, default=1024, help="message of the allreduce workload, bytes")
-    a = p.parse_args(argv)
-    names = [n for n in a.workloads.split(",") if n]
-    if not names or set(names) - set(WORKLOADS) or a.steps < 1:
-        p.error(f"--workloads must name some of {', '.join(WORKLOADS)} and --steps be >= 1")
+    a = read_spec(RankTraceSpec, argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)
 
-    w = init_worker(a.timeout, deepspeed="zero3" in names)
-    total, done = len(names) * (WARMUP + a.steps), 0
+    w = init_worker(a.timeout_s, deepspeed="zero3" in a.workloads)
+    total, done = len(a.workloads) * (WARMUP + a.steps), 0
 
     def tick():
         nonlocal done
         done += 1
         report_progress(done, total)
 
-    results = {name: run(name, w, a, tick) for name in names}
-    write_result({"rank": w.rank, "world_size": w.world_size, "backend": w.backend, "device": str(w.device),
-                  "workloads": results})
+    results = {name: run(name, w, a, tick) for name in a.workloads}
+    write_result(RankTraceResult(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
+                                 workloads=results))
     finish()
 
 

@@ -1,12 +1,12 @@
 """Rank side of the ZeRO-1 check (Unit 2, exercise 3): the learner's optimizer against DDP + AdamW.
 
-``python -m teraflops.workers.zero1_check SOURCE CLASS [--steps N] [--timeout S]``, started by
+``python -m teraflops.workers.zero1_check --spec PATH`` (a :class:`teraflops.zero.Zero1CheckSpec`), started by
 :func:`teraflops.grading.unit02.zero1_optimizer` through :func:`~teraflops.distributed.launch`.
 
-``SOURCE`` is a file holding the learner's class block; it runs in a namespace with only ``torch``,
+The spec's ``source`` is the learner's class block; it runs in a namespace with only ``torch``,
 ``dist`` (``torch.distributed``), ``math``, ``nn`` and ``F``. Every rank builds the same small MLP
 (Ψ = :data:`PSI` parameters, not divisible by any world size from 2 to 10, so the flat vector needs padding) and
-trains four copies of it for ``--steps`` steps on the same rank-specific batches:
+trains four copies of it for the spec's ``steps`` steps on the same rank-specific batches:
 
 * the learner's: ``opt = CLASS(model.parameters(), **HYPER)``; ``opt.zero_grad()``, backward, ``opt.step()``;
 * the reference: the model wrapped in ``DistributedDataParallel`` with ``torch.optim.AdamW(**HYPER)``;
@@ -19,7 +19,7 @@ gradient scaled by a constant moves the parameters the same way unless ``eps`` i
 the gradient's size. An exception in the learner's code is caught and reported (where, type,
 first line, time) instead of crashing the rank.
 
-Result per rank (:func:`~teraflops.distributed.write_result`): ``psi``, ``world_size``, ``hyper``,
+Result per rank (:func:`~teraflops.distributed.write_result`, a :class:`teraflops.zero.Zero1CheckResult`): ``psi``, ``world_size``, ``hyper``,
 ``error``, ``params`` (the learner's final flat parameters), ``grad_left`` (max |grad| seen right
 after the learner's ``zero_grad()``), ``optimizers`` (each ``torch.optim.Optimizer`` found among the
 learner object and its attributes: type, whether torch.optim's own, hyperparameters, elements owned,
@@ -29,7 +29,6 @@ elements of state tensors with dim > 0), ``comm`` (elements the learner's code p
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import math
@@ -44,7 +43,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
+from teraflops.distributed import fault_point, finish, init_worker, read_spec, report_progress, write_result
+from teraflops.zero import OptimizerInfo, RankError, Zero1CheckResult, Zero1CheckSpec
 
 HYPER = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-3, "weight_decay": 0.1}
 IN, HIDDEN, OUT, BATCH = 8, 32, 5, 16
@@ -126,31 +126,27 @@ def _optimizers(obj) -> list[torch.optim.Optimizer]:
     return found
 
 
-def _describe(opt: torch.optim.Optimizer) -> dict:
+def _describe(opt: torch.optim.Optimizer) -> OptimizerInfo:
     """Type (``torch``: one of torch.optim's own), first group's hyperparameters, elements owned, and
     elements of state tensors with dim > 0 (AdamW's ``step`` is a 0-dim tensor: not counted)."""
     group = opt.param_groups[0] if opt.param_groups else {}
     state = sum(t.numel() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
     owned = sum(p.numel() for g in opt.param_groups for p in g["params"])
     hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k in HYPER}
-    return {"type": type(opt).__name__, "torch": type(opt).__module__.startswith("torch.optim"), "state": state,
-            "owned": owned, **hyper}
+    return OptimizerInfo(type=type(opt).__name__, torch=type(opt).__module__.startswith("torch.optim"), state=state,
+                         owned=owned, **hyper)
 
 
-def _error(where: str, e: BaseException) -> dict:
+def _error(where: str, e: BaseException, secondary: bool = False) -> RankError:
     # torch's C++ checks start with log prefixes: "[rank0]:[F1129 21:31:24.98 ProcessGroupGloo.cpp:1537] Check failed"
     lines = [re.sub(r"^(\[[^\]]*\]:?\s*)+", "", ln.strip()) for ln in str(e).strip().splitlines() if ln.strip()]
-    return {"where": where, "type": type(e).__name__, "message": lines[0][:400] if lines else "", "time": time.time()}
+    return RankError(where=where, type=type(e).__name__, message=lines[0][:400] if lines else "", time=time.time(),
+                     secondary=secondary)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("source", help="file with the learner's class")
-    p.add_argument("name", help="the class's name")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=20, help="seconds a collective waits for the others")
-    a = p.parse_args(argv)
-    w = init_worker(a.timeout)
+    a = read_spec(Zero1CheckSpec, argv)
+    w = init_worker(a.timeout_s)
     ref_group = dist.new_group()  # DDP's collectives stay apart from the learner's (default group)
     n = w.world_size
     base = make_model().to(w.device)
@@ -177,8 +173,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def define():
         namespace = {"torch": torch, "dist": dist, "math": math, "nn": nn, "F": F, "__name__": "zero1_learner"}
-        with open(a.source, encoding="utf-8") as f:
-            exec(compile(f.read(), f"<{a.name}>", "exec"), namespace)
+        exec(compile(a.source, f"<{a.name}>", "exec"), namespace)
         return namespace[a.name]
 
     cls = learner("class definition", define)
@@ -203,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                 (scale * F.mse_loss(m(x), y)).backward()
                 ref_opt.step()
         except Exception as e:  # noqa: BLE001 - another rank's learner code failed and left the group
-            result["error"] = {**_error("the DDP reference", e), "secondary": True}
+            result["error"] = _error("the DDP reference", e, secondary=True)
             break
         report_progress(step + 1, a.steps)
     if not result["error"]:
@@ -212,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         if w.rank == 0:
             result["ref"] = flat(refs["ref"][0].module).tolist()
             result["alt"] = {k: flat(refs[k][0].module).tolist() for k in ("sum", "double")}
-    write_result(result)
+    write_result(Zero1CheckResult(**result))
     if not result["error"]:
         with suppress(Exception):  # a rank whose learner code failed has left: no barrier with it
             finish()

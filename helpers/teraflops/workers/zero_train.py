@@ -1,12 +1,12 @@
 """Rank side of Unit 2's ZeRO runs: train models.GPT under DeepSpeed at each ZeRO stage in turn.
 
 Started by :func:`teraflops.zero.run_zero` through the DeepSpeed launcher, one process per rank:
-``python -m teraflops.workers.zero_train --stages 0,1,2,3 --steps 4 ...``. For each stage the
+``python -m teraflops.workers.zero_train --spec PATH`` (a :class:`teraflops.zero.ZeroSpec`). For each stage the
 same model (same seed) sees the same global batches: rank ``r`` takes rows ``r·B … (r+1)·B − 1``
 of each step's ``world·B`` sequences, so the global batch, and with it the loss curve, does not
 depend on the stage.
 
-Per stage and rank it hands back (through :func:`teraflops.distributed.write_result`):
+Per stage and rank it hands back a :class:`teraflops.zero.ZeroStageResult` (through :func:`teraflops.distributed.write_result`):
 
 * ``held``: elements this rank holds, read from the engine's real tensors (shared storage counted
   once): ``params`` (the module's parameters, or under stage 3 their shards ``p.ds_tensor``),
@@ -19,44 +19,23 @@ Per stage and rank it hands back (through :func:`teraflops.distributed.write_res
 * ``step_s`` (wall seconds per step) and ``losses`` (this rank's micro-batch loss per step).
 
 Training runs in fp32 on every machine so that the stages can be compared to 1e-4; the DeepSpeed
-config keeps ZeRO's communication visible per collective (no overlap, no multi-rank bucket
-all-reduce, stage 3 re-gathering every parameter in the backward pass).
+config (:func:`teraflops.workers.common.zero_config`) keeps ZeRO's communication visible per
+collective (no overlap, no multi-rank bucket all-reduce, stage 3 re-gathering every parameter in
+the backward pass).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 
 import torch
 
 from teraflops.data import markov_tokens
-from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
-from teraflops.models import GPT, lm_loss
-
-
-def config(stage: int, micro_batch: int, bucket: int) -> dict:
-    """The DeepSpeed config of one run (https://www.deepspeed.ai/docs/config-json/)."""
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "zero_allow_untested_optimizer": True,  # torch's AdamW, so no fused_adam op to compile
-        "steps_per_print": 10**9,
-        "comms_logger": {"enabled": True, "verbose": False, "prof_all": True},
-        "zero_optimization": {
-            "stage": stage,
-            "overlap_comm": False,
-            "contiguous_gradients": True,
-            "reduce_bucket_size": bucket,
-            "allgather_bucket_size": bucket,
-            "use_multi_rank_bucket_allreduce": False,  # stages 1-2 reduce each partition to its owner
-            "stage3_param_persistence_threshold": 0,  # partition every parameter, however small
-            "stage3_max_live_parameters": 0,  # release gathered parameters after use ...
-            "stage3_max_reuse_distance": 0,  # ... so the backward pass gathers them again
-            "stage3_prefetch_bucket_size": 0,
-        },
-    }
+from teraflops.distributed import fault_point, finish, init_worker, read_spec, report_progress, write_result
+from teraflops.models import lm_loss
+from teraflops.workers.common import build_model, rank_batch, zero_config
+from teraflops.zero import ZeroResult, ZeroSpec, ZeroStageResult
 
 
 def _spans(tensors) -> list[tuple[int, int]]:
@@ -113,25 +92,24 @@ def _optimizer_states(engine) -> list:
     return states + _master_partitions(engine)
 
 
-def run_stage(stage: int, args, world: int, rank: int, step0: int) -> dict:
+def run_stage(stage: int, spec: ZeroSpec, world: int, rank: int, step0: int) -> ZeroStageResult:
     import deepspeed
     import deepspeed.comm as ds_comm
 
-    torch.manual_seed(args.seed)
-    model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq_len)
+    cfg, steps = spec.model, spec.steps
+    model = build_model(cfg)
     psi = model.num_params()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                      config=config(stage, args.micro_batch, args.bucket))
-    inputs, targets = markov_tokens(world * args.micro_batch * args.steps, args.seq_len, args.vocab, seed=args.seed)
+                                      config=zero_config(stage, cfg.micro_batch, spec.bucket))
+    data = markov_tokens(world * cfg.micro_batch * steps, cfg.seq_len, cfg.vocab, seed=cfg.seed)
     device = engine.device
     losses, step_s, held = [], [], {}
-    for step in range(args.steps):
+    for step in range(steps):
         fault_point(step0 + step)
         if step == 1:
             ds_comm.comms_logger.comms_dict.clear()  # the first step also holds one-off set-up traffic
-        rows = slice((step * world + rank) * args.micro_batch, (step * world + rank + 1) * args.micro_batch)
-        x, y = inputs[rows].to(device), targets[rows].to(device)
+        x, y = (t.to(device) for t in rank_batch(data, step, rank, world, cfg.micro_batch))
         start = time.perf_counter()
         loss = lm_loss(engine(x), y)
         engine.backward(loss)
@@ -142,7 +120,7 @@ def run_stage(stage: int, args, world: int, rank: int, step0: int) -> dict:
             torch.cuda.synchronize(device)
         step_s.append(time.perf_counter() - start)
         losses.append(loss.item())
-        report_progress(step0 + step + 1, args.total_steps)
+        report_progress(step0 + step + 1, len(spec.stages) * steps)
     params = _params(engine, stage)
     held["params"], param_spans = _elements(params), _spans(params)
     # a master partition that *is* the parameter shard (stage 3 in fp32) is not counted twice
@@ -151,9 +129,8 @@ def run_stage(stage: int, args, world: int, rank: int, step0: int) -> dict:
     comms = {op: {int(size): v for size, v in sizes.items()}  # DeepSpeed's raw format, see teraflops.zero
              for op, sizes in ds_comm.comms_logger.comms_dict.items()}
     ds_comm.comms_logger.comms_dict.clear()
-    result = {"stage": stage, "psi": psi, "held": held, "comms": comms, "logged_steps": args.steps - 1,
-              "losses": losses, "step_s": step_s, "optimizer_type": type(engine.optimizer).__name__,
-              "master_copy": master_copy}
+    result = ZeroStageResult(stage=stage, psi=psi, held=held, comms=comms, logged_steps=steps - 1, losses=losses,
+                             step_s=step_s, optimizer_type=type(engine.optimizer).__name__, master_copy=master_copy)
     engine.destroy()
     del engine, model, optimizer
     gc.collect()
@@ -161,25 +138,10 @@ def run_stage(stage: int, args, world: int, rank: int, step0: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", default="0,1,2,3")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bucket", type=int, default=100_000, help="reduce/all-gather bucket, elements")
-    parser.add_argument("--timeout", type=float, default=30, help="seconds a collective may wait")
-    args, _ = parser.parse_known_args()  # the DeepSpeed launcher may append --local_rank
-    stages = [int(s) for s in args.stages.split(",")]
-    args.total_steps = len(stages) * args.steps
-    worker = init_worker(args.timeout, deepspeed=True)
-    runs = [run_stage(s, args, worker.world_size, worker.rank, i * args.steps) for i, s in enumerate(stages)]
-    write_result({"rank": worker.rank, "world_size": worker.world_size, "backend": worker.backend, "runs": runs})
+    spec = read_spec(ZeroSpec)  # the DeepSpeed launcher may append --local_rank: read_spec ignores it
+    worker = init_worker(spec.timeout_s, deepspeed=True)
+    runs = tuple(run_stage(s, spec, worker.world_size, worker.rank, i * spec.steps) for i, s in enumerate(spec.stages))
+    write_result(ZeroResult(rank=worker.rank, world_size=worker.world_size, backend=worker.backend, runs=runs))
     finish()
 
 

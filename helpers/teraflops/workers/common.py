@@ -1,0 +1,89 @@
+"""What the rank programs share: the GPT of a :class:`~teraflops.sizing.TrainConfig`, its token data,
+each rank's micro-batch, gradients flattened into one buffer, and the DeepSpeed ZeRO config.
+
+Rank programs import this module, never one another. The model is the same on every rank and in
+every run of a config (initialised from ``cfg.seed``); the data is a Markov token stream
+(:func:`~teraflops.data.markov_tokens`) whose rows are laid out by global step, so a global batch
+does not depend on the world's split of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from teraflops.data import markov_tokens
+from teraflops.models import GPT
+from teraflops.sizing import TrainConfig
+
+EVAL_BATCHES = 8  # global batches held out for an eval loss (make_data, held_out)
+
+
+def build_model(cfg: TrainConfig, device="cpu") -> GPT:
+    """The GPT of ``cfg``, initialised from ``cfg.seed`` (identical on every rank and in every run)."""
+    torch.manual_seed(cfg.seed)
+    return GPT(cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len).to(device)
+
+
+def make_data(cfg: TrainConfig, steps: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)``, int64 ``[rows, seq_len]``: ``steps`` global batches of ``world *
+    micro_batch`` sequences, then :data:`EVAL_BATCHES` more, held out (see :func:`held_out`);
+    seeded by ``cfg.seed + 1``."""
+    return markov_tokens((steps + EVAL_BATCHES) * world * cfg.micro_batch, cfg.seq_len, cfg.vocab, seed=cfg.seed + 1)
+
+
+def held_out(data, steps: int, world: int, micro_batch: int):
+    """The rows after the first ``steps`` global batches of ``data``: no run of ``steps`` steps trained on them."""
+    rows = slice(steps * world * micro_batch, (steps + EVAL_BATCHES) * world * micro_batch)
+    return data[0][rows], data[1][rows]
+
+
+def rank_batch(data, step: int, rank: int, world: int, micro_batch: int):
+    """Rank ``rank``'s micro-batch of global step ``step``: ``micro_batch`` rows from row
+    ``(step * world + rank) * micro_batch`` of ``data = (inputs, targets)``."""
+    start = (step * world + rank) * micro_batch
+    return data[0][start:start + micro_batch], data[1][start:start + micro_batch]
+
+
+def flat_grads(params) -> torch.Tensor:
+    """Every parameter's ``.grad`` copied into one flat buffer (parameter order), for one all-reduce."""
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def set_grads(params, flat: torch.Tensor) -> None:
+    """Point each parameter's ``.grad`` at its slice of ``flat`` (no copy)."""
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+
+
+def sync_device(device) -> None:
+    """Wait for this rank's own queued device work (the current CUDA stream); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def zero_config(stage: int, micro_batch: int, bucket: int) -> dict:
+    """The DeepSpeed config of one fp32 ZeRO run (https://www.deepspeed.ai/docs/config-json/) that
+    keeps ZeRO's communication visible per collective: comms logger on, no overlap, no multi-rank
+    bucket all-reduce, stage 3 partitioning every parameter and gathering it again for backward;
+    ``bucket``: reduce / all-gather bucket, elements."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_allow_untested_optimizer": True,  # torch's AdamW, so no fused_adam op to compile
+        "steps_per_print": 10**9,
+        "comms_logger": {"enabled": True, "verbose": False, "prof_all": True},
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "use_multi_rank_bucket_allreduce": False,  # stages 1-2 reduce each partition to its owner
+            "stage3_param_persistence_threshold": 0,  # partition every parameter, however small
+            "stage3_max_live_parameters": 0,  # release gathered parameters after use ...
+            "stage3_max_reuse_distance": 0,  # ... so the backward pass gathers them again
+            "stage3_prefetch_bucket_size": 0,
+        },
+    }
