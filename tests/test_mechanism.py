@@ -210,6 +210,10 @@ def test_renderings_plain_and_markdown(sample, capsys):
     assert str(got) == repr(got) == f"# {got.where}\n{got.code}"
     md = got._repr_markdown_()
     assert md.startswith(f"`{got.where}`\n\n```python\ndef plain(x):") and md.endswith("```\n")
+    page = got._repr_html_()
+    assert '<pre style="font-family: var(--jp-code-font-family, monospace)' in page  # nbconvert: not the text font
+    assert '<span class="k">def</span>' in page
+    assert f"<code>{got.where}</code>" in page and "word-break: normal" in page
     assert mechanism.show(sample.plain) is None  # outside IPython: printed
     assert capsys.readouterr().out == str(got) + "\n"
 

@@ -25,15 +25,16 @@ A marker or a selector that is no longer there is an error (:class:`MechanismErr
 empty listing: a refactor that drops a marker fails ``tests/test_mechanism.py``, which runs every
 ``mechanism.show`` call of the lectures.
 
-:func:`show` displays a listing: in Jupyter as a Python code block with syntax highlighting (Markdown,
-so JupyterLab, VS Code and nbconvert's HTML all highlight it), elsewhere as plain text. Its header
-names the file and line numbers, so the learner can open the helper at that place.
+:func:`show` displays a listing: in Jupyter as highlighted Python (HTML, with a Markdown code block and
+plain text beside it for other front ends), elsewhere as plain text. Its header names the file and line
+numbers, so the learner can open the helper at that place.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,11 @@ from pathlib import Path
 from .errors import CourseError
 
 __all__ = ["Listing", "MechanismError", "listing", "show", "START", "END"]
+
+_CSS_CLASS = "teraflops-listing"
+_PRE_STYLE = ("font-family: var(--jp-code-font-family, monospace); font-size: var(--jp-code-font-size, 13px); "
+              "line-height: var(--jp-code-line-height, 1.3); white-space: pre; word-break: normal; "
+              "overflow-x: auto; margin: 0; padding: 4px 8px")
 
 START = "# mechanism:"  # followed by the region's name: "# mechanism: online softmax"
 END = "# end mechanism"
@@ -87,9 +93,32 @@ class Listing:
     def _repr_pretty_(self, p, cycle) -> None:  # IPython's plain-text display
         p.text(str(self))
 
-    def _repr_markdown_(self) -> str:
+    def _repr_markdown_(self) -> str:  # front ends that render Markdown but not HTML
         fence = "````" if "```" in self.code else "```"
         return f"`{self.where}`\n\n{fence}python\n{self.code}\n{fence}\n"
+
+    def _repr_html_(self) -> str:
+        """Highlighted by Pygments in JupyterLab's colours (``jupyterlab_pygments``, which nbconvert uses;
+        the theme's CSS variables, so dark themes work), with its CSS inline: nbconvert's HTML sets
+        ``font-family: inherit`` on output ``<pre>``, which would set a Markdown code block in the
+        text font. Lines are not wrapped (``word-break: break-all`` would split words); a long one scrolls."""
+        import html
+
+        from pygments import highlight
+        from pygments.formatters import HtmlFormatter
+        from pygments.lexers import PythonLexer
+
+        try:
+            from jupyterlab_pygments import JupyterStyle as style
+        except ImportError:  # pragma: no cover - nbconvert depends on it
+            style = "default"
+        fmt = HtmlFormatter(style=style, cssclass=_CSS_CLASS)
+        body = highlight(self.code, PythonLexer(), fmt).replace("<pre>", f'<pre style="{_PRE_STYLE}">', 1)
+        used = set(re.findall(r'class="([\w-]+)"', body))
+        rules = [r for r in fmt.get_style_defs(f".{_CSS_CLASS}").splitlines()
+                 if r.startswith(f".{_CSS_CLASS} {{") or (r.startswith(f".{_CSS_CLASS} .") and r.split()[1][1:] in used)]
+        return (f"<style>{' '.join(rules)}</style>"
+                f'<div style="font-size: 0.9em; margin: 2px 0"><code>{html.escape(self.where)}</code></div>{body}')
 
 
 def _unwrap(obj):
@@ -237,7 +266,7 @@ def listing(obj, marker: str | None = None, *, start: str | None = None, stop: s
 def show(obj, marker: str | None = None, *, start: str | None = None, stop: str | None = None) -> None:
     """Display :func:`listing` ``(obj, marker, start=, stop=)`` now.
 
-    Under IPython it is displayed at once (highlighted Python in Markdown, plain text beside it), so
+    Under IPython it is displayed at once (highlighted HTML; Markdown and plain text beside it), so
     several calls in one cell each show their lines; elsewhere it is printed. Returns nothing, so a
     cell that ends in ``show(...)`` shows the lines once; :func:`listing` returns them.
 
