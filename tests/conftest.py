@@ -1,4 +1,8 @@
-"""Shared test setup: GPU tests skip with a reason on CPU-only machines."""
+"""Shared test setup: GPU tests skip with a reason on CPU-only machines, and a test that starts a
+process without the ``slow`` marker fails, so ``pytest -m "not slow"`` stays the fast loop."""
+
+import os
+import subprocess
 
 import pytest
 import torch
@@ -17,6 +21,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def zero_tiny_runs():
+    """ZeRO stages 0-3 in one DeepSpeed launch (tiny preset, this machine's plan, 3 steps), and the
+    DeepSpeed shared-memory files it left in /dev/shm; shared by test_zero and test_cluster."""
+    from pathlib import Path
+
+    from teraflops import zero
+    from teraflops.sizing import PRESETS, data_parallel_plan
+
+    def shm():
+        return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+
+    before = shm()
+    runs = zero.run_zero(stages=(0, 1, 2, 3), plan=data_parallel_plan(PRESETS["tiny"]), steps=3)
+    return runs, shm() - before
+
+
+@pytest.fixture(scope="session")
+def remedies_tiny_run():
+    """Every remedy setting in one launch of four gloo ranks at the tiny preset; shared by
+    test_remedies and test_cluster."""
+    from teraflops import remedies
+    from teraflops.sizing import data_parallel_plan, preset
+
+    p = preset("tiny")
+    return remedies.run(plan=data_parallel_plan(p, ranks_cpu=p.remedy_ranks_cpu), timeout=240)
+
+
 @pytest.fixture(autouse=True)
 def _first_failure_of_every_check():
     """Each test sees a check's hints as a learner's first failure does (grading.core.reveal)."""
@@ -25,3 +57,40 @@ def _first_failure_of_every_check():
     core.FAILURES.clear()
     yield
     core.FAILURES.clear()
+
+
+class _StartsAProcess(RuntimeError):
+    pass
+
+
+def _refuse(*args, **kwargs):
+    raise _StartsAProcess("this test starts a process (a subprocess, a kernel, a launch or a compiler): "
+                          "mark it @pytest.mark.slow so that `pytest -m \"not slow\"` stays the fast loop")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _no_processes_unless_slow(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _no_processes_unless_slow(item):
+        yield
+
+
+class _no_processes_unless_slow:
+    """While a test not marked ``slow`` (and its fixtures) runs, starting a process raises."""
+
+    def __init__(self, item):
+        self.active = "slow" not in item.keywords
+
+    def __enter__(self):
+        if self.active:
+            self.saved = subprocess.Popen._execute_child, os.fork
+            subprocess.Popen._execute_child, os.fork = _refuse, _refuse
+
+    def __exit__(self, *exc):
+        if self.active:
+            subprocess.Popen._execute_child, os.fork = self.saved

@@ -44,8 +44,8 @@ WIDGETS = {  # lecture widget -> the code that shows it, as the lectures call th
     "batching_widget": ("from teraflops import batching, widgets\n"
                         "latency = batching.BatchLatency((1, 2, 4, 8, 16), (1e-3, 1.1e-3, 1.3e-3, 1.8e-3, 3e-3))\n"
                         "widgets.batching_widget(latency, 16, 2.0);"),
-    "gradient_sync_widget": ("from teraflops import collectives, widgets\n"
-                             "fit = collectives.AlphaBeta(5e-3, 0.4e9, 0.99, 0.1, 'all_reduce', 4)\n"
+    "gradient_sync_widget": ("from teraflops import alpha_beta, widgets\n"
+                             "fit = alpha_beta.AlphaBeta(5e-3, 0.4e9, 0.99, 0.1, 'all_reduce', 4)\n"
                              "widgets.gradient_sync_widget(fit);"),
 }
 
@@ -281,6 +281,8 @@ def test_every_lecture_widget_redraws_when_a_control_moves(page, course):
             assert not cut, f"{name}: label {label.inner_text()!r} is cut off"
             rights.add(round(label.bounding_box()["x"] + label.bounding_box()["width"]))
         assert max(rights) - min(rights) <= 3, f"{name}: labels out of line (right edges at {sorted(rights)} px)"
+        readouts = widget.locator(".widget-readout").all_inner_texts()
+        assert not any("e+" in r for r in readouts), f"{name}: a slider reads {readouts}"
         handle = widget.locator(".noUi-handle").first
         handle.focus()
         page.keyboard.press("ArrowRight")

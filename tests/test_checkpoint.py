@@ -70,6 +70,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_kill_mid_write_leaves_the_last_complete_checkpoint(tmp_path):
     """A process saving 16 MB checkpoints in a loop is SIGKILLed while a temporary file exists."""
     for attempt in range(5):  # the kill may land just after a rename; then try again

@@ -53,6 +53,7 @@ def cli_run(tiny_course, tmp_path_factory):
     return code, stdout.getvalue(), out
 
 
+@pytest.mark.slow
 def test_doctor_mentions_torch_and_triton_mode(capsys):
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
@@ -61,6 +62,7 @@ def test_doctor_mentions_torch_and_triton_mode(capsys):
     assert "Skipped on this machine" in out
 
 
+@pytest.mark.slow
 def test_run_writes_outputs_and_reports_failures(cli_run):
     code, out, build = cli_run
     assert code == 1  # one notebook failed
@@ -87,6 +89,7 @@ def test_run_writes_outputs_and_reports_failures(cli_run):
     assert "01_tiny" in card and "The answer" in card and "42 x" in card and "failed: cell 2" in card
 
 
+@pytest.mark.slow
 def test_run_units_results_and_env_restored(tiny_course, tmp_path, monkeypatch):
     monkeypatch.setenv(report.ENV_VAR, "keep-me")
     results = run_units([1], out_dir=tmp_path, html=False, timeout_per_cell=120, root=tiny_course)
@@ -143,6 +146,7 @@ def test_format_summary_without_results():
     assert text.splitlines()[0].startswith("machine: ")
 
 
+@pytest.mark.slow
 def test_python_dash_m_teraflops():
     import subprocess
     import sys

@@ -127,6 +127,7 @@ def _node_processes():
 
 
 @NEEDS_NODES
+@pytest.mark.slow
 def test_nodes_see_only_their_subnet_and_go_away():
     with Cluster(2, Link(rate=25e6), name="t2") as c:
         assert set(c.namespaces()) == {"teraflops-t2-switch", "teraflops-t2-node0", "teraflops-t2-node1"}
@@ -154,7 +155,7 @@ def test_nodes_see_only_their_subnet_and_go_away():
 @NEEDS_NODES
 @pytest.mark.slow
 def test_the_alpha_beta_fit_recovers_each_link_rate():
-    from teraflops import collectives
+    from teraflops import alpha_beta, collectives
 
     sizes = [2 ** k for k in range(12, 22)]  # 4 KiB - 2 MiB
     with Cluster(2, name="t3") as c:
@@ -163,7 +164,7 @@ def test_the_alpha_beta_fit_recovers_each_link_rate():
                 c.set_link(i, rate=rate)
             rows = collectives.sweep(("all_reduce",), sizes=sizes, cluster=c, iters=4, min_iters=2, warmup=1,
                                      volume_bytes=2 ** 22)
-            fit = collectives.fit_rows(rows)
+            fit = alpha_beta.fit_rows(rows)
             busbw = fit.bandwidth * collectives.BUS_FACTOR["all_reduce"](2)  # = algbw at n = 2
             print(f"link {rate / 1e6:g} MB/s: fitted busbw {busbw / 1e6:.1f} MB/s, alpha {fit.alpha * 1e3:.2f} ms, "
                   f"R² {fit.r2:.3f}")
@@ -173,17 +174,20 @@ def test_the_alpha_beta_fit_recovers_each_link_rate():
 
 @NEEDS_NODES
 @pytest.mark.slow
-def test_two_nodes_train_as_one_node_does():
+def test_two_nodes_train_as_one_node_does(zero_tiny_runs, remedies_tiny_run):
+    """The one-node runs are the ones test_zero and test_remedies check (conftest's session fixtures)."""
     from teraflops import remedies, zero
     from teraflops.sizing import PRESETS, data_parallel_plan
 
-    plan = data_parallel_plan(PRESETS["tiny"], ranks_cpu=4)
-    one_zero = zero.run_zero(stages=(2,), plan=plan, steps=3)[0]
-    one_ddp = remedies.run(settings=("baseline",), plan=plan).rows[0]
+    zero_plan, tiny = data_parallel_plan(PRESETS["tiny"]), PRESETS["tiny"]
+    one_zero = zero_tiny_runs[0][2]  # stages (0, 1, 2, 3): ZeRO-2
+    one_ddp = next(r for r in remedies_tiny_run.rows if r["setting"] == "baseline")
     with Cluster(2, Link(rate=50e6), name="t4") as c:
-        two_zero = zero.run_zero(stages=(2,), plan=plan, steps=3, cluster=c)[0]
-        two_ddp = remedies.run(settings=("baseline",), plan=plan, cluster=c).rows[0]
-    assert two_zero.world_size == 4
+        two_zero = zero.run_zero(stages=(2,), plan=zero_plan, steps=3, cluster=c)[0]
+        two = remedies.run(settings=("baseline",), plan=data_parallel_plan(tiny, ranks_cpu=tiny.remedy_ranks_cpu),
+                           cluster=c)
+    two_ddp = two.rows[0]
+    assert two_zero.world_size == one_zero.world_size == 2 and two.ranks == remedies_tiny_run.ranks == 4
     for a, b in zip(one_zero.losses, two_zero.losses):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
     assert len(two_ddp["losses"]) == len(one_ddp["losses"])
@@ -226,11 +230,11 @@ def test_cluster_down_after_a_killed_run_leaves_nothing_and_the_next_run_starts(
 
 
 def test_scaled_fabrics_keep_their_ratios_and_tables_read():
-    from teraflops import collectives, fabrics
+    from teraflops import alpha_beta, fabrics
 
     ib, pcie, eth = (fabrics.scaled_rate(f) for f in fabrics.FABRICS)
     assert ib == 50e6 and abs(pcie - 31.5e6) < 0.1e6 and eth == 3.125e6  # published GB/s become MB/s
-    fit = collectives.AlphaBeta(alpha=2e-3, bandwidth=48e6, r2=0.99, max_rel_error=0.1)
+    fit = alpha_beta.AlphaBeta(alpha=2e-3, bandwidth=48e6, r2=0.99, max_rel_error=0.1)
     text = fabrics.fabric_table([{"fabric": "x", "published": 50e9, "configured": 50e6, "fit": fit,
                                   "busbw_fit": 48e6, "ratio": 0.96, "rows": []}])
     assert "fitted busbw (MB/s)" in text and "0.96" in text

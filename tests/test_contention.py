@@ -128,6 +128,7 @@ def test_default_sizes_are_the_presets_read_at_call_time(monkeypatch):
     assert rows[0]["nbytes"] == tiny.contention_bytes and rows[0]["wall_s"] >= tiny.contention_seconds
 
 
+@pytest.mark.slow
 def test_importing_the_modules_probes_no_hardware():
     code = ("import teraflops.machine as m\n"
             "def probe(): raise SystemExit('detect() called at import')\n"

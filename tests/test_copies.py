@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from teraflops import ceilings as ce
-from teraflops.collectives import PUBLISHED_LINKS
+from teraflops import datasheets as ds
+from teraflops.datasheets import PUBLISHED_LINKS
 from teraflops.errors import CourseError
 from teraflops.sizing import PRESETS, preset
 
@@ -33,10 +34,10 @@ def test_host_device_copy_checks_its_arguments_first(kwargs, words):
 
 
 def test_pcie_link_follows_the_datasheet_generation():
-    assert ce._pcie_link(ce.published_for("NVIDIA A100-SXM4-80GB")).name == "PCIe Gen4 x16"
-    assert ce._pcie_link(ce.published_for("NVIDIA H200")).name == "PCIe Gen5 x16"
-    assert ce._pcie_link(None) is None
-    assert ce._pcie_link(ce.published_for("NVIDIA H100 80GB HBM3")).bandwidth == pytest.approx(63.0e9, rel=1e-3)
+    assert ds.pcie_link(ds.published_for("NVIDIA A100-SXM4-80GB")).name == "PCIe Gen4 x16"
+    assert ds.pcie_link(ds.published_for("NVIDIA H200")).name == "PCIe Gen5 x16"
+    assert ds.pcie_link(None) is None
+    assert ds.pcie_link(ds.published_for("NVIDIA H100 80GB HBM3")).bandwidth == pytest.approx(63.0e9, rel=1e-3)
     assert {l.name for l in PUBLISHED_LINKS} >= {"PCIe Gen4 x16", "PCIe Gen5 x16"}
 
 

@@ -99,6 +99,7 @@ def tiny_run():
     return plan, dp.run(steps=STEPS, overlap_steps=OVERLAP_STEPS, plan=plan, timeout=240)
 
 
+@pytest.mark.slow
 def test_staleness_rows_and_tau_0_is_plain_synchronous_training(tiny_run):
     plan, result = tiny_run
     rows = result.staleness
@@ -116,6 +117,7 @@ def test_staleness_rows_and_tau_0_is_plain_synchronous_training(tiny_run):
     assert abs(rows[1]["losses"][1] - rows[0]["losses"][1]) > 1e-4  # τ = 1 has made no update yet
 
 
+@pytest.mark.slow
 def test_overlap_rows_agree_with_each_other_and_with_tau_0(tiny_run):
     _, result = tiny_run
     rows = {r["key"]: r for r in result.overlap}
@@ -131,6 +133,7 @@ def test_overlap_rows_agree_with_each_other_and_with_tau_0(tiny_run):
     assert max(abs(a - b) for a, b in zip(rows["after"]["losses"], tau0)) < 1e-5
 
 
+@pytest.mark.slow
 def test_tables_and_plots(tiny_run):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -118,6 +118,7 @@ def test_results_and_progress_files(monkeypatch, tmp_path):
     assert (tmp_path / "progress.json").read_text() == '{"done": 2, "total": 4}'
 
 
+@pytest.mark.slow
 def test_a_stale_build_lock_is_removed_and_a_live_one_kept(monkeypatch, tmp_path):
     # torch's JIT loader waits forever on a lock file a killed rank left (file_baton.py): the launch clears it
     from teraflops import distributed

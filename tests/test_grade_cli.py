@@ -11,7 +11,7 @@ from nbformat.v4 import new_code_cell, new_notebook, new_output
 
 from teraflops import cli
 from teraflops.errors import CourseError
-from teraflops.grading.core import cell_error, unit_of
+from teraflops.grading.grader import cell_error, unit_of
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN = ("def matmul_intensity(m: int, n: int, k: int, dtype: torch.dtype) -> float:\n"

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from teraflops import collectives
+from teraflops import alpha_beta, collectives, comm_budget
 from teraflops.errors import ExerciseFailed, NotAttempted
 from teraflops.grading import unit05 as check
 from teraflops.grading.core import REGISTRY
@@ -34,7 +34,7 @@ def accumulation_steps(sync_seconds, micro_batch_seconds, target):
 
 
 def _package_fit(sizes, seconds):
-    fit = collectives.fit_alpha_beta(sizes, seconds)
+    fit = alpha_beta.fit_alpha_beta(sizes, seconds)
     return fit.alpha, fit.beta
 
 
@@ -57,8 +57,8 @@ def test_package_references_pass(capsys):
     check.busbw(lambda a, c, n: a * collectives.bus_factor(c, n))
     check.fit_alpha_beta(_package_fit)
     check.fit_alpha_beta(_package_fit, *_sweep())
-    check.predict_allreduce(collectives.ring_allreduce_seconds)
-    check.accumulation_steps(collectives.accumulation_for_fraction)
+    check.predict_allreduce(alpha_beta.ring_allreduce_seconds)
+    check.accumulation_steps(comm_budget.accumulation_for_fraction)
     out = capsys.readouterr().out
     assert out.count("passed") == 5
     assert "✓ Exercise 1 (bus bandwidth from algorithm bandwidth): passed" in out
@@ -272,7 +272,7 @@ def test_pass_both_sizes_and_seconds():
 @pytest.mark.parametrize("wrong, message", [
     (lambda s, t: None, "should return a tuple \\(alpha, beta\\) of numbers, got NoneType"),
     (lambda s, t: 5e-3, "got float"),
-    (lambda s, t: collectives.fit_alpha_beta(s, t), "got AlphaBeta"),
+    (lambda s, t: alpha_beta.fit_alpha_beta(s, t), "got AlphaBeta"),
     (lambda s, t: (5e-3, 2.5e-9, 0.99), "two numbers \\(alpha, beta\\), got 3"),
     (lambda s, t: (5e-3,), "got 1"),
     (lambda s, t: ("5e-3", 2.5e-9), "alpha should return a number"),

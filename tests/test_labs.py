@@ -8,7 +8,8 @@ import pytest
 
 from teraflops import labs
 from teraflops.errors import CourseError
-from teraflops.grading.core import REGISTRY, grade
+from teraflops.grading.core import REGISTRY
+from teraflops.grading.grader import grade
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -100,6 +101,7 @@ def test_near_miss_markers_are_errors_not_leaks(marker):
         labs.strip_solution(f"def f():\n    {marker}\n    return 42\n    ### END SOLUTION\n")
 
 
+@pytest.mark.slow
 def test_an_unfinished_exercise_reads_as_one_line_in_any_cell():
     """A cell that uses the learner's unfinished function (not only its check) fails in one line; other
     NotImplementedErrors keep their traceback; the cell still fails, so graders see it."""

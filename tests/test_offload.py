@@ -4,8 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from teraflops import datasheets as ds
 from teraflops import offload as off
-from teraflops.collectives import PUBLISHED_LINKS
+from teraflops.datasheets import PUBLISHED_LINKS
 from teraflops.errors import CourseError
 from teraflops.sizing import preset
 from teraflops.tables import GB
@@ -81,9 +82,9 @@ def test_cpu_machine_uses_the_published_link_and_h100_peak(cpu_only):
 
 
 def test_published_peak_of_a_detected_gpu():
-    assert off.published_peak("NVIDIA H200") == (989.5e12, "published H200 SXM dense 16-bit, detected")
-    assert off.published_peak("NVIDIA A100-SXM4-80GB")[0] == 312e12
-    assert off.published_peak("NVIDIA L40S")[0] == 362.05e12
+    assert ds.published_peak("NVIDIA H200") == (989.5e12, "published H200 SXM dense 16-bit, detected")
+    assert ds.published_peak("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    assert ds.published_peak("NVIDIA L40S")[0] == 362.05e12
 
 
 def test_offload_of_an_unlisted_gpu_says_no_datasheet(monkeypatch):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from teraflops import launch, profiling
+from teraflops import launch_overhead, profiling
 from teraflops.ceilings import Ceilings
 from teraflops.errors import ShapeError
 from teraflops.models import TransformerBlock
@@ -20,9 +20,9 @@ def test_classify(flops, nbytes, verdict):
 
 def test_gelu_chain_is_eight_launches_fused_is_one():
     x = torch.randn(64)
-    assert sum(profiling.count_ops(lambda: launch.gelu_chain(x)).values()) == 8
-    assert sum(profiling.count_ops(lambda: launch.gelu_fused(x)).values()) == 1
-    torch.testing.assert_close(launch.gelu_chain(x), launch.gelu_fused(x))
+    assert sum(profiling.count_ops(lambda: launch_overhead.gelu_chain(x)).values()) == 8
+    assert sum(profiling.count_ops(lambda: launch_overhead.gelu_fused(x)).values()) == 1
+    torch.testing.assert_close(launch_overhead.gelu_chain(x), launch_overhead.gelu_fused(x))
 
 
 def test_profile_of_a_block_has_matmuls_as_math_and_norms_as_memory():
@@ -38,10 +38,30 @@ def test_profile_of_a_block_has_matmuls_as_math_and_norms_as_memory():
 
 
 def test_launch_floor_is_the_smallest_time():
-    sweep = launch.op_time_vs_size((1, 1 << 20), "cpu", min_run_time=0.02)
-    assert launch.launch_floor(sweep) == sweep[0][1].median < sweep[1][1].median
+    sweep = launch_overhead.op_time_vs_size((1, 1 << 20), "cpu", min_run_time=0.02)
+    assert launch_overhead.launch_floor(sweep) == sweep[0][1].median < sweep[1][1].median
 
 
 def test_block_rejects_wrong_shape_in_one_line():
     with pytest.raises(ShapeError, match=r"expects \(batch, seq_len, 64\), got \(2, 64\)"):
         TransformerBlock(64, 2)(torch.randn(2, 64))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_causal_attention_counts_half_the_flops_of_full_attention(backward):
+    """One convention across the course (FlashAttention-2's, as flash_triton.flops and triage count):
+    4·B·H·N²·d forward, halved when causal; the backward 2.5× the forward."""
+    b, h, n, d = 2, 2, 64, 16
+
+    def attention(causal):
+        q, k, v = (torch.randn(b, h, n, d, requires_grad=backward) for _ in range(3))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return lambda: out.sum().backward(retain_graph=True) if backward else \
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def sdpa_flops(causal):
+        rows = profiling.profile_ops(attention(causal), "cpu", warmup=0)
+        return sum(r.flops for r in rows if "attention" in r.name)
+
+    full = 4 * b * h * n * n * d * (2.5 if backward else 1)
+    assert sdpa_flops(False) == pytest.approx(full) and sdpa_flops(True) == pytest.approx(full / 2)

@@ -152,10 +152,9 @@ def test_run_launches_once_and_returns_the_rows_with_the_launch_fields(monkeypat
 
 
 @pytest.fixture(scope="module")
-def tiny_run():
-    """Every setting in one launch of four gloo ranks at the tiny preset (16 micro-batches each)."""
-    p = preset("tiny")
-    return rm.run(plan=data_parallel_plan(p, ranks_cpu=p.remedy_ranks_cpu), timeout=240)
+def tiny_run(remedies_tiny_run):
+    """Every setting in one launch of four gloo ranks at the tiny preset (16 micro-batches each; conftest)."""
+    return remedies_tiny_run
 
 
 @pytest.mark.slow

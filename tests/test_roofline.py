@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from teraflops import ceilings, roofline
+from teraflops import ceilings, datasheets, roofline
 from teraflops.ceilings import Ceilings
 
 
@@ -27,11 +27,11 @@ def test_ridge_point_and_attainable():
 
 
 def test_published_lookup_matches_torch_device_names():
-    assert ceilings.published_for("NVIDIA H200").name == "H200 SXM"
-    assert ceilings.published_for("NVIDIA H100 80GB HBM3").name == "H100 SXM"
-    assert ceilings.published_for("NVIDIA A100-SXM4-80GB").name == "A100 SXM 80GB"
-    assert ceilings.published_for(None) is None
-    for g in ceilings.PUBLISHED:
+    assert datasheets.published_for("NVIDIA H200").name == "H200 SXM"
+    assert datasheets.published_for("NVIDIA H100 80GB HBM3").name == "H100 SXM"
+    assert datasheets.published_for("NVIDIA A100-SXM4-80GB").name == "A100 SXM 80GB"
+    assert datasheets.published_for(None) is None
+    for g in datasheets.PUBLISHED:
         assert g.source.startswith("NVIDIA") and "http" in g.source
 
 
@@ -80,14 +80,14 @@ def test_roofline_labels_do_not_overlap_and_stay_inside():
     ("NVIDIA GH200 144G HBM3e", "GH200 144GB", 989.5), ("NVIDIA H200", "H200 SXM", 989.5),
     ("NVIDIA A100-SXM4-40GB", "A100 40GB", 312.0)])
 def test_datasheet_lookup_of_each_gpu_class(device_name, entry, dense_tflops):
-    g = ceilings.published_for(device_name)
+    g = datasheets.published_for(device_name)
     assert g is not None and g.name == entry, (device_name, g)
-    assert ceilings.published_peak(device_name)[0] == dense_tflops * 1e12
+    assert datasheets.published_peak(device_name)[0] == dense_tflops * 1e12
     assert (g.bf16_tflops is None) == (entry == "T4")  # Turing has no bf16 tensor cores
 
 
 def test_unknown_gpu_has_no_datasheet_and_is_not_priced_as_an_h100():
-    assert ceilings.published_for("NVIDIA Mystery X1") is None
-    with pytest.raises(ceilings.NoDatasheetError, match="no datasheet for 'NVIDIA Mystery X1'"):
-        ceilings.published_peak("NVIDIA Mystery X1")
-    assert "no GPU here" in ceilings.published_peak(None)[1]
+    assert datasheets.published_for("NVIDIA Mystery X1") is None
+    with pytest.raises(datasheets.NoDatasheetError, match="no datasheet for 'NVIDIA Mystery X1'"):
+        datasheets.published_peak("NVIDIA Mystery X1")
+    assert "no GPU here" in datasheets.published_peak(None)[1]

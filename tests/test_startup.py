@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 

@@ -17,7 +17,7 @@ import torch
 
 from teraflops import attention, cli, triage as tr
 from teraflops.ceilings import Ceilings, measure_ceilings
-from teraflops.launch import launch_floor, op_time_vs_size
+from teraflops.launch_overhead import launch_floor, op_time_vs_size
 from teraflops.models import Llama
 
 MiB = 2**20

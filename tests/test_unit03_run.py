@@ -1,10 +1,13 @@
 """`teraflops run 3` on this machine: the straggler measured, recovered from, and scheduled around."""
 
+import re
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from teraflops import detect
+from teraflops.cluster import unavailable
 from teraflops.runner import checked_output_mismatches, format_summary, run_units
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,3 +26,10 @@ def test_run_unit_3_reports_idle_time_at_the_largest_delay(tmp_path):
         assert result.seconds < 300, f"Unit 3 took {result.seconds:.0f} s on CPU; the budget is 300 s"
     summary = format_summary(detect(), [result])
     assert "healthy ranks idle at" in summary and "%" in summary
+    if unavailable() is None:  # the emulated-node section ran: what the learner read there
+        out = "\n".join(o.get("text", "") for c in nbformat.read(result.executed, as_version=4).cells
+                        if c.cell_type == "code" for o in c.get("outputs", []))
+        assert "slow link on node(s): [1]" in out, "the pair test did not find node 1's link (5 MB/s vs 50 MB/s)"
+        verdict = re.search(r"^slow link: +(.*)$", out, re.M).group(1)
+        assert "transfer grew" in verdict and "busy for longer" not in verdict, verdict
+        assert "busy for longer" in re.search(r"^slow compute: +(.*)$", out, re.M).group(1)

@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from teraflops import collectives as co  # noqa: E402
+from teraflops import alpha_beta as ab  # noqa: E402
 from teraflops import widgets  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def test_gb_and_count_read_as_words():
 
 
 def test_gradient_sync_prints_the_fabrics_label_and_readable_sizes(capsys):
-    fit = co.AlphaBeta(5e-3, 0.4e9, 0.99, 0.1, "all_reduce", 4)
+    fit = ab.AlphaBeta(5e-3, 0.4e9, 0.99, 0.1, "all_reduce", 4)
     ui = widgets.gradient_sync_widget(fit)
     params, _, fabric = ui.children[:3]
     assert params.readout and "e+" not in params.get_state()["_options_labels"][params.index]
@@ -77,4 +77,15 @@ def test_every_widget_says_to_rerun_its_cell_when_it_does_not_show(monkeypatch):
         notes = [o for o in shown if isinstance(o, dict) and "run this cell" in o.get("text/plain", "")]
         assert len(notes) == 1 and "run this cell" in notes[0]["text/html"], shown
         assert shown.index(notes[0]) < shown.index(ui)
+    plt.close("all")
+
+
+def test_the_model_size_slider_reads_in_billions_not_exponents():
+    """Issue 18: the Ψ slider's readout said "7.5e+9"."""
+    ui = widgets.model_state_widget()
+    psi = next(c for c in ui.children if c.description == "Ψ params")
+    assert psi.label == "7.5 B" and psi.value == 7.5e9
+    labels = [label for label, _ in psi.options]
+    assert "100 M" in labels and "1 T" in labels and "175 B" in labels and not any("e+" in x for x in labels)
+    assert [v for _, v in psi.options] == sorted(v for _, v in psi.options)
     plt.close("all")

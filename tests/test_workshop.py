@@ -51,6 +51,7 @@ def _ping(name: str) -> bool:
         server.wait()
 
 
+@pytest.mark.slow
 def test_a_claim_is_atomic_and_a_dead_owners_claim_is_taken_over(tmp_path, monkeypatch):
     monkeypatch.setenv(ownership.CLUSTER_DIR_ENV, str(tmp_path))
     dead = subprocess.Popen(["true"])
@@ -162,6 +163,7 @@ def test_a_killed_notebook_takes_its_run_with_it(tmp_path, launcher):
             os.unlink(other)
 
 
+@pytest.mark.slow
 def test_the_sweep_removes_a_dead_owners_leftovers_and_never_a_live_ones(tmp_path, monkeypatch):
     import json
     import tempfile

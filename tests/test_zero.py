@@ -32,11 +32,9 @@ def deepspeed_shm_files():
 
 
 @pytest.fixture(scope="module")
-def runs_and_leftovers():
-    """The four stages' runs and the DeepSpeed shared-memory files they left in /dev/shm."""
-    before = deepspeed_shm_files()
-    runs = zero.run_zero(stages=(0, 1, 2, 3), plan=data_parallel_plan(PRESETS["tiny"]), steps=3)
-    return runs, deepspeed_shm_files() - before
+def runs_and_leftovers(zero_tiny_runs):
+    """The four stages' runs and the DeepSpeed shared-memory files they left in /dev/shm (conftest)."""
+    return zero_tiny_runs
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +42,13 @@ def runs(runs_and_leftovers):
     return runs_and_leftovers[0]
 
 
+@pytest.mark.slow
 def test_zero_runs_leave_no_shared_memory_files(runs_and_leftovers):
     # DeepSpeed's CPU comm op never unlinks its ~67 MB per rank; left behind, they filled RAM run by run
     assert not runs_and_leftovers[1]
 
 
+@pytest.mark.slow
 def test_zero_runs_hold_what_the_calculator_says(runs):
     for run in runs:
         calc = run.calculator()
@@ -60,6 +60,7 @@ def test_zero_runs_hold_what_the_calculator_says(runs):
                 assert held[state] == pytest.approx(want, rel=0.01), (run.stage, state)
 
 
+@pytest.mark.slow
 def test_zero_losses_agree_and_communication_follows_the_paper(runs):
     assert zero.max_loss_difference(runs) < 1e-4
     for run in runs:
@@ -69,6 +70,7 @@ def test_zero_losses_agree_and_communication_follows_the_paper(runs):
     assert "reduce_scatter_tensor" in runs[3].comms[0] and "all_reduce" in runs[0].comms[0]
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_run_fails_cleanly_and_the_next_run_starts():
     plan = data_parallel_plan(PRESETS["tiny"])
     start = time.monotonic()

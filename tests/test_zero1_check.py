@@ -124,11 +124,13 @@ def no_launch(monkeypatch):
 
 # --- launched checks (~10 s each: the ranks' start-up) -------------------------------------------
 
+@pytest.mark.slow
 def test_reference_passes(capsys):
     check.zero1_optimizer(Zero1AdamW)
     assert "✓ Exercise 3 (hand-built ZeRO-1): passed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_forgotten_all_gather_fails():
     cls = edited("dist.all_gather_into_tensor(self.flat, self.shard)",  # keeps only its own new shard
                  "self.flat[self.rank * self.shard_size:(self.rank + 1) * self.shard_size] = self.shard")
@@ -136,11 +138,13 @@ def test_forgotten_all_gather_fails():
           "Hint: all-gather the updated shards", "dist.all_gather_into_tensor")
 
 
+@pytest.mark.slow
 def test_unsharded_optimizer_state_fails():
     fails(Unsharded, "each rank holds 1,034 optimizer-state elements = 2Ψ", "expected 2·⌈Ψ/N⌉ = 518",
           "Hint: give AdamW only this rank's shard")
 
 
+@pytest.mark.slow
 def test_error_in_a_rank_is_one_line_with_a_hint():
     cls = edited("math.ceil(self.numel / self.world)", "self.numel // self.world",  # no padding
                  "torch.zeros(self.shard_size * self.world, device=device)", "torch.zeros(self.numel, device=device)")

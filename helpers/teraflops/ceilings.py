@@ -6,9 +6,8 @@ Two sources, shown side by side in the course:
   square matmuls in the dtype in use (the best of two sizes: what the BLAS / cuBLAS library
   reaches, a practical peak) and the bandwidth of a large device-to-device copy, counted as STREAM "Copy" counts it:
   bytes read + bytes written (McCalpin, STREAM benchmark, https://www.cs.virginia.edu/stream/ref.html).
-* **Published** datasheet numbers for known GPUs (:data:`PUBLISHED`). From Ampere on, NVIDIA
-  datasheets quote tensor-core FLOP/s "with sparsity"; the dense figure used here is half of it
-  (the V100 predates sparsity: its figure is used as printed).
+* **Published** datasheet numbers for known GPUs (:data:`teraflops.datasheets.PUBLISHED`, where
+  the dense figures and their sources are explained).
 
 The ratio ``peak FLOP/s / bandwidth`` is the **ridge point** of the roofline (Williams, Waterman &
 Patterson, "Roofline: An Insightful Visual Performance Model for Multicore Architectures",
@@ -19,114 +18,17 @@ Units: FLOP/s, bytes/s with GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s.
 from __future__ import annotations
 
 import numbers
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from .datasheets import pcie_link, published_for
 from .errors import CourseError
 from .machine import detect
 from .sizing import preset
 from .tables import GB
 from .timing import benchmark
-
-
-@dataclass(frozen=True)
-class PublishedGPU:
-    """Datasheet ceilings of one GPU (dense tensor-core FLOP/s; bandwidths in GB/s, GB = 1e9)."""
-
-    name: str
-    pattern: str  # regex matched (case-insensitive) against torch.cuda.get_device_name()
-    bf16_tflops: float | None  # dense bf16 tensor core, TFLOP/s (None: no bf16 tensor cores)
-    fp16_tflops: float  # dense fp16 tensor core (fp32 accumulate), TFLOP/s
-    hbm_gb_s: float  # device memory bandwidth
-    memory_gb: float
-    nvlink_gb_s: float | None  # total bidirectional NVLink bandwidth per GPU
-    pcie_gb_s: float  # host link, bidirectional, as the datasheet states
-    source: str
-
-    @property
-    def tensor_tflops(self) -> float:
-        """Dense 16-bit tensor-core TFLOP/s: bf16 where the GPU has it, else fp16."""
-        return self.bf16_tflops or self.fp16_tflops
-
-
-_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021), https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
-_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
-_H200 = "NVIDIA H200 Tensor Core GPU product page and datasheet (2024), https://www.nvidia.com/en-us/data-center/h200/"
-
-_ADA = ("NVIDIA Ada GPU Architecture whitepaper v1.1 (2023), Table 2 (GeForce RTX 4090), "
-        "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf")
-_GH200 = ("NVIDIA GH200 Grace Hopper Superchip datasheet (2024), "
-          "https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip")
-
-# Order matters: the first pattern that matches wins, so variants come before the base name.
-# Dense figures: NVIDIA prints Ampere-and-later tensor-core peaks as "dense | sparse" (or "with
-# sparsity" only, halved here); Turing (T4) and Volta (V100) have no sparsity and are used as printed.
-# The GeForce RTX 4090's 16-bit tensor rate with fp32 accumulate is half its fp16-accumulate rate
-# (Ada whitepaper, Table 2): the fp32-accumulate figure is the one a training matmul gets.
-# A GH200's host link is NVLink-C2C (900 GB/s both directions), not PCIe.
-PUBLISHED: tuple[PublishedGPU, ...] = (
-    PublishedGPU("V100 SXM2", r"\bV100\b", None, 125.0, 900.0, 32.0, 300.0, 32.0,
-                 "NVIDIA Tesla V100 datasheet (2020), https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"),
-    PublishedGPU("T4", r"\bT4\b", None, 65.0, 320.0, 16.0, None, 32.0,
-                 "NVIDIA T4 Tensor Core GPU datasheet (2019), https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf"),
-    PublishedGPU("A10", r"\bA10\b", 125.0, 125.0, 600.0, 24.0, None, 64.0,
-                 "NVIDIA A10 Tensor Core GPU datasheet (2021), https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf"),
-    PublishedGPU("A100 40GB", r"\bA100\b.*\b40GB\b", 312.0, 312.0, 1555.0, 40.0, 600.0, 64.0, _A100),
-    PublishedGPU("A100 PCIe 80GB", r"\bA100\b.*PCIE", 312.0, 312.0, 1935.0, 80.0, 600.0, 64.0, _A100),
-    PublishedGPU("A100 SXM 80GB", r"\bA100\b", 312.0, 312.0, 2039.0, 80.0, 600.0, 64.0, _A100),
-    PublishedGPU("L40S", r"\bL40S\b", 362.05, 362.05, 864.0, 48.0, None, 64.0,
-                 "NVIDIA L40S GPU datasheet (2023), https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413"),
-    PublishedGPU("L4", r"\bL4\b", 121.0, 121.0, 300.0, 24.0, None, 64.0,
-                 "NVIDIA L4 Tensor Core GPU datasheet (2023), https://www.nvidia.com/en-us/data-center/l4/"),
-    PublishedGPU("RTX 4090", r"\bRTX 4090\b", 165.2, 165.2, 1008.0, 24.0, None, 64.0, _ADA),
-    PublishedGPU("GH200 144GB", r"\bGH200\b.*\b144G", 989.5, 989.5, 4900.0, 144.0, 900.0, 900.0, _GH200),
-    PublishedGPU("GH200 96GB", r"\bGH200\b", 989.5, 989.5, 4000.0, 96.0, 900.0, 900.0, _GH200),
-    PublishedGPU("H100 PCIe", r"\bH100\b.*PCIE", 756.0, 756.0, 2000.0, 80.0, 600.0, 128.0, _H100),
-    PublishedGPU("H100 NVL", r"\bH100\b.*NVL", 835.5, 835.5, 3900.0, 94.0, 600.0, 128.0, _H100),
-    PublishedGPU("H100 SXM", r"\bH100\b", 989.5, 989.5, 3350.0, 80.0, 900.0, 128.0, _H100),
-    PublishedGPU("H200 NVL", r"\bH200\b.*NVL", 835.5, 835.5, 4800.0, 141.0, 900.0, 128.0, _H200),
-    PublishedGPU("H200 SXM", r"\bH200\b", 989.5, 989.5, 4800.0, 141.0, 900.0, 128.0, _H200),
-    PublishedGPU("B200", r"\bB200\b", 2250.0, 2250.0, 8000.0, 180.0, 1800.0, 128.0,
-                 "NVIDIA HGX B200 specifications (2025; per GPU = the 8-GPU figures ÷ 8, FP16/BF16 "
-                 "36 PFLOPS with sparsity), https://www.nvidia.com/en-us/data-center/hgx/"),
-)
-
-
-def published_for(gpu_name: str | None) -> PublishedGPU | None:
-    """The first :data:`PUBLISHED` entry whose pattern matches ``gpu_name`` (e.g. ``"NVIDIA H200"``);
-    ``None`` for a CPU or a GPU not in the table (an L40S is not an L4, a GH200 not an H200)."""
-    if not gpu_name:
-        return None
-    for entry in PUBLISHED:
-        if re.search(entry.pattern, gpu_name, re.IGNORECASE):
-            return entry
-    return None
-
-
-class NoDatasheetError(CourseError):
-    """A GPU name that :data:`PUBLISHED` has no datasheet for."""
-
-
-def published_peak(gpu_name: str | None = None) -> tuple[float, str]:
-    """``(FLOP/s, source)``: dense 16-bit tensor-core peak of ``gpu_name`` from
-    :data:`teraflops.ceilings.PUBLISHED`. ``gpu_name`` ``None`` (no GPU here): the H100 SXM's
-    (989.5 TFLOP/s bf16), the course's reference GPU, and the source says so.
-
-    Raises:
-        NoDatasheetError: ``gpu_name`` is not in the table ("no datasheet for <name>"): an
-            unknown GPU is never priced as another one.
-    """
-    if gpu_name:
-        gpu = published_for(gpu_name)
-        if gpu is None:
-            raise NoDatasheetError(f"no datasheet for {gpu_name!r} in teraflops.ceilings.PUBLISHED. "
-                                   "Hint: pass its dense 16-bit peak yourself (peak_flops=...)")
-        return gpu.tensor_tflops * 1e12, f"published {gpu.name} dense 16-bit, detected"
-    gpu = next(g for g in PUBLISHED if g.name == "H100 SXM")
-    return gpu.tensor_tflops * 1e12, f"published {gpu.name} dense 16-bit, default, no GPU here"
 
 
 @dataclass(frozen=True)
@@ -324,29 +226,20 @@ def measure_host_device_copy(nbytes: int, pinned: bool, direction: str = "h2d",
     return nbytes / t.median
 
 
-def _pcie_link(gpu: PublishedGPU | None):
-    """The :data:`teraflops.collectives.PUBLISHED_LINKS` entry of a GPU's host link (its datasheet
-    prints 64 GB/s for PCIe Gen4 x16, 128 GB/s for Gen5 x16, both directions), or ``None``."""
-    from .collectives import PUBLISHED_LINKS
-
-    want = {64.0: "PCIe Gen4 x16", 128.0: "PCIe Gen5 x16"}.get(gpu.pcie_gb_s) if gpu else None
-    return next((l for l in PUBLISHED_LINKS if l.name == want), None)
-
-
 def bandwidth_ladder(nbytes: int | None = None, min_run_time: float = 0.3) -> list[dict]:
     """The bandwidth ladder of this machine, measured: memory copies, then host↔device, pageable vs pinned.
 
     Rows (dicts), fastest rung first on a GPU:
 
     * ``device copy``: on a GPU a device-to-device copy in HBM, compared with the datasheet bandwidth
-      (:data:`PUBLISHED`); on a CPU a memory copy in DRAM (no datasheet figure: the course's CPU
+      (:data:`teraflops.datasheets.PUBLISHED`); on a CPU a memory copy in DRAM (no datasheet figure: the course's CPU
       machine is a virtual machine on an unspecified board). Counted as STREAM "Copy": read + write.
     * ``host memory copy`` (GPU machines only): the same copy in CPU memory, for comparison.
     * ``H2D`` / ``D2H``, ``pageable`` / ``pinned``: :func:`measure_host_device_copy`, counting the
       bytes that cross the link once, against the per-direction bandwidth of the GPU's PCIe
-      generation from :data:`teraflops.collectives.PUBLISHED_LINKS` (after 128b/130b encoding). On a
+      generation from :data:`teraflops.datasheets.PUBLISHED_LINKS` (after 128b/130b encoding). On a
       CPU machine these rows hold ``None`` and the note ``"skipped: needs a CUDA GPU"``; on a GPU
-      without a PCIe generation in :data:`PUBLISHED`, ``published`` is ``None`` and the note says
+      without a PCIe generation in :data:`~teraflops.datasheets.PUBLISHED`, ``published`` is ``None`` and the note says
       ``"no published host link figure for <GPU name>"``.
 
     Each row: ``what`` (str), ``bandwidth`` (measured bytes/s or ``None``), ``counts`` (how bytes are
@@ -373,7 +266,7 @@ def bandwidth_ladder(nbytes: int | None = None, min_run_time: float = 0.3) -> li
                      "note": f"datasheet of the {gpu.name}" if gpu else f"{machine.gpu_name}: not in PUBLISHED"})
         rows.append({"what": "host memory copy (CPU DRAM)", "bandwidth": measure_copy_bandwidth(nbytes, "cpu", min_run_time),
                      "counts": rw, "published": None, "source": None, "note": "all torch threads"})
-        link = _pcie_link(gpu)
+        link = pcie_link(gpu)
     else:
         rows.append({"what": "device copy (CPU DRAM, memory to memory)",
                      "bandwidth": measure_copy_bandwidth(nbytes, "cpu", min_run_time), "counts": rw,

@@ -264,7 +264,7 @@ def _cmd_grade(args: argparse.Namespace) -> int:
     if not args.notebook.is_file():  # at once: the grader imports torch (seconds on a busy machine)
         raise CourseError(f"no such notebook: {args.notebook}")
     print(f"grading {args.notebook} (starting a kernel) ...", file=sys.stderr, flush=True)
-    from .grading.core import grade
+    from .grading.grader import grade
 
     report = grade(args.notebook, timeout=args.timeout, unit=args.unit)
     if args.json:
@@ -304,9 +304,9 @@ def _cmd_labs(args: argparse.Namespace) -> int:
 
 
 def _cmd_warmup(args: argparse.Namespace) -> int:
-    from .warmup import warmup
+    from .distributed import build_warm_cache
 
-    op = warmup(args.dest)
+    op = build_warm_cache(args.dest)
     print(f"built {op} (readable by all); learners' runs copy it into their own cache and compile nothing")
     return 0
 

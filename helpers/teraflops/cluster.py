@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from . import ownership
 from .errors import CourseError
+from .teardown import uninterruptible
 
 PREFIX = "teraflops-"  # every namespace this module makes: teraflops-<name>-switch, teraflops-<name>-node0, ...
 SUBNET = "10.213.0"  # node i is 10.213.0.(i+1)/24 on its cluster's own bridge; nothing routes in or out
@@ -281,8 +282,6 @@ def down(grace: float = 3.0, only: list[str] | None = None) -> list[str]:
 
 def _down_uninterrupted(names: list[str]) -> None:
     """:func:`down` of ``names``, finished even if more Ctrl-Cs arrive; one that came is raised afterwards."""
-    from .distributed import uninterruptible
-
     uninterruptible(down, only=names)
 
 

@@ -161,11 +161,6 @@ def run(taus=TAUS, steps: int | None = None, overlap_steps: int | None = None, p
     return DataParallelRun(staleness_rows(results), overlap_rows(results), **launched)
 
 
-def run_staleness(taus=TAUS, steps: int | None = None, plan: DataParallelPlan | None = None) -> list[dict]:
-    """Only the staleness sweep (one launch): :func:`staleness_rows`."""
-    return run(taus, steps, plan=plan, experiments=("staleness",)).staleness
-
-
 def run_overlap(steps: int | None = None, plan: DataParallelPlan | None = None) -> list[dict]:
     """Only the overlap comparison (one launch): :func:`overlap_rows`."""
     return run(overlap_steps=steps, plan=plan, experiments=("overlap",)).overlap

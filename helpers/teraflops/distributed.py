@@ -37,6 +37,7 @@ from typing import NamedTuple, Sequence
 
 from . import stale
 from .errors import CourseError
+from .teardown import uninterruptible
 
 RESULTS_ENV, FAULT_ENV, FAULT_KINDS = "TERAFLOPS_RESULTS_DIR", "TERAFLOPS_FAULT", ("kill", "hang", "raise")
 _WRAPPER = Path(__file__).with_name("workers") / "_rank.py"
@@ -354,22 +355,6 @@ def _last_line(path: Path) -> str:
     return found.strip()[:300]
 
 
-def uninterruptible(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` run to the end even if Ctrl-Cs arrive meanwhile (it is restarted
-    after each; clean-up must not be cut short by an impatient second Ctrl-C); a KeyboardInterrupt
-    that came is raised afterwards. ``fn`` must be safe to call again."""
-    interrupted = False
-    while True:
-        try:
-            out = fn(*args, **kwargs)
-            break
-        except KeyboardInterrupt:
-            interrupted = True
-    if interrupted:
-        raise KeyboardInterrupt
-    return out
-
-
 def _stop_uninterrupted(procs, results: Path | None) -> None:
     """:func:`_stop` for each launcher, through more interrupts (:func:`uninterruptible`)."""
     for proc in procs:
@@ -554,6 +539,33 @@ class Worker:
     local_rank: int
     device: object  # torch.device: cuda:<local_rank> with GPUs, else cpu
     backend: str  # "nccl" or "gloo"
+
+
+def build_warm_cache(dest: Path | None = None) -> Path:
+    """``teraflops warmup``: build DeepSpeed's CPU op into ``dest`` (default
+    :func:`teraflops.warmup.warm_dir`) and make it readable by all (:mod:`teraflops.warmup`).
+
+    Returns the op folder. Raises :class:`OpBuildFailed` if the build fails.
+    """
+    from . import warmup
+
+    dest = Path(dest or warmup.warm_dir())
+    saved = {k: os.environ.get(k) for k in ("TERAFLOPS_CACHE", "TORCH_EXTENSIONS_DIR", warmup.WARM_ENV)}
+    os.environ["TERAFLOPS_CACHE"], os.environ[warmup.WARM_ENV] = str(dest), str(dest)
+    os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        ext = _extensions_dir()
+        prepare_deepspeed_ops(cpu=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    (ext / warmup.OP / "lock").unlink(missing_ok=True)
+    warmup.readable_by_all(dest)
+    return ext / warmup.OP
 
 
 def init_worker(timeout_s: float = 30, *, deepspeed: bool = False) -> Worker:

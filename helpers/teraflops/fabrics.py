@@ -5,7 +5,8 @@ namespace) and between nodes (InfiniBand or Ethernet ports, here a tc-shaped vet
 :mod:`teraflops.cluster`). This module runs the Unit 5 all-reduce sweep (nccl-tests' definitions,
 :mod:`teraflops.collectives`) across links set like published fabrics divided by :data:`SCALE`,
 fits the alpha-beta model, and compares the fitted bandwidth with the configured rate; then it
-measures the two levels side by side (:func:`hierarchy`).
+measures the two levels side by side (:func:`hierarchy`). The fit is :mod:`teraflops.alpha_beta`'s; the
+published fabrics are in :mod:`teraflops.datasheets`.
 
 Scaling keeps the ratios between fabrics and lets a 2-core machine drive every link to saturation:
 gloo between two local processes moves 0.3-0.6 GB/s (measured: :func:`hierarchy`), far above the
@@ -20,14 +21,12 @@ fitted busbw of 49.8, 23.6 and 9.4 MB/s (R² ≥ 0.97), α 1.6-5.8 ms.
 
 from __future__ import annotations
 
-from .collectives import BUS_FACTOR, PUBLISHED_LINKS, PublishedLink, fit_rows, sweep
+from .alpha_beta import fit_rows
+from .collectives import BUS_FACTOR, sweep
+from .datasheets import ETHERNET_25G, PUBLISHED_LINKS, PublishedLink
 from .tables import table
 
 SCALE = 1e-3  # an emulated link runs at the published rate × SCALE: GB/s become MB/s
-ETHERNET_25G = PublishedLink(
-    "Ethernet 25GBASE-R", 25e9 / 8, "25 Gb/s",
-    "one 25 Gb/s port: 3.125 GB/s of data per direction (64b/66b encoding is on top of it)",
-    "IEEE Std 802.3by-2016, 25 Gb/s Ethernet, https://standards.ieee.org/ieee/802.3by/5750/")
 FABRICS: tuple[PublishedLink, ...] = (PUBLISHED_LINKS[3], PUBLISHED_LINKS[1], ETHERNET_25G)  # IB NDR, PCIe Gen4, 25GbE
 SIZES = tuple(2 ** k for k in range(12, 22))  # 4 KiB - 2 MiB: the slowest scaled link moves 2 MiB in ~0.7 s
 SWEEP = {"iters": 4, "min_iters": 2, "warmup": 1, "volume_bytes": 2 ** 22}  # per size: ≤ 4 timed calls, ≤ 4 MiB
@@ -43,13 +42,13 @@ def fabric_sweep(cluster, fabrics=FABRICS, sizes=SIZES, scale: float = SCALE, **
 
     Args:
         cluster: an emulated :class:`~teraflops.cluster.Cluster` that is up (2 nodes is enough).
-        fabrics: :class:`~teraflops.collectives.PublishedLink` s to emulate, each at ``bandwidth × scale``.
+        fabrics: :class:`~teraflops.datasheets.PublishedLink` s to emulate, each at ``bandwidth × scale``.
         sizes: message sizes (bytes, nccl-tests' ``S``).
         sweep_kwargs: to :func:`~teraflops.collectives.sweep` (iters, warmup, ...), over :data:`SWEEP`.
 
     Returns:
         One dict per fabric (the links are set back as they were afterwards): ``fabric``, ``published`` and ``configured`` (bytes/s per direction),
-        ``fit`` (:class:`~teraflops.collectives.AlphaBeta` of the all-reduce times), ``busbw_fit``
+        ``fit`` (:class:`~teraflops.alpha_beta.AlphaBeta` of the all-reduce times), ``busbw_fit``
         (the fit's bandwidth × nccl-tests' all-reduce bus factor, bytes/s), ``ratio``
         (``busbw_fit / configured``), ``rows`` (the sweep's rows). A ring all-reduce moves
         ``2(n−1)/n · S`` bytes through every rank's link each way, so its busbw tends to the link rate.

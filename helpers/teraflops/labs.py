@@ -26,7 +26,7 @@ from .errors import PLACEHOLDER_MESSAGE, CourseError
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 PLACEHOLDER = f'raise NotImplementedError("{PLACEHOLDER_MESSAGE}")'
 SOLUTION_ONLY_TAG = "solution-only"
-UNIT_KEY = "teraflops"  # notebook metadata: {"teraflops": {"unit": N}} (read by grading.core.unit_of)
+UNIT_KEY = "teraflops"  # notebook metadata: {"teraflops": {"unit": N}} (read by grading.grader.unit_of)
 # Like nbgrader, any comment line naming the marker counts, whatever its case or number of '#'.
 _MARKER = re.compile(r"^\s*#+\s*(BEGIN|END)\s+SOLUTION\s*$", re.IGNORECASE)
 _ANY_MARKER = re.compile(r"(BEGIN|END)\s+SOLUTION", re.IGNORECASE)

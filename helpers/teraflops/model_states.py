@@ -312,10 +312,10 @@ def _deepspeed_estimators():
 
 def memory_capacities() -> list[tuple[str, float]]:
     """``(label, GB)`` of the device memories drawn on the plots: 80 GB (A100 80GB, H100 SXM) and
-    141 GB (H200), from the datasheet table :data:`teraflops.ceilings.PUBLISHED`, drawn as printed.
+    141 GB (H200), from the datasheet table :data:`teraflops.datasheets.PUBLISHED`, drawn as printed.
     What a GPU reports in bytes (``torch.cuda.mem_get_info``) need not equal the datasheet figure
     times 1e9, and activations and buffers need room too: a bar just under a line does not fit."""
-    from .ceilings import PUBLISHED
+    from .datasheets import PUBLISHED
 
     by_name = {g.name: g for g in PUBLISHED}
     return [("A100 / H100 80 GB", by_name["H100 SXM"].memory_gb), ("H200 141 GB", by_name["H200 SXM"].memory_gb)]

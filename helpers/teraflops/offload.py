@@ -24,7 +24,7 @@
   state working memory", 4 bytes per parameter of the largest operator, which must be on the GPU whole.
 
 **Time** (:func:`offload_rows`): ``bytes / bandwidth`` against ``6Ψ · tokens / (peak × MFU)``
-(:func:`teraflops.collectives.train_flops`; 8Ψ with recompute). ZeRO-Offload overlaps the gradient copies
+(:func:`teraflops.comm_budget.train_flops`; 8Ψ with recompute). ZeRO-Offload overlaps the gradient copies
 with the backward pass and the CPU step with the next step (§5, one-step delayed update). The gradients go
 down during backward and the parameters come up after the CPU step, in different phases, so the time is
 the two directions summed, each at one direction's bandwidth (the host→device figure stands for both; a
@@ -42,9 +42,9 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from .datasheets import PUBLISHED_LINKS, NoDatasheetError, published_peak
 from .errors import CourseError
 from .machine import detect
-from .ceilings import published_peak
 from .model_states import _deepspeed_estimators, memory_capacities, model_states
 from .tables import GB, fmt, fmt_bytes, table
 
@@ -147,9 +147,7 @@ def host_link_bandwidth(nbytes: int | None = None) -> tuple[float, str]:
     """``(bytes/s, source)`` of the host→device link: with a CUDA GPU, one pinned H2D copy of ``nbytes``
     (default the preset's ``ladder_bytes``, :mod:`teraflops.sizing`) timed by :func:`teraflops.ceilings.measure_host_device_copy`;
     without one there is no PCIe to measure: the published PCIe Gen5 x16 figure per direction
-    (:data:`teraflops.collectives.PUBLISHED_LINKS`)."""
-    from .collectives import PUBLISHED_LINKS
-
+    (:data:`teraflops.datasheets.PUBLISHED_LINKS`)."""
     if detect().device == "cuda":
         from .ceilings import measure_host_device_copy
         from .sizing import preset
@@ -162,8 +160,6 @@ def host_link_bandwidth(nbytes: int | None = None) -> tuple[float, str]:
 def _detected_peak() -> tuple[float, str]:
     """:func:`published_peak` of the detected GPU; for a GPU without a datasheet entry, the H100
     SXM reference figure, with a source that says "no datasheet for <name>"."""
-    from .ceilings import NoDatasheetError
-
     name = detect().gpu_name
     try:
         return published_peak(name)
@@ -189,7 +185,7 @@ def offload_rows(params=(1e9, 7e9, 13e9, 70e9), nd: int = 8, tokens_per_gpu: int
     Raises:
         OffloadError: a bad count, mode or rate, no models, or ``mfu`` outside (0, 1].
     """
-    from .collectives import train_flops
+    from .comm_budget import train_flops
 
     counts = [params] if isinstance(params, (numbers.Real, str)) or params is None else list(params)
     for p in counts or [None]:

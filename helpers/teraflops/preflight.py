@@ -135,7 +135,8 @@ def check_fused_rmsnorm():
 def check_ceilings():
     """Peak matmul FLOP/s and copy bandwidth; on a GPU, not above its datasheet (an emulated dtype
     or a wrong datasheet row would show here)."""
-    from .ceilings import measure_ceilings, published_for
+    from .ceilings import measure_ceilings
+    from .datasheets import published_for
     from .machine import detect
 
     dev = _device()

@@ -33,7 +33,7 @@ hands to ``all_reduce`` (counted in the ranks, not computed: see the worker's do
 
 Units: bytes as counted in each rank, printed in binary multiples (KiB = 1024 B, MiB = 2**20 B;
 :func:`teraflops.tables.fmt_bytes`) in tables and plots (the all-reduce payload ``S``; the ring moves ``2(n−1)/n·S``
-over each rank's link, :func:`teraflops.collectives.ring_allreduce_seconds`); a sample is one
+over each rank's link, :func:`teraflops.alpha_beta.ring_allreduce_seconds`); a sample is one
 sequence of the global batch (all ranks); times in ms (median over the timed optimizer steps, the
 slowest rank's); losses in nats: ``eval_loss`` on held-out batches after the last step, and the
 per-micro-batch training loss of the global micro-batch (mean over ranks).

@@ -60,18 +60,6 @@ def load_references(directory: Path = REFERENCE_DIR) -> list[dict]:
     return refs
 
 
-def headline_figure(executed: Path | None) -> str | None:
-    """The base64 PNG of an executed notebook's headline figure (see the module docstring), or None."""
-    found = _headline(executed)
-    return found[0] if found else None
-
-
-def headline_caption(executed: Path | None) -> str | None:
-    """The caption of the headline figure (its cell's ``metadata.caption``), or None."""
-    found = _headline(executed)
-    return found[1] if found else None
-
-
 def _headline(executed):
     import nbformat
 

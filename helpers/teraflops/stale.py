@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import suppress
 from pathlib import Path
 
@@ -119,18 +118,3 @@ def sweep() -> list[Path]:
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(folder)
     return removed
-
-
-def clean_up(results: Path, port: int, addr: str = "127.0.0.1") -> None:
-    """Remove a dead owner's launch folder and shared-memory files (the watchdog, after the processes)."""
-    for path in shm_files(port, addr):
-        path.unlink(missing_ok=True)
-    shutil.rmtree(results, ignore_errors=True)
-
-
-def wait_gone(deadline_s: float, check) -> bool:
-    """Poll ``check()`` every 0.1 s until true or ``deadline_s`` passed; its last value."""
-    end = time.monotonic() + deadline_s
-    while not check() and time.monotonic() < end:
-        time.sleep(0.1)
-    return check()

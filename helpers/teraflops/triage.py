@@ -42,6 +42,12 @@ is communication as on the CPU (the device waits for the collective), and
 kernels of no operator, or of one with no FLOP/byte estimate (a torch.compile'd or custom kernel), are
 classified by name (``gemm``/``flash``/… compute, NCCL communication,
 others memory). Units: seconds, FLOP, bytes (GB = 1e9).
+
+:func:`triage` runs five steps, one function each: the step's **intervals**, each with a
+:class:`Label` (:func:`_intervals`) → the wall time **attributed** to them (:func:`_attribute`) →
+**shares** per category (:func:`_shares`; waits move part of communication to waiting,
+:func:`_straggler_split`) → the **evidence** per operator (:func:`_evidence`) → the **verdict**
+(:func:`_verdict`).
 """
 
 from __future__ import annotations
@@ -188,7 +194,7 @@ def _ceilings_on(device: str) -> Ceilings:
 def measured_launch_floor(device: str | None = None) -> float:
     """This machine's launch floor in seconds on ``device`` (default the machine's), measured once per
     process: the median time of a 1-element ``torch.add`` (the smallest point of Unit 1's
-    :func:`teraflops.launch.op_time_vs_size` sweep). Measured rather than read from the trace: a
+    :func:`teraflops.launch_overhead.op_time_vs_size` sweep). Measured rather than read from the trace: a
     trace's shortest events are dispatcher-only ops (a view, ~0.1 µs), far below what an op that
     launches work costs."""
     from .machine import detect
@@ -198,7 +204,7 @@ def measured_launch_floor(device: str | None = None) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _floor_on(device: str) -> float:
-    from .launch import launch_floor, op_time_vs_size
+    from .launch_overhead import launch_floor, op_time_vs_size
 
     return launch_floor(op_time_vs_size([1], device, min_run_time=0.05))
 
@@ -373,8 +379,25 @@ def _count(intervals, seg) -> np.ndarray:
     return np.cumsum(d)[:-1]
 
 
-def _labels(ops, parent, c: Ceilings, floor: float) -> dict:
-    """Op index -> ``(name, category, self FLOPs, self bytes)``; category from one call's roofline."""
+@dataclass(frozen=True)
+class Label:
+    """What one timed interval of the step belongs to: an operator, a GPU kernel or a collective
+    (``name``), its category (one of :data:`CATEGORIES`) and the self FLOPs and bytes of that call
+    (0 for collectives and for kernels classified by name)."""
+
+    name: str
+    category: str
+    flops: float = 0.0
+    nbytes: float = 0.0
+
+    @property
+    def has_work(self) -> bool:
+        """Whether it has FLOPs or bytes of its own (a module hook or an autograd node has neither)."""
+        return self.flops > 0 or self.nbytes > 0
+
+
+def _labels(ops, parent, c: Ceilings, floor: float) -> dict[int, Label]:
+    """Op index -> its :class:`Label`: self FLOPs and bytes, category from one call's roofline."""
     cost = {}
     for i, e in enumerate(ops):
         try:
@@ -389,8 +412,145 @@ def _labels(ops, parent, c: Ceilings, floor: float) -> dict:
     out = {}
     for i, e in enumerate(ops):
         f, b = max(own[i][0], 0.0), max(own[i][1], 0.0)
-        out[i] = (e["name"], _FROM_CLASSIFY[classify(f, b, c.peak_flops, c.bandwidth, floor)], f, b)
+        out[i] = Label(e["name"], _FROM_CLASSIFY[classify(f, b, c.peak_flops, c.bandwidth, floor)], f, b)
     return out
+
+
+# ---- step 1: the step's intervals, each labelled -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Intervals:
+    """The step's timed intervals, ``(start, end, key)`` in µs, by role; ``labels[key]`` says what each is.
+
+    ``work``: operators doing work (on a GPU trace, kernels, keyed by the operator that launched
+    them); ``light``: operators with no work of their own outside any collective (a CPU trace's
+    hooks, autograd nodes, Python); ``comm``: collectives (on a GPU trace, NCCL kernels); ``host``:
+    a GPU trace's host-side collective ranges; ``bounds``: every operator's start and end (µs), so
+    that the step spans them all.
+    """
+
+    work: tuple
+    light: tuple
+    comm: tuple
+    host: tuple
+    labels: dict
+    bounds: tuple
+
+    @property
+    def all(self) -> tuple:
+        """Every interval, in the order :class:`Attribution` gives their seconds."""
+        return self.work + self.light + self.comm + self.host
+
+
+def _kernel_work(events, ops, labels: dict) -> tuple[list, dict]:
+    """A GPU trace's kernels as work intervals: a kernel's time is the time of the operator that
+    launched it (its ``External id``). A kernel of no operator, or of one with no FLOP/byte estimate
+    (a torch.compile'd or custom kernel), gets a label of its own from its name: busy device time
+    is never launch overhead. Returns the intervals and those kernels' labels."""
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+               and not is_collective(e["name"], e["cat"])]
+    by_ext = {e["args"]["External id"]: i for i, e in enumerate(ops) if isinstance((e.get("args") or {}).get("External id"), int)}
+    work, own = [], {}
+    for k, e in enumerate(kernels):
+        ext = (e.get("args") or {}).get("External id")
+        key = by_ext.get(ext) if isinstance(ext, int) else None
+        if key is None or not labels[key].has_work:
+            key = ("k", k)
+            own[key] = Label(e["name"], "compute" if _GEMM_KERNEL.search(e["name"]) else "memory")
+        work.append((e["ts"], e["ts"] + e["dur"], key))
+    return work, own
+
+
+def _operator_work(events, ops, pieces, parent, labels: dict) -> tuple[list, list]:
+    """A CPU trace's operator self-time pieces outside collectives, as ``(work, light)``: those with
+    work of their own and those without. A piece inside a collective (the collective op, an op it
+    calls, or an op that gloo's worker thread runs inside a collective's range) is the collective's,
+    already in :attr:`Intervals.comm`, and is left out."""
+    spans: dict = {}  # thread -> collective ranges that are no operator (gloo's worker threads)
+    for e in events:
+        if e.get("cat") == "user_annotation" and is_collective(e["name"], e["cat"]):
+            spans.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["ts"] + e["dur"]))
+    in_comm: dict = {}
+    for i in sorted(parent, key=lambda i: (ops[i]["ts"], -ops[i]["dur"])):  # parents first
+        e = ops[i]
+        in_comm[i] = (is_collective(e["name"]) or (parent[i] is not None and in_comm[parent[i]])
+                      or any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in spans.get((e.get("pid"), e.get("tid")), ())))
+    work, light = [], []
+    for p in pieces:
+        if not in_comm[p[2]]:
+            (work if labels[p[2]].has_work else light).append(p)
+    return work, light
+
+
+def _intervals(events, on_device: bool, ceilings: Ceilings, launch_floor: float) -> Intervals:
+    """Step 1: the trace's events as labelled intervals (CPU operators' self time, or on a GPU trace
+    the device's kernels; collectives)."""
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    pieces, parent = _pieces(ops)
+    labels = _labels(ops, parent, ceilings, launch_floor)
+    comm = [(e["ts"], e["ts"] + e["dur"], ("c", j)) for j, e in enumerate(events)
+            if e.get("cat") in (("kernel",) if on_device else COMM_CATEGORIES) and is_collective(e["name"], e["cat"])]
+    # On a GPU trace, a host-side collective (gloo's or c10d's range, DeepSpeed's record_param_comms)
+    # during which the device runs nothing is communication too, as on the CPU: the device is idle
+    # because the step waits for the collective, not for Python or launches.
+    host = [(e["ts"], e["ts"] + e["dur"], ("h", j)) for j, e in enumerate(events)
+            if on_device and e.get("cat") in ("cpu_op", "user_annotation") and is_collective(e["name"], e["cat"])]
+    labels.update({key: Label(events[key[1]]["name"], "communication") for _, _, key in comm + host})
+    if on_device:
+        work, kernels = _kernel_work(events, ops, labels)
+        labels.update(kernels)
+        light = []
+    else:
+        work, light = _operator_work(events, ops, pieces, parent, labels)
+    bounds = tuple(t for e in ops for t in (e["ts"], e["ts"] + e["dur"]))
+    return Intervals(tuple(work), tuple(light), tuple(comm), tuple(host), labels, bounds)
+
+
+# ---- step 2: the step's time attributed to them ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """``seconds``: of each interval of :attr:`Intervals.all`, in that order; ``idle``: seconds in
+    which none runs; ``step``: the step's wall time (s), from the first boundary to the last."""
+
+    seconds: np.ndarray
+    idle: float
+    step: float
+
+
+def _attribute(iv: Intervals) -> Attribution:
+    """Step 2: each moment of the step goes to what runs then, in this order of precedence: work
+    (shared equally by the intervals running), else collectives, else operators with no work of
+    their own, else a GPU trace's host-side collectives, else nothing (idle). An operator with no work
+    of its own (a module hook, an autograd node, Python) that runs while a collective is in flight is
+    waiting for it: such time goes to the collective, as idle time does."""
+    seg = np.unique([t for s, e, _ in iv.all for t in (s, e)] + list(iv.bounds))
+    step = float(seg[-1] - seg[0]) * 1e-6
+    if step <= 0:
+        raise TriageError("the trace's operators span 0 s. Hint: profile a call that does some work")
+    busy, talk = _count(iv.work, seg), _count(iv.comm, seg)
+    waiting, hosted = _count(iv.light, seg), _count(iv.host, seg)
+    secs = np.concatenate([_seconds(iv.work, seg, busy, busy > 0),
+                           _seconds(iv.light, seg, waiting, (busy == 0) & (talk == 0) & (waiting > 0)),
+                           _seconds(iv.comm, seg, talk, (busy == 0) & (talk > 0)),
+                           _seconds(iv.host, seg, hosted, (busy == 0) & (talk == 0) & (waiting == 0) & (hosted > 0))])
+    idle = float(np.diff(seg)[(busy == 0) & (talk == 0) & (waiting == 0) & (hosted == 0)].sum()) * 1e-6
+    return Attribution(secs, idle, step)
+
+
+# ---- step 3: shares per category ------------------------------------------------------------------
+
+
+def _shares(iv: Intervals, att: Attribution) -> dict:
+    """Step 3: the fraction of the step per category of :data:`CATEGORIES` (idle time is overhead);
+    waits then move part of communication to waiting (:func:`_straggler_split`)."""
+    shares = dict.fromkeys(CATEGORIES, 0.0)
+    shares["overhead"] = att.idle / att.step
+    for (_, _, key), s in zip(iv.all, att.seconds):
+        shares[iv.labels[key].category] += s / att.step
+    return shares
 
 
 def _straggler_split(waits, shares: dict, rank: int | None) -> tuple[tuple, str, float]:
@@ -424,6 +584,47 @@ def _straggler_split(waits, shares: dict, rank: int | None) -> tuple[tuple, str,
                      f"waiting for them.{own}"), waited
 
 
+# ---- step 4: the evidence, per operator -----------------------------------------------------------
+
+
+def _evidence(iv: Intervals, att: Attribution, ceilings: Ceilings, waited: float) -> list[Evidence]:
+    """Step 4: one :class:`Evidence` per operator name and category (its calls' seconds, FLOPs and
+    bytes summed), a collective's time split into waiting and communication as the shares were, and
+    the idle time; largest first."""
+    rows: dict = {}  # (name, category) -> [keys, seconds]
+    for (_, _, key), s in zip(iv.all, att.seconds):
+        label = iv.labels[key]
+        row = rows.setdefault((label.name, label.category), [set(), 0.0])
+        row[0].add(key)
+        row[1] += float(s)
+    step, evidence = att.step, []
+    for (name, cat), (keys, s) in rows.items():
+        f, b = sum(iv.labels[k].flops for k in keys), sum(iv.labels[k].nbytes for k in keys)
+        roof = max(f / ceilings.peak_flops, b / ceilings.bandwidth) / s if (f or b) and s > 0 else math.nan
+        if cat == "communication" and waited > 0:  # a collective's time splits as the shares did
+            evidence.append(Evidence(name, "waiting", len(keys), s * waited, s * waited / step, 0.0, 0.0,
+                                     math.nan, math.nan))
+            s *= 1 - waited
+        evidence.append(Evidence(name, cat, len(keys), s, s / step, f, b, f / b if b else math.nan, roof))
+    if att.idle > 0:
+        evidence.append(Evidence("(idle: no operator running)", "overhead", 0, att.idle, att.idle / step, 0.0, 0.0,
+                                 math.nan, math.nan))
+    evidence.sort(key=lambda e: -e.seconds)
+    return evidence
+
+
+# ---- step 5: the verdict ----------------------------------------------------------------------------
+
+
+def _verdict(shares: dict, rank: int | None, stragglers: tuple) -> tuple[str, str]:
+    """Step 5: ``(verdict, act_on)``: the category with the largest share, and the units that fix it."""
+    best = max(CATEGORIES, key=lambda k: shares[k])
+    act_on = ACT_ON[best]
+    if rank in stragglers:  # the late rank's own time says why it is late, but the fix is Unit 3's first
+        act_on = f"{ACT_ON['waiting']}: this rank is the late one; its {best} time above is why ({ACT_ON[best]})"
+    return VERDICTS[best], act_on
+
+
 def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: float | None = None,
            top: int = 6) -> Triage:
     """Attribute a profiled step's time; return the verdict, the evidence and where to act.
@@ -449,84 +650,11 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
     on = "cuda" if on_device else "cpu"  # where the trace's work ran
     ceilings = measured_ceilings(on) if ceilings is None else ceilings
     launch_floor = measured_launch_floor(on) if launch_floor is None else launch_floor
-    ops = [e for e in events if e.get("cat") == "cpu_op"]
-    pieces, parent = _pieces(ops)
-    label = _labels(ops, parent, ceilings, launch_floor)
-    spans: dict = {}  # thread -> collective ranges that are no operator (gloo's worker threads)
-    for e in events:
-        if e.get("cat") == "user_annotation" and is_collective(e["name"], e["cat"]):
-            spans.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["ts"] + e["dur"]))
-    in_comm: dict = {}
-    for i in sorted(parent, key=lambda i: (ops[i]["ts"], -ops[i]["dur"])):  # parents first
-        e = ops[i]
-        in_comm[i] = (is_collective(e["name"]) or (parent[i] is not None and in_comm[parent[i]])
-                      or any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in spans.get((e.get("pid"), e.get("tid")), ())))
-    comm = [(e["ts"], e["ts"] + e["dur"], ("c", j)) for j, e in enumerate(events)
-            if e.get("cat") in (("kernel",) if on_device else COMM_CATEGORIES) and is_collective(e["name"], e["cat"])]
-    # On a GPU trace, a host-side collective (gloo's or c10d's range, DeepSpeed's record_param_comms)
-    # during which the device runs nothing is communication too, as on the CPU: the device is idle
-    # because the step waits for the collective, not for Python or launches.
-    host = [(e["ts"], e["ts"] + e["dur"], ("h", j)) for j, e in enumerate(events)
-            if on_device and e.get("cat") in ("cpu_op", "user_annotation") and is_collective(e["name"], e["cat"])]
-    label.update({key: (events[key[1]]["name"], "communication", 0.0, 0.0) for _, _, key in comm + host})
-    work, light = [], []  # attributed pieces; light: operators with no work of their own (CPU, below)
-    if on_device:  # the device's timeline: a kernel's time is the time of the op that launched it
-        kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-                   and not is_collective(e["name"], e["cat"])]
-        by_ext = {e["args"]["External id"]: i for i, e in enumerate(ops) if isinstance((e.get("args") or {}).get("External id"), int)}
-        for k, e in enumerate(kernels):
-            ext = (e.get("args") or {}).get("External id")
-            key = by_ext.get(ext, ("k", k)) if isinstance(ext, int) else ("k", k)
-            if key == ("k", k) or label[key][2] == label[key][3] == 0:  # no op, or one with no estimate
-                # (a torch.compile'd or custom kernel): busy device time is never launch overhead
-                key = ("k", k)
-                label[key] = (e["name"], "compute" if _GEMM_KERNEL.search(e["name"]) else "memory", 0.0, 0.0)
-            work.append((e["ts"], e["ts"] + e["dur"], key))
-    else:
-        # an operator with no work of its own (a module hook, an autograd node, Python) that runs while
-        # a collective is in flight is waiting for it: such time goes to the collective, as idle time does
-        for p in pieces:
-            if not in_comm[p[2]]:
-                (work if label[p[2]][2] > 0 or label[p[2]][3] > 0 else light).append(p)
-    seg = np.unique([t for s, e, _ in work + light + comm + host for t in (s, e)]
-                    + [t for e in ops for t in (e["ts"], e["ts"] + e["dur"])])
-    step = float(seg[-1] - seg[0]) * 1e-6
-    if step <= 0:
-        raise TriageError("the trace's operators span 0 s. Hint: profile a call that does some work")
-    busy, talk = _count(work, seg), _count(comm, seg)
-    waiting, hosted = _count(light, seg), _count(host, seg)
-    secs = np.concatenate([_seconds(work, seg, busy, busy > 0),
-                           _seconds(light, seg, waiting, (busy == 0) & (talk == 0) & (waiting > 0)),
-                           _seconds(comm, seg, talk, (busy == 0) & (talk > 0)),
-                           _seconds(host, seg, hosted, (busy == 0) & (talk == 0) & (waiting == 0) & (hosted > 0))])
-    idle = float(np.diff(seg)[(busy == 0) & (talk == 0) & (waiting == 0) & (hosted == 0)].sum()) * 1e-6
-    shares = dict.fromkeys(CATEGORIES, 0.0)
-    shares["overhead"] = idle / step
-    rows: dict = {}  # (name, category) -> [keys, seconds]
-    for (_, _, key), s in zip(work + light + comm + host, secs):
-        name, cat, _, _ = label[key]
-        shares[cat] += s / step
-        row = rows.setdefault((name, cat), [set(), 0.0])
-        row[0].add(key)
-        row[1] += float(s)
+    iv = _intervals(events, on_device, ceilings, launch_floor)
+    att = _attribute(iv)
+    shares = _shares(iv, att)
     stragglers, note, waited = _straggler_split(waits, shares, rank) if waits is not None else ((), "", 0.0)
     shares = {k: float(v) for k, v in shares.items()}
-    evidence = []
-    for (name, cat), (keys, s) in rows.items():
-        f, b = sum(label[k][2] for k in keys), sum(label[k][3] for k in keys)
-        roof = max(f / ceilings.peak_flops, b / ceilings.bandwidth) / s if (f or b) and s > 0 else math.nan
-        if cat == "communication" and waited > 0:  # a collective's time splits as the shares did
-            evidence.append(Evidence(name, "waiting", len(keys), s * waited, s * waited / step, 0.0, 0.0,
-                                     math.nan, math.nan))
-            s *= 1 - waited
-        evidence.append(Evidence(name, cat, len(keys), s, s / step, f, b, f / b if b else math.nan, roof))
-    if idle > 0:
-        evidence.append(Evidence("(idle: no operator running)", "overhead", 0, idle, idle / step, 0.0, 0.0,
-                                 math.nan, math.nan))
-    evidence.sort(key=lambda e: -e.seconds)
-    best = max(CATEGORIES, key=lambda k: shares[k])
-    act_on = ACT_ON[best]
-    if rank in stragglers:  # the late rank's own time says why it is late, but the fix is Unit 3's first
-        act_on = f"{ACT_ON['waiting']}: this rank is the late one; its {best} time above is why ({ACT_ON[best]})"
-    return Triage(VERDICTS[best], shares, tuple(evidence[:top]), act_on, step, ceilings, launch_floor,
-                  stragglers, note)
+    evidence = _evidence(iv, att, ceilings, waited)
+    verdict, act_on = _verdict(shares, rank, stragglers)
+    return Triage(verdict, shares, tuple(evidence[:top]), act_on, att.step, ceilings, launch_floor, stragglers, note)

@@ -5,7 +5,7 @@ On CPU every DeepSpeed run needs the ``deepspeed_shm_comm`` C++ op (JIT-built, 1
 does not work: ``torch.utils.cpp_extension.load`` takes a lock file in the op's folder on every load
 (``FileBaton``, ``torch/utils/file_baton.py``), which a learner cannot create in a folder of another
 user. So the host builds into :func:`warm_dir` (``$TERAFLOPS_WARM_CACHE``, default
-``/var/cache/teraflops``, made readable by all), and a learner's first run copies the built op
+``/var/cache/teraflops``, made readable by all; :func:`teraflops.distributed.build_warm_cache`), and a learner's first run copies the built op
 folder (without the lock) into the learner's own :func:`teraflops.distributed.cache_dir`; ninja
 then finds every output up to date (copies keep modification times) and compiles nothing.
 
@@ -65,38 +65,13 @@ def seed_op(ext: Path) -> bool:
     return (target / _stamp_name()).exists()
 
 
-def _readable_by_all(root: Path) -> None:
+def readable_by_all(root: Path) -> None:
+    """Add read permission (and search, on folders and executables) for group and others to ``root`` and all below it."""
     for path in [root, *root.rglob("*")]:
         with suppress(OSError):
             mode = path.stat().st_mode
             path.chmod(mode | stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH |
                        ((stat.S_IXGRP | stat.S_IXOTH) if path.is_dir() or mode & stat.S_IXUSR else 0))
-
-
-def warmup(dest: Path | None = None) -> Path:
-    """Build DeepSpeed's CPU op into ``dest`` (default :func:`warm_dir`) and make it readable by all.
-
-    Returns the op folder. Raises :class:`teraflops.distributed.OpBuildFailed` if the build fails.
-    """
-    from . import distributed
-
-    dest = Path(dest or warm_dir())
-    saved = {k: os.environ.get(k) for k in ("TERAFLOPS_CACHE", "TORCH_EXTENSIONS_DIR", WARM_ENV)}
-    os.environ["TERAFLOPS_CACHE"], os.environ[WARM_ENV] = str(dest), str(dest)
-    os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-        ext = distributed._extensions_dir()
-        distributed.prepare_deepspeed_ops(cpu=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    (ext / OP / "lock").unlink(missing_ok=True)
-    _readable_by_all(dest)
-    return ext / OP
 
 
 def unwritable_reason(ext: Path) -> str | None:

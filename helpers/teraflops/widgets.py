@@ -110,6 +110,12 @@ def attention_memory_widget():
     return ui
 
 
+# Ψ on the model-state slider: a 1-1.5-2-3-5-7.5 grid from 100 M to 1 T, with the ZeRO paper's 7.5 B
+# and common open-model sizes (7, 13, 70, 175, 405 B), read as "7.5 B", not "7.5e+9"
+PSI_OPTIONS = tuple(sorted({float(round(m * 10**e)) for e in range(8, 12) for m in (1, 1.5, 2, 3, 5, 7.5)}
+                           | {7e9, 13e9, 70e9, 175e9, 405e9, 1e12}))
+
+
 def model_state_widget():
     """Sliders for parameters Ψ, data-parallel devices Nd, ZeRO stage and optimizer precision →
     stacked bars of parameters, gradients and optimizer states per device for stages 0-3
@@ -123,6 +129,7 @@ def model_state_widget():
 
     from .model_states import (FP32_ADAM, FP32_ADAM_MASTER, GB, MIXED_ADAM, figure1, format_gb, memory_capacities,
                                plot_model_states)
+    from .tables import fmt_count
 
     def show(psi, nd, stage, precision):
         rows = figure1(psi, nd, precision)
@@ -138,7 +145,7 @@ def model_state_widget():
         return chosen
 
     ui = W.interactive(show, **_controls(
-        psi=W.FloatLogSlider(value=7.5e9, base=10, min=8, max=12, step=0.05, readout_format=".3g", description="Ψ params"),
+        psi=W.SelectionSlider(options=[(fmt_count(v), v) for v in PSI_OPTIONS], value=7.5e9, description="Ψ params"),
         nd=W.SelectionSlider(options=[2**k for k in range(11)], value=64, description="Nd devices"),
         stage=W.IntSlider(value=3, min=0, max=3, description="ZeRO stage"),
         precision=W.Dropdown(options=[(p.name, p) for p in (MIXED_ADAM, FP32_ADAM, FP32_ADAM_MASTER)],
@@ -185,19 +192,20 @@ def batching_widget(latency, tokens_per_request: int = 1, price_per_hour: float 
 def gradient_sync_widget(fit=None):
     """Sliders for model size (parameters), number of GPUs, fabric, tokens per GPU per step and MFU →
     the predicted ring all-reduce time of bf16 gradients per step
-    (:func:`teraflops.collectives.ring_allreduce_seconds`, α = 0 on a datasheet link), the step's
+    (:func:`teraflops.alpha_beta.ring_allreduce_seconds`, α = 0 on a datasheet link), the step's
     math time (6·params·tokens at MFU × the H100 SXM's 989.5 TFLOP/s), communication's share with no
     overlap, and the accumulation steps that bring it under 10%
-    (:func:`teraflops.collectives.accumulation_for_fraction`). Fabrics: the published links and a node
-    with 8 InfiniBand NDR ports (:func:`teraflops.collectives.cross_node_link`). With ``fit`` (an all-reduce
-    :class:`~teraflops.collectives.AlphaBeta` from this machine's sweep) "this machine (measured)" is
+    (:func:`teraflops.comm_budget.accumulation_for_fraction`). Fabrics: the published links and a node
+    with 8 InfiniBand NDR ports (:func:`teraflops.datasheets.cross_node_link`). With ``fit`` (an all-reduce
+    :class:`~teraflops.alpha_beta.AlphaBeta` from this machine's sweep) "this machine (measured)" is
     a fabric too, its busbw and per-step latency scaled to the chosen GPU count.
 
     Returns the ``ipywidgets.interactive``; its ``result`` is the row of
-    :func:`teraflops.collectives.gradient_sync_rows` for the chosen fabric."""
+    :func:`teraflops.comm_budget.gradient_sync_rows` for the chosen fabric."""
     import ipywidgets as W
 
-    from .collectives import PUBLISHED_LINKS, accumulation_for_fraction, cross_node_link, gradient_sync_rows
+    from .comm_budget import accumulation_for_fraction, gradient_sync_rows
+    from .datasheets import PUBLISHED_LINKS, cross_node_link
     from .tables import fmt_seconds
 
     links = PUBLISHED_LINKS + (cross_node_link(8),)

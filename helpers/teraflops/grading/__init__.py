@@ -1,4 +1,5 @@
-"""Autograding: check functions (one module per unit) and the ``teraflops grade`` runner.
+"""Autograding: check functions (one module per unit, on :mod:`.core`) and the ``teraflops grade``
+runner (:mod:`.grader`).
 
 The only seam between grader and learner: a check function takes the learner's function (or
 value) and nothing else, runs it on generated inputs, and compares with the package's reference.

@@ -15,9 +15,6 @@ from .. import roofline
 from ..profiling import classify, count_ops
 from .core import check_cases, close, exercise, expect_tensor, fail, kernel_setting, max_error, reveal
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _size(dtype) -> int:
     return roofline.bytes_per_element(dtype)
 
@@ -83,9 +80,6 @@ def _attention64(q, k, v, dim=-1, scale=True):
 def _tolerance(v: torch.Tensor) -> float:
     """fp32 rounding of a correct answer grows with the values: 2e-5 × max|v| (≥ 1e-5)."""
     return max(1e-5, 2e-5 * v.abs().max().item())
-
-
-_USES_LIBRARY = ("scaled_dot_product", "_softmax", "softmax")
 
 
 @exercise(3, "naive attention")

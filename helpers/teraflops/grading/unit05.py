@@ -15,8 +15,10 @@ from fractions import Fraction
 
 import numpy as np
 
-from ..collectives import (PUBLISHED_LINKS, accumulation_for_fraction, bus_factor,
-                           fit_alpha_beta as reference_fit, ring_allreduce_seconds)
+from ..alpha_beta import fit_alpha_beta as reference_fit, ring_allreduce_seconds
+from ..collectives import bus_factor
+from ..comm_budget import accumulation_for_fraction
+from ..datasheets import PUBLISHED_LINKS
 from ..errors import CourseError
 from .core import check_cases, close, exercise, expect_number, fail, finite_answer, holds, reveal
 
@@ -342,7 +344,7 @@ def _describe_ring(case) -> str:
 @exercise(3, "predict an all-reduce on a fabric")
 def predict_allreduce(fn) -> None:
     """``fn(size_bytes, n, bandwidth, alpha) -> seconds`` of a ring all-reduce (see
-    :func:`teraflops.collectives.ring_allreduce_seconds`), on 2 – 64 ranks and the published links."""
+    :func:`teraflops.alpha_beta.ring_allreduce_seconds`), on 2 – 64 ranks and the published links."""
     check_cases(finite_answer(fn, "predict_allreduce", "seconds", _describe_ring), "predict_allreduce", "seconds",
                 _RING_CASES, ring_allreduce_seconds, [(holds(f), h) for f, h in _RING_MISTAKES],
                 "a ring all-reduce takes T = 2(n-1)/n · size_bytes / bandwidth + 2(n-1) · alpha "
@@ -394,7 +396,7 @@ _ACCUM_MISTAKES = [
 def accumulation_steps(fn) -> None:
     """``fn(sync_seconds, micro_batch_seconds, target) -> int``: the fewest micro-batches ``k >= 1`` per
     all-reduce with ``sync / (k·micro + sync) <= target`` (see
-    :func:`teraflops.collectives.accumulation_for_fraction`)."""
+    :func:`teraflops.comm_budget.accumulation_for_fraction`)."""
     answers = []
     for case in _ACCUM_CASES:
         got = fn(*case)
