@@ -281,6 +281,8 @@ def test_every_lecture_widget_redraws_when_a_control_moves(page, course):
             assert not cut, f"{name}: label {label.inner_text()!r} is cut off"
             rights.add(round(label.bounding_box()["x"] + label.bounding_box()["width"]))
         assert max(rights) - min(rights) <= 3, f"{name}: labels out of line (right edges at {sorted(rights)} px)"
+        readouts = widget.locator(".widget-readout").all_inner_texts()
+        assert not any("e+" in r for r in readouts), f"{name}: a slider reads {readouts}"
         handle = widget.locator(".noUi-handle").first
         handle.focus()
         page.keyboard.press("ArrowRight")

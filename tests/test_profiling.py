@@ -45,3 +45,23 @@ def test_launch_floor_is_the_smallest_time():
 def test_block_rejects_wrong_shape_in_one_line():
     with pytest.raises(ShapeError, match=r"expects \(batch, seq_len, 64\), got \(2, 64\)"):
         TransformerBlock(64, 2)(torch.randn(2, 64))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_causal_attention_counts_half_the_flops_of_full_attention(backward):
+    """One convention across the course (FlashAttention-2's, as flash_triton.flops and triage count):
+    4·B·H·N²·d forward, halved when causal; the backward 2.5× the forward."""
+    b, h, n, d = 2, 2, 64, 16
+
+    def attention(causal):
+        q, k, v = (torch.randn(b, h, n, d, requires_grad=backward) for _ in range(3))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return lambda: out.sum().backward(retain_graph=True) if backward else \
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def sdpa_flops(causal):
+        rows = profiling.profile_ops(attention(causal), "cpu", warmup=0)
+        return sum(r.flops for r in rows if "attention" in r.name)
+
+    full = 4 * b * h * n * n * d * (2.5 if backward else 1)
+    assert sdpa_flops(False) == pytest.approx(full) and sdpa_flops(True) == pytest.approx(full / 2)

@@ -78,3 +78,14 @@ def test_every_widget_says_to_rerun_its_cell_when_it_does_not_show(monkeypatch):
         assert len(notes) == 1 and "run this cell" in notes[0]["text/html"], shown
         assert shown.index(notes[0]) < shown.index(ui)
     plt.close("all")
+
+
+def test_the_model_size_slider_reads_in_billions_not_exponents():
+    """Issue 18: the Ψ slider's readout said "7.5e+9"."""
+    ui = widgets.model_state_widget()
+    psi = next(c for c in ui.children if c.description == "Ψ params")
+    assert psi.label == "7.5 B" and psi.value == 7.5e9
+    labels = [label for label, _ in psi.options]
+    assert "100 M" in labels and "1 T" in labels and "175 B" in labels and not any("e+" in x for x in labels)
+    assert [v for _, v in psi.options] == sorted(v for _, v in psi.options)
+    plt.close("all")

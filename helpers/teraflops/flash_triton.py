@@ -86,6 +86,7 @@ def _flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
             k = tl.load(k_ptrs, mask=cols[:, None] < N_CTX, other=0.0)
         else:
             k = tl.load(k_ptrs)
+        # mechanism: online softmax
         # scores of this tile, already in base-2 units: (BLOCK_M, BLOCK_N) fp32
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         if MASK:
@@ -105,6 +106,7 @@ def _flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
             v = tl.load(v_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
+        # end mechanism
     return acc, l_i, m_i
 
 

@@ -100,25 +100,39 @@ class OpRow:
         return classify(self.flops / n, self.nbytes / n, c.peak_flops, c.bandwidth, launch_floor)
 
 
-def _cpu_attention_flops() -> dict:
-    """FlopCounterMode formulas for PyTorch's CPU flash-attention kernels: torch's own SDPA counts
-    (``sdpa_flop_count``, ``sdpa_backward_flop_count``), which its table applies to the GPU kernels.
-    The CPU kernels take the same leading arguments (query, key, value; backward: grad_out first)."""
+# SDPA's aten kernels (CPU flash, CUDA flash / efficient / cuDNN), forward and backward
+_SDPA_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+
+
+def _attention_flops() -> dict:
+    """FlopCounterMode formulas for SDPA's aten kernels, counted the course's one way: torch's own
+    SDPA counts (``sdpa_flop_count``, ``sdpa_backward_flop_count``: the two matmuls of each pass),
+    halved when the kernel is causal, as FlashAttention-2 counts (Dao 2023, arXiv:2307.08691, §4.1;
+    :func:`teraflops.flash_triton.flops`, and :mod:`teraflops.triage` for traces). Torch's table counts
+    a causal kernel as full and has no entry for the CPU kernels. The kernels take the same leading
+    arguments (query, key, value; backward: grad_out first); ``is_causal`` is found by its name in
+    each op's schema."""
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten
 
-    def forward(q, k, v, *args, **kwargs):
-        return fc.sdpa_flop_count(q, k, v)
+    def formula(op, count, backward):
+        names = [a.name for a in op.default._schema.arguments]
 
-    def backward(grad_out, q, k, v, *args, **kwargs):
-        return fc.sdpa_backward_flop_count(grad_out, q, k, v)
+        def flops(*args, **kwargs):
+            causal = bool(kwargs.get("is_causal", dict(zip(names, args)).get("is_causal", False)))
+            n = count(*args[:4]) if backward else count(*args[:3])
+            return n // 2 if causal else n
+        return flops
 
     mapping = {}
-    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", forward),
-                          ("_scaled_dot_product_flash_attention_for_cpu_backward", backward)):
-        if hasattr(aten, name):
-            mapping[getattr(aten, name)] = formula
+    for name in _SDPA_KERNELS:
+        for suffix, count, backward in (("", fc.sdpa_flop_count, False),
+                                        ("_backward", fc.sdpa_backward_flop_count, True)):
+            op = getattr(aten, name + suffix, None)
+            if op is not None:
+                mapping[op] = formula(op, count, backward)
     return mapping
 
 
@@ -131,7 +145,7 @@ def profile_ops(fn: Callable[[], object], device: str, warmup: int = 2) -> list[
     for _ in range(warmup):
         fn()
     rec = _OpRecorder()
-    flop_mode = FlopCounterMode(display=False, custom_mapping=_cpu_attention_flops())
+    flop_mode = FlopCounterMode(display=False, custom_mapping=_attention_flops())
     with flop_mode, rec:
         fn()
     flops = defaultdict(float)

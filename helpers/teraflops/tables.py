@@ -35,6 +35,15 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.3g} B"
 
 
+def fmt_count(n: float) -> str:
+    """A count with the short-scale suffix model sizes are quoted in, e.g. ``"7.5 B"`` for 7.5e9 and
+    ``"125 M"`` (``"1 T"`` for 1e12; below a thousand, the number itself)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.3g}"
+
+
 def fmt_seconds(t: float) -> str:
     """A time in µs below 1 ms, in ms below 1 s, else in s, e.g. ``"5.47 ms"`` (``"5,830 s"``, not ``"5.83e+03 s"``)."""
     if t >= 1000:

@@ -110,6 +110,12 @@ def attention_memory_widget():
     return ui
 
 
+# Ψ on the model-state slider: a 1-1.5-2-3-5-7.5 grid from 100 M to 1 T, with the ZeRO paper's 7.5 B
+# and common open-model sizes (7, 13, 70, 175, 405 B), read as "7.5 B", not "7.5e+9"
+PSI_OPTIONS = tuple(sorted({float(round(m * 10**e)) for e in range(8, 12) for m in (1, 1.5, 2, 3, 5, 7.5)}
+                           | {7e9, 13e9, 70e9, 175e9, 405e9, 1e12}))
+
+
 def model_state_widget():
     """Sliders for parameters Ψ, data-parallel devices Nd, ZeRO stage and optimizer precision →
     stacked bars of parameters, gradients and optimizer states per device for stages 0-3
@@ -123,6 +129,7 @@ def model_state_widget():
 
     from .model_states import (FP32_ADAM, FP32_ADAM_MASTER, GB, MIXED_ADAM, figure1, format_gb, memory_capacities,
                                plot_model_states)
+    from .tables import fmt_count
 
     def show(psi, nd, stage, precision):
         rows = figure1(psi, nd, precision)
@@ -138,7 +145,7 @@ def model_state_widget():
         return chosen
 
     ui = W.interactive(show, **_controls(
-        psi=W.FloatLogSlider(value=7.5e9, base=10, min=8, max=12, step=0.05, readout_format=".3g", description="Ψ params"),
+        psi=W.SelectionSlider(options=[(fmt_count(v), v) for v in PSI_OPTIONS], value=7.5e9, description="Ψ params"),
         nd=W.SelectionSlider(options=[2**k for k in range(11)], value=64, description="Nd devices"),
         stage=W.IntSlider(value=3, min=0, max=3, description="ZeRO stage"),
         precision=W.Dropdown(options=[(p.name, p) for p in (MIXED_ADAM, FP32_ADAM, FP32_ADAM_MASTER)],

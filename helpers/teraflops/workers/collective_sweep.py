@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from teraflops.collectives import COLLECTIVES
 from teraflops.distributed import finish, init_worker, report_progress, write_result
-from teraflops.workers.data_parallel import sync_device
+from teraflops.workers.common import sync_device
 
 PERIOD = 8  # the check pattern repeats every 8 elements
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
