@@ -37,7 +37,7 @@ def test_run_unit_0_reports_the_machine_and_its_ceilings(tmp_path):
     y = torch.empty_like(x)
     matmul = _best_rate("a @ b", 2 * n**3, a=a, b=b) / 1e12
     copy = _best_rate("y.copy_(x)", 2 * x.numel() * 4, x=x, y=y) / 1e9  # read + write
-    peak = max(h["peak_tflops"], ceilings.measure_peak_flops(p.probe_matmul_n, p.dtype, "cpu") / 1e12)
-    bandwidth = max(h["bandwidth"], ceilings.measure_copy_bandwidth(p.probe_copy_bytes, "cpu") / 1e9)
+    peak = max(h["peak_tflops"], ceilings.measure_peak_flops(p.probe.matmul_n, p.dtype, "cpu") / 1e12)
+    bandwidth = max(h["bandwidth"], ceilings.measure_copy_bandwidth(p.probe.copy_bytes, "cpu") / 1e9)
     assert matmul < 1.5 * peak, f"a {n}² matmul ran at {matmul:.3g} TFLOP/s, over the peak {peak:.3g}"
     assert copy < 1.5 * bandwidth, f"a copy moved {copy:.3g} GB/s, over the measured bandwidth {bandwidth:.3g}"
