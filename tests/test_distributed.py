@@ -128,13 +128,19 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(monkeypatch, tmp_path
     lock.parent.mkdir()
     assert not distributed.clear_stale_build_lock()  # no lock: nothing to do
     lock.touch()
-    holder = psutil.Popen(["sleep", "30"], env={**os.environ, distributed.RESULTS_ENV: str(tmp_path)})
+    rank = psutil.Popen(["sleep", "30"], env={**os.environ, distributed.RESULTS_ENV: str(tmp_path)})
     try:
-        assert not distributed.clear_stale_build_lock() and lock.exists()  # a rank of a live launch may hold it
+        started = rank.create_time()
+        os.utime(lock, (started + 5, started + 5))  # made after the rank started: the rank may hold it
+        assert not distributed.clear_stale_build_lock() and lock.exists()
+        os.utime(lock, (started - 60, started - 60))  # made before it started: the rank can only be waiting
+        assert distributed.clear_stale_build_lock() and not lock.exists()
+        lock.touch()
+        os.utime(lock, (started + 5, started + 5))
     finally:
-        holder.kill()
-        holder.wait()
-    assert distributed.clear_stale_build_lock() and not lock.exists()
+        rank.kill()
+        rank.wait()
+    assert distributed.clear_stale_build_lock() and not lock.exists()  # no rank alive at all
 
 
 WATCHDOG_LOG = """[rank1]:[E1201 12:00:00.000000 123 ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective \

@@ -427,19 +427,24 @@ def clear_stale_build_lock() -> bool:
     the file to go (``torch/utils/file_baton.py``). A rank killed while it holds the lock leaves the
     file, and every later ``deepspeed.init_distributed`` on CPU then waits forever. A lock is stale
     when no rank of a launch and no build (:func:`prepare_deepspeed_ops`) with our
-    ``TORCH_EXTENSIONS_DIR`` is alive.
+    ``TORCH_EXTENSIONS_DIR`` that started before the lock was made is alive: a process that started
+    after it cannot have made it, it can only be waiting on it (counting such waiters as holders
+    left a stale lock and its waiters waiting on each other for good).
     """
     import psutil
 
     ext = _extensions_dir()
     lock = ext / _SHM_OP / "lock"
-    if not lock.exists():
+    try:
+        made = lock.stat().st_mtime
+    except FileNotFoundError:
         return False
     for p in psutil.process_iter():
         with suppress(psutil.Error):
             env = p.environ() if p.pid != os.getpid() else {}
             if env.get("TORCH_EXTENSIONS_DIR") == str(ext) and (
-                    RESULTS_ENV in env or any("ShareMemCommBuilder" in a for a in p.cmdline())):
+                    RESULTS_ENV in env or any("ShareMemCommBuilder" in a for a in p.cmdline())) and \
+                    p.create_time() <= made + 1:  # 1 s: start times are read from clock ticks since boot
                 return False  # a rank of a launch, or a build, that may hold it
     lock.unlink(missing_ok=True)
     return True
