@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 
 from .distributed import launch
-from .sizing import DataParallelPlan, TrainConfig, data_parallel_plan, dp_config
+from .sizing import DataParallelPlan, TrainConfig, TrainedRank, data_parallel_plan, dp_config
 from .tables import table
 
 WORKER = "teraflops.workers.data_parallel"
@@ -108,16 +108,10 @@ class ModeResult:
 
 
 @dataclass(frozen=True)
-class DataParallelResult:
+class DataParallelResult(TrainedRank):
     """One rank's runs: one :class:`StaleResult` per τ and one :class:`ModeResult` per mode, in the
     spec's order; ``params`` of the model; ``config`` it trained."""
 
-    rank: int
-    world_size: int
-    backend: str
-    device: str
-    params: int
-    config: TrainConfig
     staleness: tuple[StaleResult, ...]
     overlap: tuple[ModeResult, ...]
     node: int | None = None

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from .data_parallel import RankLaunch, launch_timed, mean_over_ranks, slowest_median_ms
 from .errors import CourseError
-from .sizing import DataParallelPlan, TrainConfig, data_parallel_plan, dp_config
+from .sizing import DataParallelPlan, TrainConfig, TrainedRank, data_parallel_plan, dp_config
 from .tables import fmt_bytes, table
 
 SETTINGS = ("baseline", "accumulate", "accumulate-sync", "fp16", "bf16", "powersgd")
@@ -114,15 +114,9 @@ class RemedyResult:
 
 
 @dataclass(frozen=True)
-class RemediesResult:
+class RemediesResult(TrainedRank):
     """One rank's runs, one :class:`RemedyResult` per setting of the spec, in its order."""
 
-    rank: int
-    world_size: int
-    backend: str
-    device: str
-    params: int
-    config: TrainConfig
     micro_batches: int
     powersgd_rank: int
     powersgd_start: int

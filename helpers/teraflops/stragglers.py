@@ -59,7 +59,7 @@ import numpy as np
 
 from .detection import MIN_RANKS
 from .distributed import launch
-from .sizing import DataParallelPlan, TrainConfig, data_parallel_plan, gpt_config, preset
+from .sizing import DataParallelPlan, TrainConfig, TrainedRank, data_parallel_plan, gpt_config, preset
 from .tables import table
 
 WORKER = "teraflops.workers.straggler"
@@ -245,16 +245,10 @@ class SettingResult:
 
 
 @dataclass(frozen=True)
-class StragglerResult:
+class StragglerResult(TrainedRank):
     """One rank's settings, per experiment in the spec's order (none for an experiment not run);
     ``calibration_speeds``: every rank's samples/s in rebalance's calibration run (None without it)."""
 
-    rank: int
-    world_size: int
-    backend: str
-    device: str
-    params: int
-    config: TrainConfig
     sweep: tuple[SettingResult, ...] = ()
     kinds: tuple[SettingResult, ...] = ()
     rebalance: tuple[SettingResult, ...] = ()

@@ -24,6 +24,13 @@ def build_model(cfg: TrainConfig, device="cpu") -> GPT:
     return GPT(cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len).to(device)
 
 
+def trained_rank(w, cfg: TrainConfig) -> dict:
+    """The :class:`~teraflops.sizing.TrainedRank` fields of worker ``w``'s result (``w`` from
+    :func:`teraflops.distributed.init_worker`), as keywords of the rank program's Result."""
+    return dict(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
+                params=build_model(cfg).num_params(), config=cfg)
+
+
 def make_data(cfg: TrainConfig, steps: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(inputs, targets)``, int64 ``[rows, seq_len]``: ``steps`` global batches of ``world *
     micro_batch`` sequences, then :data:`EVAL_BATCHES` more, held out (see :func:`held_out`);

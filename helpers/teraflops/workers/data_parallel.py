@@ -44,7 +44,8 @@ import torch.distributed as dist
 from teraflops.data_parallel import DataParallelResult, DataParallelSpec, ModeResult, StaleResult
 from teraflops.models import lm_loss
 from teraflops.sizing import TrainConfig
-from teraflops.workers.common import build_model, flat_grads, held_out, make_data, rank_batch, set_grads, sync_device
+from teraflops.workers.common import (build_model, flat_grads, held_out, make_data, rank_batch, set_grads, sync_device,
+                                      trained_rank)
 
 WARMUP_STEPS = 3  # untimed: first-call allocations, DDP's bucket rebuild after its first step
 
@@ -261,8 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(spec.overlap_steps if runs else 0):
         for run in runs:
             step(run, i)
-    write_result(DataParallelResult(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
-                                    params=build_model(cfg).num_params(), config=cfg, staleness=staleness,
+    write_result(DataParallelResult(**trained_rank(w, cfg), staleness=staleness,
                                     overlap=tuple(run.result() for run in runs)))
     finish()
 

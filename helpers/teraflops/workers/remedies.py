@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from teraflops.models import lm_loss
 from teraflops.remedies import RemediesResult, RemediesSpec, RemedyResult
-from teraflops.workers.common import build_model, held_out, make_data, rank_batch, sync_device
+from teraflops.workers.common import build_model, held_out, make_data, rank_batch, sync_device, trained_rank
 
 ONE_BUCKET_WHY = (
     "on gloo, PowerSGD runs with all gradients in one DDP bucket: it launches its P and Q all-reduces from "
@@ -198,8 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                     run.micro_batch(i)
                 done += turn
                 report_progress(done, total)
-    write_result(RemediesResult(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
-                                params=build_model(cfg).num_params(), config=cfg, micro_batches=spec.micro_batches,
+    write_result(RemediesResult(**trained_rank(w, cfg), micro_batches=spec.micro_batches,
                                 powersgd_rank=spec.powersgd_rank, powersgd_start=spec.powersgd_start,
                                 runs=tuple(run.result(spec.micro_batches) for run in runs)))
     finish()

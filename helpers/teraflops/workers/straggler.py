@@ -43,7 +43,7 @@ from teraflops.models import lm_loss
 from teraflops.sizing import TrainConfig
 from teraflops.stragglers import (WARMUP, Injection, SettingRecords, SettingResult, StragglerResult, StragglerSpec,
                                   rebalance)
-from teraflops.workers.common import build_model, flat_grads, held_out, make_data, set_grads, sync_device
+from teraflops.workers.common import build_model, flat_grads, held_out, make_data, set_grads, sync_device, trained_rank
 
 MOMENTUM = 0.9
 RECORDS = ("start", "compute", "delay", "wait", "update", "step", "batch", "loss")
@@ -239,8 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         run = setting(entry)
         take_turns([run], tick)
         localsgd.append(run.result(evaluate=True))
-    write_result(StragglerResult(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
-                                 params=build_model(cfg).num_params(), config=cfg, localsgd=tuple(localsgd), **result))
+    write_result(StragglerResult(**trained_rank(w, cfg), localsgd=tuple(localsgd), **result))
     finish()
 
 
