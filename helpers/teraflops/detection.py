@@ -230,8 +230,8 @@ def attribute(timeline, baseline, threshold: float = THRESHOLD, ratio: float = T
     ``"none"``; with both, the one that costs each step more time: the straggler's excess busy time
     (its mean minus the median rank's, which every other rank waits out) against the transfer's
     growth over the baseline's. (On a 2-core machine three ranks share two cores, and a healthy rank
-    can stand out by ~30 % of a few-ms busy time while a slow link adds ~100 ms per step.) The default, :data:`TRANSFER_RATIO` = 2.5, sits
-    above the spread of healthy runs measured here (up to 1.86× between two launches on a loaded
+    can stand out by ~30 % of a few-ms busy time while a slow link adds ~100 ms per step.)
+    The default, :data:`TRANSFER_RATIO` = 2.5, sits above the spread of healthy runs measured here (up to 1.86× between two launches on a loaded
     2-core machine) and below what a 10×-slower link on one of 3 nodes gives (3.6-6.8×: the
     transfer was 123-131 ms, as a ring all-reduce of 0.47 MB predicts, ``2 (n - 1) / n`` × 0.47 MB
     at 5 MB/s = 126 ms, against a healthy 19-35 ms, of which only 12.6 ms is bandwidth). So it
@@ -262,17 +262,17 @@ def attribute(timeline, baseline, threshold: float = THRESHOLD, ratio: float = T
     r = t / t0
     means = busy.mean(axis=0)
     excess = float(means[list(d.flagged)].max() - np.median(means)) if d.flagged else 0.0
-    growth = t - t0
+    growth, named = t - t0, f"rank(s) {', '.join(map(str, d.flagged))}"
     if d.flagged and (r <= ratio or excess >= growth):
         verdict = "compute"
-        reason = (f"rank(s) {', '.join(map(str, d.flagged))} busy for longer than the others "
+        reason = (f"{named} busy for longer than the others "
                   f"(modified z {max(d.run_z[list(d.flagged)]):.1f} > {threshold:g}, {excess * 1e3:.3g} ms per step "
                   f"over the median rank)")
         if r > ratio:
             reason += f", more than the all-reduce's transfer grew ({growth * 1e3:.3g} ms)"
     elif r > ratio:
         verdict = "communication"
-        stood = (f"rank(s) {', '.join(map(str, d.flagged))} stand out on busy time by only {excess * 1e3:.3g} ms "
+        stood = (f"{named} stand out on busy time by only {excess * 1e3:.3g} ms "
                  "per step" if d.flagged else f"no rank stands out on busy time (max modified z {d.run_z.max():.1f})")
         reason = (f"{stood}, but the all-reduce's transfer grew {r:.1f}x ({t * 1e3:.3g} ms vs "
                   f"{t0 * 1e3:.3g} ms per step)")
