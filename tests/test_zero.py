@@ -2,7 +2,6 @@
 
 import shutil
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -25,10 +24,6 @@ def test_comm_bytes_per_step_counts_the_paper_way():
         zero.comm_bytes_per_step(log({"all_to_all": {1: 1}}), 2, 1)
     with pytest.raises(ValueError, match="steps"):
         zero.comm_bytes_per_step({}, 2, 0)
-
-
-def deepspeed_shm_files():
-    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
 
 
 @pytest.fixture(scope="module")
