@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from . import ownership
+from . import ownership, slurm as slurm_mod
 from .errors import CourseError
 from .teardown import uninterruptible
 
@@ -277,6 +277,9 @@ def down(grace: float = 3.0, only: list[str] | None = None) -> list[str]:
     for ns in found:
         _ip("netns", "del", ns, check=False)
     left = set(namespaces())
+    for name in {cluster_of(ns) for ns in found} - {None}:
+        if not any(cluster_of(ns) == name for ns in left):
+            slurm_mod.remove_state(name)  # a Slurm cluster's files, once its daemons are gone
     return [ns for ns in found if ns not in left]
 
 
@@ -313,6 +316,8 @@ class Cluster:
             cluster), so that clusters do not meet; each has its own bridge (the same subnet on each).
         owner_pid: the process the cluster belongs to (default: this one). While it lives, no other
             owner's ``up`` of the same name or ``teraflops cluster down`` touches the cluster.
+        slurm: ``True`` or a :class:`teraflops.slurm.SlurmConfig`: also run a Slurm cluster on the nodes
+            (:mod:`teraflops.slurm`; then ``cl.slurm_`` is its :class:`~teraflops.slurm.Slurm`).
 
     Raises:
         ClusterError: the machine cannot host it (:func:`unavailable`), bad arguments, or an
@@ -323,6 +328,8 @@ class Cluster:
     link: Link | list[Link] = field(default_factory=Link)
     name: str = field(default_factory=lambda: f"{os.getpid()}c{next(_COUNTER)}")
     owner_pid: int | None = None  # the process it belongs to (default: this one; the CLI gives its shell)
+    slurm: bool | slurm_mod.SlurmConfig = False
+    slurm_: slurm_mod.Slurm | None = field(init=False, default=None)
     links: list[Link] = field(init=False, default_factory=list)
     up_: bool = field(init=False, default=False)
 
@@ -336,6 +343,11 @@ class Cluster:
             raise ClusterError(f"link must be one Link or a list of {self.nodes} Links, got {self.link!r}. "
                                "Hint: Link(rate=25e6, latency=1e-3).")
         self.links = list(links)
+        if self.slurm is True:
+            self.slurm = slurm_mod.SlurmConfig()
+        if self.slurm is not False and not isinstance(self.slurm, slurm_mod.SlurmConfig):
+            raise ClusterError(f"slurm must be True, False or a SlurmConfig, got {self.slurm!r}. "
+                               "Hint: Cluster(3, slurm=SlurmConfig(scheduler='fifo')).")
 
     @property
     def switch(self) -> str:
@@ -358,7 +370,7 @@ class Cluster:
 
     def up(self) -> "Cluster":
         """Create the switch, the nodes and their links (removing any leftovers first)."""
-        reason = unavailable()
+        reason = unavailable() or (slurm_mod.unavailable(self.slurm.accounting) if self.slurm else None)
         if reason:
             raise ClusterError(reason + ".")
         claimed, held = ownership.claim(self.name, self.nodes, self.owner_pid)
@@ -386,8 +398,12 @@ class Cluster:
                 _ip("link", "set", IFNAME, "up", ns=ns)
                 _ip("link", "set", "lo", "up", ns=ns)
                 self._shape(i, self.links[i])
+            if self.slurm:
+                self.slurm_ = slurm_mod.Slurm(self, self.slurm).start()
             self.up_ = True
         except BaseException:
+            if self.slurm_ is not None or self.slurm:
+                uninterruptible((self.slurm_ or slurm_mod.Slurm(self, self.slurm)).stop)
             _down_uninterrupted(self.namespaces())  # a second Ctrl-C must not leave half a cluster
             ownership.release(self.name)  # only ours: the claim above made the name ours
             self.up_ = False
@@ -439,8 +455,12 @@ class Cluster:
         second Ctrl-C)."""
         held = ownership.read(self.name)
         if self._mine() or not ownership.alive(held):  # never a live cluster of another owner of the name
+            if self.slurm_ is not None:
+                uninterruptible(self.slurm_.stop)  # in parallel, reaped; down() kills what is left
             _down_uninterrupted(self.namespaces())
+            slurm_mod.remove_state(self.name)
             ownership.release(self.name)
+        self.slurm_ = None
         self.up_ = False
 
     def _mine(self) -> bool:
