@@ -310,7 +310,6 @@ class _Sim:
         self.used: dict[str, float] = {}  # GPU-hours of finished jobs
         self.runs: dict[int, JobRun] = {}
         self.delays: list[HeadDelay] = []
-        self.timeline: list[tuple] = []  # (t, busy, queued, stranded free GPUs)
         self.wake = self.env.event()
         self.env.process(self._arrivals(sorted(trace, key=lambda j: j.submit)))
         self.env.process(self._scheduler())
@@ -368,10 +367,6 @@ class _Sim:
                 self.env.process(self._run(job, alloc, held))
             ids = {j.id for j in chosen}
             self.queue = [j for j in self.queue if j.id not in ids]
-        free = sum(self.free)
-        head = self.queue[0] if self.queue else None
-        stranded = free if head and head.gpus <= free and _place(self.free, head.gpus, self.gpn) is None else 0
-        self.timeline.append((now, len(self.free) * self.gpn - free, len(self.queue), stranded))
 
     def _validate(self, chosen, view: ClusterView) -> list[Job]:
         if not isinstance(chosen, (list, tuple)):
@@ -418,32 +413,57 @@ class _Sim:
             raise SchedulingError(f"your policy left {len(self.queue)} jobs waiting forever, e.g. {j} submitted at "
                                   f"t={j.submit:.1f} h. Hint: start the head job whenever it fits; the simulator asks "
                                   "again only when a job arrives or ends")
-        runs = sorted(self.runs.values(), key=lambda r: r.job.id)
-        gpus = len(self.free) * self.gpn
-        t0, t1 = min(r.job.submit for r in runs), max(r.end for r in runs)
-        span = t1 - t0
-        tl = self.timeline
-        dts = np.diff([t for t, *_ in tl] + [t1])
+        return measure(list(self.runs.values()), len(self.free), self.gpn, name, self.delays)
 
-        def avg(values):
-            return float(np.dot(values, dts) / span) if span > 0 else 0.0
 
-        busy_h = sum(r.job.gpus * r.job.duration for r in runs)
-        stranded = avg([s for *_, s in tl])
-        waits = np.array([r.wait for r in runs])
-        users = {}
-        for u in sorted({r.job.user for r in runs}):
-            mine = [r for r in runs if r.job.user == u]
-            w = [r.wait for r in mine]
-            users[u] = dict(jobs=len(mine), gpu_hours=sum(r.job.gpus * r.job.duration for r in mine),
-                            mean_wait_h=float(np.mean(w)), max_wait_h=float(np.max(w)))
-        return SimResult(
-            policy=name, nodes=len(self.free), gpus_per_node=self.gpn, runs=runs, head_delays=self.delays,
-            timeline=[(t, b, q) for t, b, q, _ in tl], makespan_h=span,
-            utilisation=busy_h / (gpus * span) if span > 0 else 0.0,
-            mean_wait_h=float(waits.mean()), p95_wait_h=float(np.percentile(waits, 95)), max_wait_h=float(waits.max()),
-            stranded_gpus=stranded, stranded_fraction=stranded / gpus,
-            idle_with_queue=avg([gpus - b if q else 0 for _, b, q, _ in tl]), users=users)
+def measure(runs: Sequence[JobRun], nodes: int, gpus_per_node: int, name: str,
+            head_delays: Sequence[HeadDelay] = ()) -> SimResult:
+    """The :class:`SimResult` of jobs that ran as ``runs`` (simulated, or read back from a real
+    scheduler by :mod:`teraflops.slurm_queue`): every statistic from the runs alone.
+
+    The timeline is rebuilt at every submission, start and end (after all events of an instant):
+    busy GPUs (from ``gpus_held``), queued jobs (submitted, not started) and stranded GPUs (the
+    oldest waiting job fits the free GPUs by count but not by placement). Busy GPU-time counts
+    ``end - start``. Times are in the runs' unit (hours when simulated; seconds on Slurm).
+    """
+    runs = sorted(runs, key=lambda r: r.job.id)
+    gpus = nodes * gpus_per_node
+    t0, t1 = min(r.job.submit for r in runs), max(r.end for r in runs)
+    span = t1 - t0
+    order = sorted(runs, key=lambda r: (r.job.submit, r.job.id))  # the queue's order: submission
+    tl = []
+    for t in sorted({x for r in runs for x in (r.job.submit, r.start, r.end)}):
+        free = [gpus_per_node] * nodes
+        for r in runs:
+            if r.start <= t < r.end:
+                for g in r.gpus_held:
+                    free[g // gpus_per_node] -= 1
+        queued = [r.job for r in order if r.job.submit <= t < r.start]
+        total = sum(free)
+        head = queued[0] if queued else None
+        stranded = total if head and head.gpus <= total and _place(free, head.gpus, gpus_per_node) is None else 0
+        tl.append((t, gpus - total, len(queued), stranded))
+    dts = np.diff([t for t, *_ in tl] + [t1])
+
+    def avg(values):
+        return float(np.dot(values, dts) / span) if span > 0 else 0.0
+
+    busy = sum(r.job.gpus * (r.end - r.start) for r in runs)
+    waits = np.array([r.wait for r in runs])
+    users = {}
+    for u in sorted({r.job.user for r in runs}):
+        mine = [r for r in runs if r.job.user == u]
+        w = [r.wait for r in mine]
+        users[u] = dict(jobs=len(mine), gpu_hours=sum(r.job.gpus * (r.end - r.start) for r in mine),
+                        mean_wait_h=float(np.mean(w)), max_wait_h=float(np.max(w)))
+    stranded = avg([s for *_, s in tl])
+    return SimResult(
+        policy=name, nodes=nodes, gpus_per_node=gpus_per_node, runs=runs, head_delays=list(head_delays),
+        timeline=[(t, b, q) for t, b, q, _ in tl], makespan_h=span,
+        utilisation=busy / (gpus * span) if span > 0 else 0.0,
+        mean_wait_h=float(waits.mean()), p95_wait_h=float(np.percentile(waits, 95)), max_wait_h=float(waits.max()),
+        stranded_gpus=stranded, stranded_fraction=stranded / gpus,
+        idle_with_queue=avg([gpus - b if q else 0 for _, b, q, _ in tl]), users=users)
 
 
 def simulate(trace: Sequence[Job], policy: Policy, nodes: int = 8, gpus_per_node: int = 8,

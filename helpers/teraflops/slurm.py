@@ -159,8 +159,8 @@ def slurm_conf(cluster, config: SlurmConfig, directory: Path) -> str:
                   f"AccountingStoragePass={d}/munge.socket",  # the munge socket of dbd connections
                   "AccountingStorageEnforce=associations", "PriorityType=priority/multifactor",
                   "PriorityWeightFairshare=100000", "PriorityWeightAge=0", "PriorityWeightJobSize=0",
-                  "PriorityWeightPartition=0", "PriorityWeightQOS=0", "PriorityDecayHalfLife=0",
-                  "PriorityUsageResetPeriod=NONE", f"PriorityCalcPeriod={config.priority_period}",
+                  "PriorityWeightPartition=0", "PriorityWeightQOS=0", "PriorityDecayHalfLife=7-0",
+                  "DebugFlags=Priority", f"PriorityCalcPeriod={config.priority_period}",
                   "JobCompType=jobcomp/none"]
     else:
         lines += ["AccountingStorageType=accounting_storage/none", "PriorityType=priority/basic"]
@@ -372,7 +372,7 @@ class Slurm:
         pid = proc.pid if proc is not None and proc.poll() is None else _daemon_pid(self.dir, f"slurmd-{host(i)}")
         if pid is None:  # before slurmd runs (accounting setup): node 0's network namespace only
             return ["nsenter", f"--net=/run/netns/{self.cluster.node_name(i)}", "env", f"SLURM_CONF={self.conf}"]
-        return ["nsenter", "-t", str(pid), "-n", "-u", "-m", "env", f"SLURM_CONF={self.conf}"]
+        return ["nsenter", "-t", str(pid), "-n", "-u", "-m", f"--wd={os.getcwd()}", "env", f"SLURM_CONF={self.conf}"]
 
     def exec(self, cmd: list[str], node: int = 0, timeout: float = 60, check: bool = False,
              **kwargs) -> subprocess.CompletedProcess:

@@ -1,0 +1,337 @@
+"""The queue on a real scheduler: a job mix run on Slurm, read back, and set beside the simulation.
+
+Unit 3's :mod:`teraflops.scheduling` simulates FIFO, EASY backfill and fair share with SimPy. Here the
+same kind of job mix runs on a real Slurm cluster on the emulated nodes (:mod:`teraflops.slurm`):
+each job asks for nodes and fake GPUs (``sbatch --nodes --gres=gpu:N``) and a time limit
+(``--time``, whole minutes: Slurm keeps limits in minutes), and its payload is ``sleep`` for its
+runtime: the scheduler sees only the allocation and the limit, so the runtime is the variable under
+study, not work done. The queue is filled while the partition is down (``scontrol update
+PartitionName=main State=DOWN``: jobs queue, none starts) and opened at once, so every job is
+eligible at the same instant ``t0`` and priorities follow submission order (``priority/basic``).
+
+What comes back is Slurm's own record (``scontrol -d show job``: start and end times to the second,
+nodes and GPU indices per node), turned into :class:`teraflops.scheduling.JobRun` rows and measured
+with the same definitions as the simulation (:func:`teraflops.scheduling.measure`), in seconds.
+
+Sources: sbatch(1), scontrol(1), slurm.conf(5) SchedulerType; Slurm's backfill
+(https://slurm.schedmd.com/sched_config.html) and fair tree (https://slurm.schedmd.com/fair_tree.html).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from .errors import CourseError
+from .scheduling import Job, JobRun, SimResult, measure, simulate
+from .tables import table
+
+
+class QueueError(CourseError, RuntimeError):
+    """A job mix could not be run or read back on Slurm; one line with a hint."""
+
+
+@dataclass(frozen=True)
+class MixJob:
+    """One job of a mix: ``gpus`` fake GPUs (at most a node's, or whole nodes), running ``runtime_s``
+    seconds under a limit of ``limit_min`` minutes, for ``account`` (a team; accounting clusters)."""
+
+    id: int
+    user: str
+    gpus: int
+    runtime_s: float
+    limit_min: int
+    account: str | None = None
+
+    def job(self) -> Job:
+        """This job for :func:`teraflops.scheduling.simulate`, times in seconds (the estimate is the
+        limit: what Slurm plans with)."""
+        return Job(self.id, self.user, self.gpus, 0.0, float(self.runtime_s), float(60 * self.limit_min))
+
+
+# The lecture's mix on 3 nodes × 2 GPUs: a 2-node job runs, a 3-node job waits for it (the head),
+# three 1-GPU jobs whose limits end before the head's reservation, a 1-node job whose limit does
+# not, and a last 2-GPU job that under FIFO finds two free GPUs on two nodes (fragmentation).
+# Runtimes in seconds, limits in minutes.
+LECTURE_MIX = (
+    MixJob(1, "alice", 4, 9, 3),
+    MixJob(2, "llm-team", 6, 6, 2),
+    MixJob(3, "bob", 1, 6, 1),
+    MixJob(4, "chen", 1, 3, 1),
+    MixJob(5, "bob", 2, 6, 5),
+    MixJob(6, "chen", 1, 6, 1),
+    MixJob(7, "alice", 2, 3, 1),
+)
+
+
+def sbatch_args(job: MixJob, gpus_per_node: int, output: str) -> list[str]:
+    """The ``sbatch`` command of ``job`` (sbatch(1)): one node with ``--gres=gpu:G`` for a job of at
+    most ``gpus_per_node`` GPUs, else ``gpus / gpus_per_node`` whole nodes.
+
+    Raises:
+        QueueError: a job bigger than a node that is not a multiple of ``gpus_per_node``.
+    """
+    if job.gpus > gpus_per_node and job.gpus % gpus_per_node:
+        raise QueueError(f"job {job.id} asks for {job.gpus} GPUs: more than a node's {gpus_per_node} but not whole "
+                         f"nodes. Hint: a multi-node job takes a multiple of {gpus_per_node} GPUs.")
+    nodes, per_node = (1, job.gpus) if job.gpus <= gpus_per_node else (job.gpus // gpus_per_node, gpus_per_node)
+    return ["sbatch", "--parsable", f"--job-name=j{job.id}-{job.user}", f"--nodes={nodes}",
+            "--ntasks-per-node=1", f"--gres=gpu:{per_node}", f"--time={job.limit_min}", f"--output={output}",
+            *([f"--account={job.account}"] if job.account else []), f"--wrap=sleep {job.runtime_s:g}"]
+
+
+_FIELD = re.compile(r"(\w+)=(\S*)")
+_DETAIL = re.compile(r"Nodes=(\S+) CPU_IDs=\S+ Mem=\S+ GRES=gpu(?::\w+)?:(\d+)\(IDX:([\d,-]+)\)")
+
+
+def _expand(spec: str, prefix: str = "node") -> list[int]:
+    """``node[0-1,3]`` / ``node2`` / ``0-1,3`` → the integers."""
+    m = re.fullmatch(re.escape(prefix) + r"\[([\d,-]+)\]", spec)
+    body = m.group(1) if m else (spec[len(prefix):] if spec.startswith(prefix) else spec)
+    out = []
+    for part in body.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def parse_jobs(text: str) -> dict[int, dict]:
+    """``scontrol -d -o show job`` output → per job id: ``state``, ``start``/``end`` (Unix s),
+    ``nodes`` (ints) and ``gpus`` (per node, the GPU indices held)."""
+    out = {}
+    for line in text.splitlines():
+        fields = dict(_FIELD.findall(line))
+        if "JobId" not in fields:
+            continue
+        gpus = {}
+        for node, _, idx in _DETAIL.findall(line):
+            for n in _expand(node):
+                gpus[n] = tuple(_expand(idx, ""))
+
+        def stamp(key):
+            value = fields.get(key, "Unknown")
+            return None if value in ("Unknown", "None", "") else datetime.fromisoformat(value).timestamp()
+
+        out[int(fields["JobId"])] = dict(state=fields.get("JobState"), start=stamp("StartTime"), end=stamp("EndTime"),
+                                         name=fields.get("JobName"), nodes=tuple(sorted(gpus)), gpus=gpus)
+    return out
+
+
+@dataclass
+class QueueRun:
+    """A mix run on Slurm under one scheduler.
+
+    Attributes:
+        scheduler: ``"fifo"`` or ``"backfill"``.
+        result: the real runs measured like the simulation (:func:`teraflops.scheduling.measure`;
+            times in seconds from ``t0``, the instant the partition opened).
+        simulated: the same mix simulated with the same policy (estimates = the limits).
+        slurm_ids: course job id → Slurm job id.
+    """
+
+    scheduler: str
+    result: SimResult
+    simulated: SimResult
+    slurm_ids: dict[int, int]
+
+
+def run_mix(slurm, mix=LECTURE_MIX, timeout: float = 120) -> QueueRun:
+    """Submit ``mix`` to ``slurm`` (a started :class:`teraflops.slurm.Slurm`), wait for every job to
+    end, and read it back. The partition is down while submitting, then opened (see module doc).
+
+    Raises:
+        QueueError: a submission failed, a job failed, or not every job ended within ``timeout`` s.
+    """
+    from . import scheduling
+
+    gpn, nodes = slurm.config.gpus_per_node, slurm.cluster.nodes
+    jobs = [j.job() for j in mix]
+    scheduling.check_trace(jobs, nodes, gpn)
+    slurm.exec(["scontrol", "update", "PartitionName=main", "State=DOWN"], check=True)
+    ids = {}
+    try:
+        for j in mix:
+            done = slurm.exec(sbatch_args(j, gpn, f"{slurm.dir}/jobs/%j.out"), check=True)
+            ids[j.id] = int(done.stdout.strip().split(";")[0])
+    finally:
+        t0 = time.time()
+        slurm.exec(["scontrol", "update", "PartitionName=main", "State=UP"], check=True)
+    deadline, held = time.monotonic() + timeout, {}
+    while True:  # GPU indices are shown only while a job runs: kept from the polls
+        found = parse_jobs(slurm.exec(["scontrol", "-d", "-o", "show", "job"]).stdout)
+        for s, rec in found.items():
+            if rec["state"] == "RUNNING" and rec["gpus"]:
+                held[s] = rec["gpus"]
+        states = {j: found.get(s, {}).get("state") for j, s in ids.items()}
+        if all(s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") for s in states.values()):
+            break
+        if time.monotonic() > deadline:
+            slurm.exec(["scancel", *map(str, ids.values())])
+            raise QueueError(f"the mix did not finish within {timeout:g} s (states: {states}). "
+                             "Hint: `teraflops cluster exec -- squeue` shows what waits and why.")
+        time.sleep(0.5)
+    bad = {j: s for j, s in states.items() if s != "COMPLETED"}
+    if bad:
+        raise QueueError(f"jobs {bad} did not complete. Hint: their output is in {slurm.dir}/jobs.")
+    t0 = min(t0, min(found[ids[j.id]]["start"] for j in mix))  # a start stamped before t0 rounds down
+    runs = []
+    for j, job in zip(mix, jobs):
+        rec = found[ids[j.id]]
+        gpus = held.get(ids[j.id])
+        if not gpus:
+            raise QueueError(f"job {j.id} ran too briefly to read its GPUs (runtime {j.runtime_s:g} s). "
+                             "Hint: give every job of a mix a runtime of 2 s or more.")
+        rec_nodes = tuple(sorted(gpus))
+        held_ids = tuple(n * gpn + g for n in rec_nodes for g in gpus[n])
+        runs.append(JobRun(job, rec["start"] - t0, rec["end"] - t0, rec_nodes, held_ids))
+    scheduler = slurm.config.scheduler
+    policy = scheduling.fifo if scheduler == "fifo" else scheduling.backfill
+    name = {"fifo": "FIFO", "backfill": "backfill"}[scheduler]
+    return QueueRun(scheduler, measure(runs, nodes, gpn, f"Slurm {name}"),
+                    simulate(jobs, policy, nodes, gpn, name=f"simulated {name}"), ids)
+
+
+def start_order(result: SimResult, tolerance: float = 1.5) -> list[tuple[int, ...]]:
+    """The jobs in order of start, those within ``tolerance`` s of the group's first start together
+    (Slurm stamps starts to the second and schedules in passes)."""
+    groups: list[list] = []
+    for r in sorted(result.runs, key=lambda r: (r.start, r.job.id)):
+        if groups and r.start - groups[-1][0] <= tolerance:
+            groups[-1][1].append(r.job.id)
+        else:
+            groups.append([r.start, [r.job.id]])
+    return [tuple(sorted(ids)) for _, ids in groups]
+
+
+def compare_table(run: QueueRun) -> str:
+    """Per job: GPUs, runtime, limit, start and nodes on Slurm and in the simulation (seconds)."""
+    rows = []
+    for real in sorted(run.result.runs, key=lambda r: r.job.id):
+        sim = run.simulated.run(real.job.id)
+        rows.append((real.job.id, real.job.user, real.job.gpus, real.job.duration, real.job.estimate / 60,
+                     real.start, ",".join(map(str, real.nodes)), sim.start, ",".join(map(str, sim.nodes)),
+                     real.start - sim.start))
+    return table(rows, ["job", "user", "GPUs", "runtime s", "limit min", "Slurm start s", "Slurm nodes",
+                        "sim start s", "sim nodes", "Slurm − sim s"])
+
+
+def _submit(slurm, job: MixJob) -> int:
+    done = slurm.exec(sbatch_args(job, slurm.config.gpus_per_node, f"{slurm.dir}/jobs/%j.out"), check=True)
+    return int(done.stdout.strip().split(";")[0])
+
+
+def _wait(slurm, ids, timeout: float) -> dict[int, dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = parse_jobs(slurm.exec(["scontrol", "-d", "-o", "show", "job"]).stdout)
+        if all(found.get(i, {}).get("state") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") for i in ids):
+            return found
+        if time.monotonic() > deadline:
+            slurm.exec(["scancel", *map(str, ids)])
+            raise QueueError(f"jobs {list(ids)} did not finish within {timeout:g} s. "
+                             "Hint: `teraflops cluster exec -- squeue` shows what waits and why.")
+        time.sleep(0.5)
+
+
+@dataclass
+class FairShareRun:
+    """Fair share between two accounts on Slurm (``priority/multifactor``).
+
+    Attributes:
+        heavy, light: the accounts (``heavy`` ran a history job first).
+        shares: ``sshare -P`` rows after the history (account → fields, ``FairShare`` among them).
+        priorities: ``sprio`` fair-share factor of the two contested jobs before they ran.
+        starts: Unix start time of each contested job, by account (the heavy one was submitted first).
+        light_first: the light account's job started before the heavy one's.
+    """
+
+    heavy: str
+    light: str
+    shares: dict[str, dict]
+    priorities: dict[str, float]
+    starts: dict[str, float]
+
+    @property
+    def light_first(self) -> bool:
+        return self.starts[self.light] < self.starts[self.heavy]
+
+
+def run_fair_share(slurm, runtime_s: float = 3, recompute: bool = True, timeout: float = 150) -> FairShareRun:
+    """Fair share measured on an accounting cluster (``SlurmConfig(accounting=True)``).
+
+    The heavy account (the first of ``config.accounts``) runs a job on every node; then, while a
+    second job of it holds the cluster, the heavy account submits a job and *after* it the light
+    account does, both needing every node. Under FIFO order the heavy one would run first; fair
+    share (Slurm's fair tree: the account that used less of its share ranks higher) runs the light
+    one first once priorities are recalculated: every ``PriorityCalcPeriod`` (a minute at least),
+    or at once with ``recompute`` (:meth:`teraflops.slurm.Slurm.recompute_priorities`).
+
+    Raises:
+        QueueError: the cluster has no accounting, or jobs did not finish within ``timeout`` s.
+    """
+    if not slurm.config.accounting:
+        raise QueueError("fair share needs accounting. Hint: Cluster(3, slurm=SlurmConfig(accounting=True)) "
+                         "or `teraflops cluster up --slurm --accounting`.")
+    heavy, light = slurm.config.accounts[:2]
+    every = slurm.cluster.nodes * slurm.config.gpus_per_node
+    history = _submit(slurm, MixJob(0, heavy, every, runtime_s, 1, heavy))
+    _wait(slurm, [history], timeout)
+    blocker = _submit(slurm, MixJob(0, heavy, every, 3 * runtime_s, 1, heavy))
+    contested = {heavy: _submit(slurm, MixJob(0, heavy, every, runtime_s, 1, heavy))}
+    contested[light] = _submit(slurm, MixJob(0, light, every, runtime_s, 1, light))
+    if recompute:
+        slurm.recompute_priorities()
+    else:
+        time.sleep(60 * slurm.config.priority_period + 2)
+    prio = {}
+    for line in slurm.exec(["sprio", "-h", "-o", "%i|%F"]).stdout.split():
+        job, _, factor = line.partition("|")
+        for acct, jid in contested.items():
+            if job.strip() == str(jid):
+                prio[acct] = float(factor)
+    shares = {}
+    rows = slurm.exec(["sshare", "-P", "-a"]).stdout.splitlines()
+    if rows:
+        head = rows[0].split("|")
+        for row in rows[1:]:
+            rec = dict(zip(head, row.split("|")))
+            if rec.get("Account", "").strip() in (heavy, light) and not rec.get("User"):
+                shares[rec["Account"].strip()] = rec
+    found = _wait(slurm, [blocker, *contested.values()], timeout)
+    return FairShareRun(heavy, light, shares, prio, {a: found[j]["start"] for a, j in contested.items()})
+
+
+def plot_gantt(runs: list[QueueRun]):
+    """Per policy a row of two Gantt charts, Slurm (left) and the simulation (right): one line per GPU,
+    grouped by node, each job a bar labelled with its id, coloured by user; x in seconds from the
+    moment the queue opened. Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    users = sorted({r.job.user for q in runs for r in q.result.runs})
+    colours = {u: plt.cm.tab10(i % 10) for i, u in enumerate(users)}
+    fig, axes = plt.subplots(len(runs), 2, figsize=(12, 2.6 * len(runs) + 0.6), sharex=True, squeeze=False)
+    end = max(max(r.end for r in res.runs) for q in runs for res in (q.result, q.simulated))
+    for row, q in zip(axes, runs):
+        for ax, res in zip(row, (q.result, q.simulated)):
+            gpn, gpus = res.gpus_per_node, res.nodes * res.gpus_per_node
+            for r in res.runs:
+                for g in r.gpus_held:
+                    ax.barh(g, r.end - r.start, left=r.start, height=0.9, color=colours[r.job.user],
+                            edgecolor="white", linewidth=0.5)
+                    ax.text(r.start + (r.end - r.start) / 2, g, str(r.job.id), ha="center", va="center", fontsize=8,
+                            color="white")
+            for n in range(1, res.nodes):
+                ax.axhline(n * gpn - 0.5, color="black", linewidth=0.6)
+            ax.set_yticks([n * gpn + (gpn - 1) / 2 for n in range(res.nodes)], [f"node{n}" for n in range(res.nodes)])
+            ax.set_ylim(gpus - 0.5, -0.5)
+            ax.set_xlim(0, end * 1.02)
+            ax.set_title(f"{res.policy}: utilisation {100 * res.utilisation:.0f}%, mean wait {res.mean_wait_h:.1f} s",
+                         fontsize=10)
+    for ax in axes[-1]:
+        ax.set_xlabel("seconds since the queue opened")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[u]) for u in users]
+    fig.legend(handles, users, loc="upper center", ncol=len(users), frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
