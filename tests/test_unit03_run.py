@@ -6,7 +6,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from teraflops import detect
+from teraflops import detect, slurm
 from teraflops.cluster import unavailable
 from teraflops.runner import checked_output_mismatches, format_summary, run_units
 
@@ -23,13 +23,21 @@ def test_run_unit_3_reports_idle_time_at_the_largest_delay(tmp_path):
     assert 0 < h["idle_at_max_delay"] < 100 and abs(h["idle_at_max_delay"] - h["idle_predicted"]) <= 10
     assert h["backfill_utilisation"] > h["fifo_utilisation"] and h["elastic_time_lost"] > 0
     if detect().device == "cpu":
-        assert result.seconds < 300, f"Unit 3 took {result.seconds:.0f} s on CPU; the budget is 300 s"
+        assert result.seconds < 240, f"Unit 3 took {result.seconds:.0f} s on CPU; the budget is 4 minutes"
     summary = format_summary(detect(), [result])
     assert "healthy ranks idle at" in summary and "%" in summary
+    out = "\n".join(o.get("text", "") for c in nbformat.read(result.executed, as_version=4).cells
+                    if c.cell_type == "code" for o in c.get("outputs", []))
     if unavailable() is None:  # the emulated-node section ran: what the learner read there
-        out = "\n".join(o.get("text", "") for c in nbformat.read(result.executed, as_version=4).cells
-                        if c.cell_type == "code" for o in c.get("outputs", []))
         assert "slow link on node(s): [1]" in out, "the pair test did not find node 1's link (5 MB/s vs 50 MB/s)"
         verdict = re.search(r"^slow link: +(.*)$", out, re.M).group(1)
         assert "transfer grew" in verdict and "busy for longer" not in verdict, verdict
         assert "busy for longer" in re.search(r"^slow compute: +(.*)$", out, re.M).group(1)
+    if unavailable() is None and slurm.unavailable() is None:  # the real Slurm section ran
+        jumped = re.search(r"^Slurm backfill started jobs \[(.*)\] ahead of the blocked head job (\d+)$", out, re.M)
+        assert jumped and jumped.group(1), "backfill started no job ahead of the blocked head job on Slurm"
+        assert "Slurm FIFO started none ahead of it: True" in out
+        assert re.findall(r"^(fifo|backfill): Slurm's start order matches the simulation's: True", out, re.M) == \
+            ["fifo", "backfill"], "Slurm's start order differs from the simulation's (the lecture should explain it)"
+        stranded = re.search(r"^fifo: utilisation .* GPUs stranded by fragmentation ([\d.]+) vs", out, re.M)
+        assert stranded and float(stranded.group(1)) > 0, "FIFO stranded no GPU on Slurm"

@@ -41,6 +41,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -121,11 +122,18 @@ def _burst(rate: float) -> int:
 
 
 _PROBE: tuple | None = None  # (why a namespace cannot be made, qdiscs), probed once per process
+_PROBE_LOCK = threading.Lock()
 
 
 def _probe() -> tuple[str | None, frozenset]:
     """Make a scratch namespace once per process: why that failed (``None`` if it worked), and the
     shaping qdiscs of ``{"tbf", "netem"}`` that could be added to its loopback."""
+    global _PROBE
+    with _PROBE_LOCK:  # threads of one process (teraflops.slurm_queue.run_policies) share the probe's name
+        return _probe_once()
+
+
+def _probe_once() -> tuple[str | None, frozenset]:
     global _PROBE
     if _PROBE is None:
         probe, found = f"{PREFIX}probe{os.getpid()}", set()

@@ -335,3 +335,122 @@ def plot_gantt(runs: list[QueueRun]):
     fig.legend(handles, users, loc="upper center", ncol=len(users), frameon=False, fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return fig
+
+
+def mix_table(mix=LECTURE_MIX, gpus_per_node: int = 2) -> str:
+    """The mix as a table: id, user, GPUs, nodes, runtime (s), time limit (min), and the sbatch line."""
+    rows = []
+    for j in mix:
+        nodes = 1 if j.gpus <= gpus_per_node else j.gpus // gpus_per_node
+        rows.append((j.id, j.user, j.gpus, nodes, j.runtime_s, j.limit_min,
+                     " ".join(a for a in sbatch_args(j, gpus_per_node, "%j.out")[2:] if not a.startswith(("--job", "--out")))))
+    return table(rows, ["job", "user", "GPUs", "nodes", "runtime s", "limit min", "sbatch"])
+
+
+def run_policies(mix=LECTURE_MIX, schedulers=("fifo", "backfill"), nodes: int = 3, gpus_per_node: int = 2,
+                 timeout: float = 120) -> list[QueueRun]:
+    """:func:`run_mix` of ``mix`` under each scheduler, each on a Slurm cluster of its own (``nodes``
+    emulated nodes × ``gpus_per_node`` fake GPUs), all at once: the jobs only sleep, so the clusters do
+    not compete for the CPU. A progress bar counts finished clusters; every cluster is removed at the
+    end, also on an error or Ctrl-C. About 30 s for the lecture's mix.
+
+    Raises:
+        QueueError, teraflops.cluster.ClusterError, teraflops.slurm.SlurmError: from any of the runs.
+    """
+    import threading
+
+    from tqdm.auto import tqdm
+
+    from .cluster import Cluster
+    from .slurm import SlurmConfig
+
+    out: dict[str, QueueRun] = {}
+    errors: list[BaseException] = []
+
+    def one(scheduler):
+        try:
+            with Cluster(nodes, slurm=SlurmConfig(scheduler=scheduler, gpus_per_node=gpus_per_node)) as cl:
+                out[scheduler] = run_mix(cl.slurm_, mix, timeout)
+        except BaseException as e:  # re-raised in the caller's thread
+            errors.append(e)
+        finally:
+            bar.update(1)
+
+    bar = tqdm(total=len(schedulers), desc=f"job mix on Slurm ({', '.join(schedulers)})", unit="cluster")
+    threads = [threading.Thread(target=one, args=(s,), name=f"slurm-{s}") for s in schedulers]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+    finally:  # on Ctrl-C the threads still end (within the timeout) and remove their clusters
+        for t in threads:
+            while t.is_alive():
+                try:
+                    t.join(0.2)
+                except KeyboardInterrupt:
+                    pass
+        bar.close()
+    if errors:
+        raise errors[0]
+    return [out[s] for s in schedulers]
+
+
+def head_job(result: SimResult, tolerance: float = 1.5) -> Job | None:
+    """The first job in submission order that had to wait (started more than ``tolerance`` s after the
+    first start of all), or None."""
+    first = min(r.start for r in result.runs)  # on Slurm the first pass itself takes a moment
+    waited = [r for r in sorted(result.runs, key=lambda r: (r.job.submit, r.job.id)) if r.start > first + tolerance]
+    return waited[0].job if waited else None
+
+
+def jumped_head(result: SimResult, tolerance: float = 1.5) -> list[int]:
+    """Jobs submitted after the head job (:func:`head_job`) that started before it: what backfill does
+    and FIFO must not."""
+    head = head_job(result, tolerance)
+    if head is None:
+        return []
+    start = result.run(head.id).start
+    return [r.job.id for r in result.runs if r.job.id > head.id and r.start < start - tolerance]
+
+
+def handovers(result: SimResult, tolerance: float = 1.5) -> list[float]:
+    """Seconds from the end that freed a job's GPUs to that job's start, for every job that waited
+    (started more than ``tolerance`` s after the first start): the scheduler's hand-over time. The
+    freeing end is the latest end before the start on one of the job's GPUs."""
+    first = min(r.start for r in result.runs)
+    gaps = []
+    for r in result.runs:
+        if r.start <= first + tolerance:
+            continue
+        ends = [o.end for o in result.runs if o is not r and o.end <= r.start + 1e-9 and set(o.gpus_held) & set(r.gpus_held)]
+        if ends:
+            gaps.append(r.start - max(ends))
+    return gaps
+
+
+def differences(run: QueueRun, tolerance: float = 1.5) -> list[str]:
+    """Where Slurm and the simulation differ for ``run``, one line each, with the reason.
+
+    Always: Slurm's starts lag the simulation's (measured: mean and largest lag, and the hand-overs
+    of :func:`handovers`). Then the start order, if it differs, and each job whose nodes differ.
+    """
+    lags = [r.start - run.simulated.run(r.job.id).start for r in run.result.runs]
+    gaps = handovers(run.result)
+    lines = [f"Slurm's starts lag the simulation's by {sum(lags) / len(lags):.1f} s on average (at most "
+             f"{max(lags):.1f} s): its first pass came {min(r.start for r in run.result.runs):.1f} s after the queue "
+             f"opened and each of its {len(gaps)} hand-overs (a job ends, its node reports it, the next scheduling "
+             f"pass starts the waiting job) took {sum(gaps) / max(1, len(gaps)):.1f} s on average, where the simulation "
+             "hands over instantly; the lag adds up along a chain of jobs."]
+    real, sim = start_order(run.result, tolerance), start_order(run.simulated, tolerance)
+    if real != sim:
+        lines.append(f"start order differs: Slurm {real}, simulation {sim}. Slurm's backfill protects every "
+                     "higher-priority job it cannot start (each gets a reservation), EASY backfill only the head, "
+                     "and Slurm plans with time limits rounded to minutes.")
+    for r in run.result.runs:
+        s = run.simulated.run(r.job.id)
+        if r.nodes != s.nodes:
+            lines.append(f"job {r.job.id} ran on nodes {r.nodes} on Slurm, {s.nodes} in the simulation: Slurm's "
+                         "select/cons_tres picks nodes its own way; the simulation places by best fit.")
+    return lines
