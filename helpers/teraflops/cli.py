@@ -14,9 +14,14 @@ Subcommands::
     teraflops bench attention [...]     Triton FlashAttention vs SDPA on this machine, as ratios
     teraflops labs build|check|refresh  generate labs/ from solutions/, check they agree, or
                                         (maintainers) re-execute notebooks keeping nbval-checked outputs
-    teraflops cluster up|down|status [--nodes K] [--rate MB/s]
-                                        emulated nodes on this machine (root, Linux): make them,
-                                        remove every leftover (also after a crash), or list them
+    teraflops cluster up|down|status [--nodes K] [--rate MB/s] [--slurm [--scheduler fifo|backfill]
+                                        [--accounting] [--gpus-per-node N]]
+                                        emulated nodes on this machine (root, Linux), optionally with a
+                                        Slurm cluster on them: make them, remove every leftover (also
+                                        after a crash), or list them with their Slurm daemons
+    teraflops cluster exec [--name N] [--node I] -- CMD ...
+                                        run CMD as on node I (default 0, Slurm's login node) with the
+                                        cluster's SLURM_CONF: sinfo, squeue, sbatch, srun, sacct
     teraflops triage TRACE [--waits WAITS.json] [--peak-flops F --bandwidth B] [--launch-floor S]
                                         compute-, memory-, overhead- or communication-bound, or
                                         waiting on a straggler? from a torch.profiler trace
@@ -38,6 +43,8 @@ __all__ = ["main", "build_parser", "lab_command"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .slurm import INSTALL, SCHEDULERS  # the standard library only
+
     parser = argparse.ArgumentParser(
         prog="teraflops",
         description="Tensors to Teraflops: run, check and grade the course on this machine.",
@@ -87,14 +94,48 @@ def build_parser() -> argparse.ArgumentParser:
     labs = sub.add_parser("labs", help="build labs from solutions, or check they are in sync")
     labs.add_argument("action", choices=["build", "check", "refresh"])
 
-    cluster = sub.add_parser("cluster", help="emulated nodes on this machine: up, down (yours and leftovers), status")
-    cluster.add_argument("action", choices=["up", "down", "status"])
-    cluster.add_argument("--name", help="the cluster's name (letters, digits): default cli<pid of your shell>")
-    cluster.add_argument("--all", action="store_true",
-                         help="with 'down': every cluster, also other owners' live ones (the host's command)")
-    cluster.add_argument("--nodes", type=int, default=2, help="nodes to make with 'up' (default: 2)")
-    cluster.add_argument("--rate", type=float, metavar="MB/s",
-                         help="each node's link rate in MB/s (1e6 bytes/s) for 'up' (default: unshaped)")
+    cluster = sub.add_parser("cluster", help="emulated nodes on this machine (optionally running Slurm): "
+                                             "up, down (yours and leftovers), status, exec")
+    actions = cluster.add_subparsers(dest="action", metavar="ACTION", required=True)
+    name_help = "the cluster's name (letters, digits): default cli<pid of your shell>"
+    up = actions.add_parser("up", help="make K nodes (owned by your shell), optionally with Slurm on them",
+                            description="Make K emulated nodes (network namespaces on one bridge), owned by "
+                                        "your shell. With --slurm also start a Slurm cluster on them: munged and "
+                                        "slurmctld on node 0 (the login node), one slurmd per node, and with "
+                                        "--accounting MariaDB and slurmdbd; they keep running after this command "
+                                        "returns, until `teraflops cluster down`.")
+    up.add_argument("--name", help=name_help)
+    up.add_argument("--nodes", type=int, default=2, metavar="K", help="how many nodes (default: 2)")
+    up.add_argument("--rate", type=float, metavar="MB/s",
+                    help="each node's link rate in MB/s (1e6 bytes/s) (default: unshaped)")
+    up.add_argument("--slurm", action="store_true",
+                    help=f"also run Slurm on the nodes (needs its packages: {INSTALL})")
+    up.add_argument("--scheduler", choices=sorted(SCHEDULERS),
+                    help="with --slurm: backfill (sched/backfill, the default) or fifo (sched/builtin)")
+    up.add_argument("--accounting", action="store_true",
+                    help="with --slurm: also MariaDB + slurmdbd (sacct, accounts teama and teamb, fair share)")
+    up.add_argument("--gpus-per-node", type=int, metavar="N",
+                    help="with --slurm: fake GPUs (GRES gpu) per node, 1-8, and as many CPUs (default: 2)")
+    down = actions.add_parser("down", help="remove your clusters and leftovers of owners that are gone",
+                              description="Stop every process on your clusters' nodes (Slurm daemons and job "
+                                          "processes included) and remove the nodes, the switch, the links and "
+                                          "the Slurm files; also what owners that are gone left.")
+    down.add_argument("--name", help="also your cluster of this name (default: those your shell owns)")
+    down.add_argument("--all", action="store_true",
+                      help="every cluster, also other owners' live ones (the host's command)")
+    actions.add_parser("status", help="list each cluster: owner, nodes, jobs, Slurm daemons (name, pid, node)")
+    ex = actions.add_parser("exec", help="run CMD as on a node (default: node 0, Slurm's login node)",
+                            description="Run CMD on node I of a cluster as a user logged in there: in its network "
+                                        "namespace (with Slurm also with its hostname, node<I>, and the cluster's "
+                                        "SLURM_CONF), in your current directory; stdin, stdout and the exit code "
+                                        "pass through. "
+                                        "Example: teraflops cluster exec -- sbatch --wrap 'srun hostname'",
+                            usage="teraflops cluster exec [-h] [--name N] [--node I] -- CMD ...")
+    ex.add_argument("--name", metavar="N",
+                    help="the cluster (default: yours, cli<pid of your shell>, else the only Slurm cluster up)")
+    ex.add_argument("--node", type=int, default=0, metavar="I", help="the node (default: 0, the login node)")
+    ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
+                    help="the command and its arguments, after -- (sinfo, squeue, sbatch, srun, scancel, sacct)")
 
     warm = sub.add_parser("warmup", help="the workshop host: build DeepSpeed's CPU op once into a cache every learner reads")
     warm.add_argument("--dest", type=Path, help="default: $TERAFLOPS_WARM_CACHE or /var/cache/teraflops")
@@ -314,8 +355,11 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
 def _cmd_cluster(args: argparse.Namespace) -> int:
     from . import cluster as cl
     from . import ownership
+    from . import slurm as slurm_mod
 
     caller = os.getppid()  # the shell: it owns what `up` makes, and `down` there removes it
+    if args.action == "exec":
+        return _cluster_exec(args, caller)
     if args.action == "down":
         groups, mine, skipped = cl.by_cluster(), [], []
         left = cl.leftovers()
@@ -330,6 +374,8 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
             else:
                 skipped.append(f"{name} of {ownership.describe(held)}")
         found = [ns for name in mine for ns in groups[name]]
+        daemons = slurm_mod.daemons(found)
+        procs = sum(len(cl.pids(ns)) for ns in found)
         removed = cl.down(only=found) if found else []
         for name in mine:
             if name and not any(ns in groups[name] for ns in set(found) - set(removed)):
@@ -337,7 +383,14 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         for name, held in ownership.records().items():  # records of dead owners whose namespaces are gone
             if name not in groups and not ownership.alive(held):
                 ownership.release(name)
+        for name in slurm_mod.state_names():  # Slurm files of a cluster whose nodes and owner are gone
+            if name not in groups and not ownership.alive(ownership.read(name)):
+                slurm_mod.remove_state(name)
         print(f"removed {len(removed)} namespace(s)" + (": " + ", ".join(removed) if removed else ""))
+        if procs:
+            print(f"stopped {procs} process(es) on them" +
+                  (f", {len(daemons)} of them Slurm daemons ({', '.join(sorted({d['name'] for d in daemons}))})"
+                   if daemons else ""))
         if skipped:
             print("left running (other owners'; --all removes them): " + ", ".join(skipped))
         failed = [ns for ns in found if ns not in removed]
@@ -351,15 +404,35 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
             held = ownership.read(name) if name else None
             n_jobs, n_procs = cl.jobs(found)
             nodes = sum(1 for ns in found if "-node" in ns)
+            daemons = sorted(slurm_mod.daemons(found), key=lambda d: (_node_index(d["namespace"]),
+                                                                      slurm_mod.DAEMONS.index(d["name"])))
+            others = f", {len(daemons)} of them Slurm daemons" if daemons else ""
             rows.append(f"{name or '(leftover)':<20}  owner: {ownership.describe(held):<28}  nodes: {nodes}  "
-                        f"running jobs: {n_jobs} ({n_procs} processes)")
+                        f"running jobs: {n_jobs} ({n_procs} processes{others})")
+            saved = slurm_mod.saved(name) if name else None
+            if saved:
+                rows.append(f"  slurm: {saved[1].describe()}; teraflops cluster exec --name {name} -- sinfo")
+            for d in daemons:
+                rows.append(f"    {d['name']:<10} pid {d['pid']:<8} {slurm_mod.host(_node_index(d['namespace']))}")
         print("\n".join(rows) or "no emulated nodes")
         return 0
+    slurm_options = [flag for flag, given in (("--scheduler", args.scheduler is not None),
+                                              ("--accounting", args.accounting),
+                                              ("--gpus-per-node", args.gpus_per_node is not None)) if given]
+    if slurm_options and not args.slurm:
+        raise cl.ClusterError(f"{' and '.join(slurm_options)} set up Slurm, which --slurm starts. "
+                              f"Hint: teraflops cluster up --slurm {' '.join(slurm_options)} ...")
+    if args.gpus_per_node is not None and not 1 <= args.gpus_per_node <= 8:
+        raise cl.ClusterError(f"--gpus-per-node is the fake GPUs each node declares, 1 to 8; got {args.gpus_per_node}. "
+                              "Hint: --gpus-per-node 2 (each node also gets that many CPUs).")
+    config = slurm_mod.SlurmConfig(scheduler=args.scheduler or "backfill", accounting=args.accounting,
+                                   gpus_per_node=2 if args.gpus_per_node is None else args.gpus_per_node) \
+        if args.slurm else False
     if args.rate is not None and not 0.01 <= args.rate <= cl.MAX_RATE / 1e6:
         raise cl.ClusterError(f"--rate is in MB/s (1e6 bytes/s), between 0.01 and {cl.MAX_RATE / 1e6:g}; got {args.rate:g}. "
                               "Hint: --rate 25 makes 25 MB/s = 200 Mbit/s links.")
     made = cl.Cluster(args.nodes, cl.Link(rate=None if args.rate is None else args.rate * 1e6),
-                      name=args.name or f"cli{caller}", owner_pid=caller)
+                      name=args.name or f"cli{caller}", owner_pid=caller, slurm=config)
     held = ownership.read(made.name)
     if held and ownership.alive(held) and held.get("pid") == caller and made.namespaces():
         raise cl.ClusterError(f"your cluster {made.name!r} is already up. Hint: `teraflops cluster down` first, "
@@ -367,8 +440,79 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     made.up()
     print(made.describe())
     print(f"cluster {made.name!r}, owner {ownership.describe(ownership.read(made.name))}; run a command on node i "
-          f"with: ip netns exec {made.node_name(0)[:-1]}<i> <command>; remove with: teraflops cluster down")
+          f"with: teraflops cluster exec --node i -- <command>; remove with: teraflops cluster down")
+    if made.slurm_ is not None:
+        print(f"slurm: {made.slurm_.config.describe()}; daemons: " +
+              ", ".join(f"{d['name']} ({slurm_mod.host(_node_index(d['namespace']))})" for d in made.slurm_.daemons()))
+        print("try: teraflops cluster exec -- sinfo   (squeue, sbatch --wrap 'srun hostname', scancel, sacct)")
     return 0
+
+
+def _node_index(namespace: str) -> int:
+    """``teraflops-<name>-node<i>`` -> ``i``."""
+    return int(namespace.rsplit("-node", 1)[1])
+
+
+def _exec_target(name: str | None, caller: int) -> str:
+    """The cluster ``exec`` runs on: ``name``; else the caller's own (``cli<caller>``), else the only one up
+    with Slurm (else the only one up)."""
+    from . import cluster as cl
+    from . import slurm as slurm_mod
+
+    groups = {n: found for n, found in cl.by_cluster().items() if n}
+    if name is not None:
+        if name not in groups:
+            raise cl.ClusterError(f"no cluster named {name!r} is up (up now: {', '.join(sorted(groups)) or 'none'}). "
+                                  "Hint: `teraflops cluster status` lists them.")
+        return name
+    if f"cli{caller}" in groups:
+        return f"cli{caller}"
+    with_slurm = [n for n in sorted(groups) if slurm_mod.saved(n) is not None]
+    candidates = with_slurm or sorted(groups)
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        raise cl.ClusterError("no cluster is up. Hint: teraflops cluster up --nodes 3 --slurm")
+    raise cl.ClusterError(f"{len(candidates)} clusters are up ({', '.join(candidates)}) and none is your shell's. "
+                          f"Hint: choose one with --name, e.g. teraflops cluster exec --name {candidates[0]} -- sinfo")
+
+
+def _cluster_exec(args: argparse.Namespace, caller: int) -> int:
+    """Run ``args.cmd`` on a node, stdin/stdout/stderr passed through; the command's exit code (128 + N
+    when signal N ended it, as a shell reports)."""
+    import signal
+    import subprocess
+
+    from . import cluster as cl
+    from . import slurm as slurm_mod
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
+    if not cmd:
+        raise cl.ClusterError("no command to run. Hint: put it after --, e.g. teraflops cluster exec -- sinfo")
+    if args.node < 0:
+        raise cl.ClusterError(f"--node is a node index from 0 (the login node), got {args.node}.")
+    reason = cl.unavailable()
+    if reason:
+        raise cl.ClusterError(reason + ".")
+    name = _exec_target(args.name, caller)
+    if slurm_mod.saved(name) is not None:
+        attached = slurm_mod.Slurm.attach(name)
+        nodes, argv = attached.cluster.nodes, lambda i: attached.login(i, os.getcwd())
+    else:  # nodes without Slurm: the node's network namespace
+        nodes = sum(1 for ns in cl.by_cluster().get(name, []) if "-node" in ns)
+        argv = lambda i: ["nsenter", f"--net=/run/netns/{cl.PREFIX}{name}-node{i}"]  # noqa: E731
+    if args.node >= nodes:
+        raise cl.ClusterError(f"cluster {name!r} has nodes 0-{nodes - 1}, got --node {args.node}.")
+    try:
+        proc = subprocess.Popen(argv(args.node) + cmd)
+    except OSError as e:
+        raise cl.ClusterError(f"could not run nsenter ({e}). Hint: it is part of util-linux.") from e
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the command's (srun's own handling)
+    try:
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 128 - code if code < 0 else code
 
 
 _COMMANDS = {"run": _cmd_run, "preflight": _cmd_preflight, "bench": _cmd_bench, "doctor": _cmd_doctor,

@@ -264,16 +264,18 @@ def down(grace: float = 3.0, only: list[str] | None = None) -> list[str]:
 
     Returns the names actually removed (removing needs root: one that is still there is left out).
 
-    SIGTERM, then SIGKILL after ``grace`` s, to every process in a ``teraflops-*`` namespace; then
+    SIGTERM, then SIGKILL after ``grace`` s, to every process in a ``teraflops-*`` namespace (SIGKILL at
+    once to ``slurmstepd`` and ``slurmctld``: :func:`teraflops.slurm.kill_at_once`); then
     ``ip netns del`` (which removes the veth pairs and the bridge inside). Safe to call at any time,
     also when nothing is left: ``teraflops cluster down``.
     """
     found = namespaces() if only is None else list(only)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         victims = {p for ns in found for p in pids(ns)}
+        hard = slurm_mod.kill_at_once(victims) if sig == signal.SIGTERM else set()
         for p in victims:
             try:
-                os.kill(p, sig)
+                os.kill(p, signal.SIGKILL if p in hard else sig)
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + grace

@@ -13,7 +13,9 @@
 Every daemon and every job process lives in a node's network namespace, so
 :func:`teraflops.cluster.down` (``teraflops cluster down``), which stops whatever runs in the
 course's namespaces, also removes the cluster after its notebook was SIGKILLed; the cluster's files
-(:func:`state_dir`, under ``/run``) go with it.
+(:func:`state_dir`, under ``/run``) go with it. The daemons outlive the process that started them
+(``teraflops cluster up --slurm`` returns, they keep running): another process finds them with
+:meth:`Slurm.attach` from the files (``cluster.json`` keeps the node count and :class:`SlurmConfig`).
 
 Nodes declare their CPUs and ``gpus_per_node`` fake GPUs (GRES backed by character devices like
 ``/dev/null``: Slurm counts and hands them out, ``--gpus`` sets ``CUDA_VISIBLE_DEVICES``; nothing
@@ -32,12 +34,13 @@ is missing.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .errors import CourseError
@@ -70,16 +73,39 @@ def unavailable(accounting: bool = False) -> str | None:
     return None
 
 
+def state_root() -> Path:
+    """Where every cluster's Slurm files live: ``$TERAFLOPS_SLURM_DIR`` or ``/run/teraflops/slurm``
+    (a tmpfs: gone at reboot, like the namespaces)."""
+    return Path(os.environ.get(STATE_ENV) or "/run/teraflops/slurm")
+
+
 def state_dir(name: str) -> Path:
     """The files of cluster ``name``'s Slurm (configuration, state, logs, job output):
-    ``$TERAFLOPS_SLURM_DIR/<name>`` or ``/run/teraflops/slurm/<name>`` (a tmpfs: gone at reboot,
-    like the namespaces)."""
-    return Path(os.environ.get(STATE_ENV) or "/run/teraflops/slurm") / name
+    ``state_root() / name``."""
+    return state_root() / name
+
+
+def state_names() -> list[str]:
+    """The clusters that have Slurm files now (up, or left by a run whose nodes are gone)."""
+    root = state_root()
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
 def remove_state(name: str) -> None:
     """Delete cluster ``name``'s Slurm files (after its daemons are gone); nothing there is fine."""
     shutil.rmtree(state_dir(name), ignore_errors=True)
+
+
+def saved(name: str) -> tuple[int, "SlurmConfig"] | None:
+    """Cluster ``name``'s node count and :class:`SlurmConfig`, as its :class:`Slurm` wrote them into
+    :func:`state_dir` (``cluster.json``); ``None`` when it has no Slurm files (or unreadable ones)."""
+    try:
+        data = json.loads((state_dir(name) / "cluster.json").read_text())
+        config = dict(data["config"])
+        config["accounts"] = tuple(config["accounts"])
+        return int(data["nodes"]), SlurmConfig(**config)
+    except (OSError, ValueError, KeyError, TypeError, SlurmError):
+        return None
 
 
 def host(i: int) -> str:
@@ -128,6 +154,12 @@ class SlurmConfig:
     @property
     def cpus(self) -> int:
         return self.cpus_per_node or self.gpus_per_node
+
+    def describe(self) -> str:
+        """``"backfill (sched/backfill), 2 CPUs and 2 fake GPUs per node, no accounting"``."""
+        accounting = f"accounting (slurmdbd) for {', '.join(self.accounts)}" if self.accounting else "no accounting"
+        return (f"{self.scheduler} ({SCHEDULERS[self.scheduler]}), {self.cpus} CPUs and {self.gpus_per_node} "
+                f"fake GPUs per node, {accounting}")
 
 
 def slurm_conf(cluster, config: SlurmConfig, directory: Path) -> str:
@@ -184,6 +216,31 @@ class Slurm:
         self.cluster, self.config, self.dir = cluster, config, state_dir(cluster.name)
         self.procs: dict[str, subprocess.Popen] = {}
 
+    @classmethod
+    def attach(cls, name: str) -> "Slurm":
+        """The Slurm of cluster ``name``, up and started by another process (``teraflops cluster up
+        --slurm``, a notebook), from the files in :func:`state_dir`: ``exec``, ``login``, ``daemons``
+        work on it. Its ``cluster`` is a :class:`~teraflops.cluster.Cluster` of that name marked up
+        (links unknown: unshaped in ``links``); the daemons stay the starter's (``stop`` stops none).
+
+        Raises:
+            SlurmError: no Slurm files for ``name``, or its nodes are not all there.
+        """
+        from .cluster import Cluster
+
+        found = saved(name)
+        if found is None:
+            raise SlurmError(f"no Slurm cluster named {name!r} is up here (no {state_dir(name)}/cluster.json). "
+                             "Hint: `teraflops cluster up --slurm` starts one; `teraflops cluster status` lists them.")
+        nodes, config = found
+        cluster = Cluster(nodes, name=name, slurm=config)
+        if len(cluster.namespaces()) != nodes + 1:
+            raise SlurmError(f"cluster {name!r} has Slurm files but not its {nodes} nodes (taken down?). Hint: "
+                             "`teraflops cluster down` removes what is left; `teraflops cluster up --slurm` again.")
+        attached = cls(cluster, config)
+        cluster.slurm_, cluster.up_ = attached, True
+        return attached
+
     # ---- files --------------------------------------------------------------------------------------
     @property
     def conf(self) -> Path:
@@ -208,6 +265,7 @@ class Slurm:
         (d / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
             f"{self.cluster.address(i)} {host(i)}\n" for i in range(self.cluster.nodes)))
         self.conf.write_text(slurm_conf(self.cluster, self.config, d))
+        self._save()
         last = self.config.gpus_per_node - 1
         (d / "gres.conf").write_text(f"Name=gpu File={d}/dev/gpu[0-{last}]\n" if last else
                                      f"Name=gpu File={d}/dev/gpu0\n")
@@ -219,6 +277,11 @@ class Slurm:
                 f"LogFile={d}/slurmdbd.log", "StorageType=accounting_storage/mysql", "StorageHost=127.0.0.1",
                 "StoragePort=3306", "StorageUser=root", "StorageLoc=slurm_acct_db"]) + "\n")
             os.chmod(dbd, 0o600)
+
+    def _save(self) -> None:
+        """``cluster.json``: the node count and config, for :meth:`attach` from another process."""
+        (self.dir / "cluster.json").write_text(json.dumps({"name": self.cluster.name, "nodes": self.cluster.nodes,
+                                                           "config": asdict(self.config)}))
 
     # ---- daemons ------------------------------------------------------------------------------------
     def _in_node(self, i: int, cmd: list[str]) -> list[str]:
@@ -323,9 +386,9 @@ class Slurm:
         ``PriorityCalcPeriod``).
         """
         if scheduler is not None:
-            from dataclasses import replace
             self.config = replace(self.config, scheduler=scheduler)
             self.conf.write_text(slurm_conf(self.cluster, self.config, self.dir))
+            self._save()
         old = self.procs.get("slurmctld")
         if old is not None and old.poll() is None:
             old.terminate()
@@ -365,23 +428,28 @@ class Slurm:
         self.procs.clear()
 
     # ---- using it -----------------------------------------------------------------------------------
-    def login(self, i: int = 0) -> list[str]:
+    def login(self, i: int = 0, cwd: str | os.PathLike | None = None) -> list[str]:
         """The argument list that runs a command on node ``i`` as a user logged in there: its network,
-        UTS and mount namespaces (those of its ``slurmd``) and the cluster's Slurm configuration."""
+        UTS and mount namespaces (those of its ``slurmd``) and the cluster's Slurm configuration, in
+        directory ``cwd`` (default ``/``: entering a mount namespace leaves the caller's directory;
+        ``sbatch`` writes ``slurm-<job>.out`` where it runs)."""
         proc = self.procs.get(f"slurmd-{i}")
         pid = proc.pid if proc is not None and proc.poll() is None else _daemon_pid(self.dir, f"slurmd-{host(i)}")
+        wd = [f"--wd={os.fspath(cwd)}"] if cwd is not None else []
         if pid is None:  # before slurmd runs (accounting setup): node 0's network namespace only
-            return ["nsenter", f"--net=/run/netns/{self.cluster.node_name(i)}", "env", f"SLURM_CONF={self.conf}"]
-        return ["nsenter", "-t", str(pid), "-n", "-u", "-m", f"--wd={os.getcwd()}", "env", f"SLURM_CONF={self.conf}"]
+            return ["nsenter", f"--net=/run/netns/{self.cluster.node_name(i)}", *wd, "env", f"SLURM_CONF={self.conf}"]
+        return ["nsenter", "-t", str(pid), "-n", "-u", "-m", *wd, "env", f"SLURM_CONF={self.conf}"]
 
     def exec(self, cmd: list[str], node: int = 0, timeout: float = 60, check: bool = False,
-             **kwargs) -> subprocess.CompletedProcess:
-        """Run ``cmd`` on node ``node`` (default the login node, 0) and wait; output captured as text.
+             cwd: str | os.PathLike | None = None, **kwargs) -> subprocess.CompletedProcess:
+        """Run ``cmd`` on node ``node`` (default the login node, 0) in directory ``cwd`` (default ``/``)
+        and wait; output captured as text.
 
         Raises:
             SlurmError: with ``check``, a non-zero exit (the message quotes its stderr).
         """
-        done = subprocess.run(self.login(node) + list(cmd), capture_output=True, text=True, timeout=timeout, **kwargs)
+        done = subprocess.run(self.login(node, cwd) + list(cmd), capture_output=True, text=True, timeout=timeout,
+                              **kwargs)
         if check and done.returncode != 0:
             raise SlurmError(f"`{' '.join(cmd)}` on {host(node)} failed: "
                              f"{(done.stderr or done.stdout).strip()[-300:]}")
@@ -398,6 +466,23 @@ def _daemon_pid(directory: Path, stem: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return pid if Path(f"/proc/{pid}").exists() else None
+
+
+def kill_at_once(pids) -> set[int]:
+    """Of ``pids``, the Slurm processes a teardown sends SIGKILL at once instead of SIGTERM: job-step
+    managers (``slurmstepd``), which ignore SIGTERM, and ``slurmctld``, which on SIGTERM saves its
+    state (measured here: 1.9 s to exit with accounting) into files the teardown deletes anyway.
+    :func:`teraflops.cluster.down` uses it; otherwise it waits its whole grace period for them."""
+    import psutil
+
+    out = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).name() in ("slurmstepd", "slurmctld"):
+                out.add(pid)
+        except psutil.Error:
+            pass
+    return out
 
 
 def daemons(namespaces: list[str]) -> list[dict]:
