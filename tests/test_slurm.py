@@ -80,7 +80,7 @@ def test_the_config_is_saved_for_another_process(tmp_path, monkeypatch):
     assert slurm.saved("saved") == (4, config) and slurm.state_names() == ["saved"]
     assert slurm.saved("other") is None
     with pytest.raises(SlurmError, match="no Slurm cluster named 'other'.*cluster up --slurm"):
-        slurm.Slurm.attach("other")
+        __import__("teraflops.cluster").cluster.attach("other")
     assert config.describe() == ("fifo (sched/builtin), 3 CPUs and 3 fake GPUs per node, "
                                  "accounting (slurmdbd) for ml, nlp")
 

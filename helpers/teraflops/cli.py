@@ -496,7 +496,7 @@ def _cluster_exec(args: argparse.Namespace, caller: int) -> int:
         raise cl.ClusterError(reason + ".")
     name = _exec_target(args.name, caller)
     if slurm_mod.saved(name) is not None:
-        attached = slurm_mod.Slurm.attach(name)
+        attached = cl.attach(name).slurm_
         nodes, argv = attached.cluster.nodes, lambda i: attached.login(i, os.getcwd())
     else:  # nodes without Slurm: the node's network namespace
         nodes = sum(1 for ns in cl.by_cluster().get(name, []) if "-node" in ns)

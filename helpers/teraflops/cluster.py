@@ -494,3 +494,27 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.down()
+
+
+def attach(name: str) -> Cluster:
+    """Cluster ``name`` with its Slurm, up and started by another process (``teraflops cluster up
+    --slurm``, a notebook), from the files in :func:`teraflops.slurm.state_dir`: its ``slurm_``'s
+    ``exec``, ``login`` and ``daemons`` work. Links are unknown (unshaped in ``links``); the daemons
+    stay the starter's (``slurm_.stop`` stops none).
+
+    Raises:
+        teraflops.slurm.SlurmError: no Slurm files for ``name``, or its nodes are not all there.
+    """
+    found = slurm_mod.saved(name)
+    if found is None:
+        raise slurm_mod.SlurmError(
+            f"no Slurm cluster named {name!r} is up here (no {slurm_mod.state_dir(name)}/cluster.json). "
+            "Hint: `teraflops cluster up --slurm` starts one; `teraflops cluster status` lists them.")
+    nodes, config = found
+    made = Cluster(nodes, name=name, slurm=config)
+    if len(made.namespaces()) != nodes + 1:
+        raise slurm_mod.SlurmError(
+            f"cluster {name!r} has Slurm files but not its {nodes} nodes (taken down?). Hint: "
+            "`teraflops cluster down` removes what is left; `teraflops cluster up --slurm` again.")
+    made.slurm_, made.up_ = slurm_mod.Slurm(made, config), True
+    return made

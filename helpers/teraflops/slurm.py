@@ -15,7 +15,7 @@ Every daemon and every job process lives in a node's network namespace, so
 course's namespaces, also removes the cluster after its notebook was SIGKILLed; the cluster's files
 (:func:`state_dir`, under ``/run``) go with it. The daemons outlive the process that started them
 (``teraflops cluster up --slurm`` returns, they keep running): another process finds them with
-:meth:`Slurm.attach` from the files (``cluster.json`` keeps the node count and :class:`SlurmConfig`).
+:func:`teraflops.cluster.attach` from the files (``cluster.json`` keeps the node count and :class:`SlurmConfig`).
 
 Nodes declare their CPUs and ``gpus_per_node`` fake GPUs (GRES backed by character devices like
 ``/dev/null``: Slurm counts and hands them out, ``--gpus`` sets ``CUDA_VISIBLE_DEVICES``; nothing
@@ -216,31 +216,6 @@ class Slurm:
         self.cluster, self.config, self.dir = cluster, config, state_dir(cluster.name)
         self.procs: dict[str, subprocess.Popen] = {}
 
-    @classmethod
-    def attach(cls, name: str) -> "Slurm":
-        """The Slurm of cluster ``name``, up and started by another process (``teraflops cluster up
-        --slurm``, a notebook), from the files in :func:`state_dir`: ``exec``, ``login``, ``daemons``
-        work on it. Its ``cluster`` is a :class:`~teraflops.cluster.Cluster` of that name marked up
-        (links unknown: unshaped in ``links``); the daemons stay the starter's (``stop`` stops none).
-
-        Raises:
-            SlurmError: no Slurm files for ``name``, or its nodes are not all there.
-        """
-        from .cluster import Cluster
-
-        found = saved(name)
-        if found is None:
-            raise SlurmError(f"no Slurm cluster named {name!r} is up here (no {state_dir(name)}/cluster.json). "
-                             "Hint: `teraflops cluster up --slurm` starts one; `teraflops cluster status` lists them.")
-        nodes, config = found
-        cluster = Cluster(nodes, name=name, slurm=config)
-        if len(cluster.namespaces()) != nodes + 1:
-            raise SlurmError(f"cluster {name!r} has Slurm files but not its {nodes} nodes (taken down?). Hint: "
-                             "`teraflops cluster down` removes what is left; `teraflops cluster up --slurm` again.")
-        attached = cls(cluster, config)
-        cluster.slurm_, cluster.up_ = attached, True
-        return attached
-
     # ---- files --------------------------------------------------------------------------------------
     @property
     def conf(self) -> Path:
@@ -279,7 +254,7 @@ class Slurm:
             os.chmod(dbd, 0o600)
 
     def _save(self) -> None:
-        """``cluster.json``: the node count and config, for :meth:`attach` from another process."""
+        """``cluster.json``: the node count and config, for :func:`teraflops.cluster.attach` from another process."""
         (self.dir / "cluster.json").write_text(json.dumps({"name": self.cluster.name, "nodes": self.cluster.nodes,
                                                            "config": asdict(self.config)}))
 
