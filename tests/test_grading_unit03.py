@@ -107,3 +107,60 @@ def test_an_unrecognised_detector_gets_the_formula_only_when_it_fails_again():
     assert "0.6745" not in str(first.value) and "if it fails again" in str(first.value)
     with pytest.raises(ExerciseFailed, match="0.6745"):
         check.straggler_detector(never)
+
+
+# --- exercise 5: a two-node batch script ---------------------------------------------------------
+
+def _script(command, nodes="--nodes=2", gres="--gres=gpu:1", time="--time=1", srun="srun "):
+    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in (nodes, "--ntasks-per-node=1", gres, time) if o)]
+    return "\n".join(lines + [f"{srun}{command}", ""])
+
+
+STATIC_MISTAKES = [
+    (lambda c: _script(c)[12:], "shebang"),
+    (lambda c: _script(c, nodes="--nodes=1"), r"--nodes.*#SBATCH --nodes=2"),
+    (lambda c: _script(c, gres=""), r"no GPUs per node.*--gres=gpu:1"),
+    (lambda c: _script(c, gres="--gres=gpu:2"), r"gpu:2 per node, not one"),
+    (lambda c: _script(c, time="--time=60"), r"time limit is 60, not 1 minute"),
+    (lambda c: _script(c, srun=""), r"not started with srun.*first node"),
+    (lambda c: _script(c).replace("#SBATCH --time=1\n", "") + "#SBATCH --time=1\n", "stops reading #SBATCH lines"),
+    (lambda c: 42, "return the script as a str"),
+]
+
+
+@pytest.mark.parametrize("wrong, hint", STATIC_MISTAKES)
+def test_batch_script_mistakes_read_from_the_text(wrong, hint, monkeypatch):
+    import teraflops.cluster
+
+    monkeypatch.setattr(teraflops.cluster, "unavailable", lambda: "no Slurm in this test")
+    with pytest.raises(ExerciseFailed, match=hint):
+        check.batch_script(wrong)
+
+
+def test_batch_script_read_only_where_slurm_cannot_run(monkeypatch, capsys):
+    import teraflops.cluster
+
+    monkeypatch.setattr(teraflops.cluster, "unavailable", lambda: "no Slurm in this test")
+    check.batch_script(_script)
+    check.batch_script(lambda c: f"#!/bin/sh\n#SBATCH -N 2 -t 0:01:00\n#SBATCH --gpus-per-node=1\nsrun {c}\n")
+    out = capsys.readouterr().out
+    assert out.count("(read, not submitted: no Slurm in this test)") == 2 and out.count("passed") == 2
+    with pytest.raises(NotAttempted):
+        check.batch_script(lambda c: (_ for _ in ()).throw(NotImplementedError()))
+
+
+@pytest.mark.slow
+def test_batch_script_is_submitted_to_a_real_cluster(capsys):
+    from teraflops import cluster, slurm
+
+    why = cluster.unavailable() or slurm.unavailable()
+    if why:
+        pytest.skip(why)
+    check.batch_script(_script)
+    assert "passed" in capsys.readouterr().out
+    # wrong where the job shows it: the cluster's own answer names the mistake, not the text
+    with pytest.raises(ExerciseFailed, match=r"ran once, on node0 only.*srun"):
+        check.batch_script(lambda c: _script(c, srun=""))
+    with pytest.raises(ExerciseFailed, match=r"GPUs per node: .*none.*--gres=gpu:1"):
+        check.batch_script(lambda c: _script(c, gres=""))
+    assert not [n for n in cluster.namespaces() if "lab3" in n]

@@ -9,6 +9,10 @@ every answer the learner gave.
 from __future__ import annotations
 
 import numbers
+import os
+import re
+import shlex
+import shutil
 
 import numpy as np
 
@@ -277,3 +281,154 @@ def _trap_trace() -> list[Job]:
     Either alone leaves the head a free node at 5 h; both together push it to 20.1 h."""
     return [Job(0, "a", 8, 0.0, 5.0), Job(1, "a", 8, 0.0, 5.0), Job(2, "b", 24, 0.05, 2.0),
             Job(3, "c", 8, 0.1, 20.0), Job(4, "c", 8, 0.1, 20.0)]
+
+
+# --- exercise 5: a two-node batch script, submitted to a real Slurm cluster ------------------------
+
+_SBATCH = re.compile(r"^#SBATCH\s+(.*)$")
+_REPORT = "#!/bin/sh\necho \"$(hostname) gpus=${CUDA_VISIBLE_DEVICES:-none}\"\n"
+
+
+def _seconds(limit: str) -> int | None:
+    """A Slurm time limit (sbatch(1) ``--time``: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) in seconds."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", limit.strip())
+    if not m:
+        return None
+    days, a, b, c = (int(x) if x else None for x in m.groups())
+    if days is not None:  # D-H[:M[:S]]
+        return ((days * 24 + a) * 60 + (b or 0)) * 60 + (c or 0)
+    if c is not None:  # H:M:S
+        return (a * 60 + b) * 60 + c
+    return a * 60 + (b or 0)  # M or M:S
+
+
+def _options(script: str) -> dict[str, str]:
+    """The ``#SBATCH`` options sbatch reads (those before the first command), long names."""
+    short = {"-N": "--nodes", "-t": "--time", "-n": "--ntasks", "-G": "--gpus"}
+    out = {}
+    for line in script.splitlines()[1:]:
+        s = line.strip()
+        if s and not s.startswith("#"):
+            break
+        m = _SBATCH.match(s)
+        if not m:
+            continue
+        tokens = shlex.split(m.group(1), comments=True)
+        i = 0
+        while i < len(tokens):
+            tok, value = tokens[i], ""
+            if tok.startswith("--") and "=" in tok:
+                tok, value = tok.split("=", 1)
+            elif tok.startswith("-") and not tok.startswith("--") and len(tok) > 2:
+                tok, value = tok[:2], tok[2:]
+            elif i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
+                value, i = tokens[i + 1], i + 1
+            out[short.get(tok, tok)] = value
+            i += 1
+    return out
+
+
+def _read_script(script) -> dict[str, str]:
+    if not isinstance(script, str):
+        fail(f"batch_script should return the script as a str, got {type(script).__name__}")
+    if not script.startswith("#!"):
+        fail("the script does not start with a shebang line: sbatch accepts only scripts that do. "
+             "Hint: begin with #!/bin/bash")
+    body = script.splitlines()[1:]
+    first_cmd = next((i for i, x in enumerate(body) if x.strip() and not x.strip().startswith("#")), len(body))
+    late = [x.strip() for x in body[first_cmd:] if _SBATCH.match(x.strip())]
+    if late:
+        fail(f"sbatch stops reading #SBATCH lines at the first command, so {late[0]!r} is ignored. "
+             "Hint: put every #SBATCH line right after the #! line, before any command")
+    return _options(script)
+
+
+def _static(script: str, opts: dict[str, str], command: str) -> None:
+    """What reading the script can tell (everything when no Slurm is at hand)."""
+    if opts.get("--nodes") not in ("2", "2-2"):
+        fail(f"the job asks for {opts.get('--nodes') or 'no'} --nodes: it must have two. Hint: #SBATCH --nodes=2")
+    gpus = opts.get("--gres") or (f"gpu:{opts['--gpus-per-node']}" if "--gpus-per-node" in opts else None)
+    if gpus not in ("gpu:1",):
+        fail(f"the job asks for {gpus or 'no GPUs'} per node, not one. Hint: #SBATCH --gres=gpu:1 (per node)")
+    limit = _seconds(opts.get("--time", "")) if "--time" in opts else None
+    if limit != 60:
+        fail(f"the time limit is {opts.get('--time') or 'not set'}, not 1 minute (Slurm kills a job at its limit; "
+             "backfill plans with it). Hint: #SBATCH --time=1 (minutes) or --time=0:01:00")
+    if not any(re.search(r"\bsrun\b", x) and command in x for x in script.splitlines()):
+        fail("the command is not started with srun: a batch script runs on the first node of the allocation "
+             f"only. Hint: a line `srun {command}` starts it once per node (one task per node)")
+
+
+@exercise(5, "a two-node batch script")
+def batch_script(fn) -> None:
+    """``fn(command) -> str``: an sbatch script that runs ``command`` once on each of 2 nodes with one
+    GPU per node and a 1-minute limit. Read first, then submitted to a real 2-node Slurm cluster on
+    emulated nodes (:mod:`teraflops.slurm`) where this machine can host one; where it cannot, the
+    check says why and grades the script's text only."""
+    import tempfile
+    from pathlib import Path
+
+    work = Path(tempfile.mkdtemp(prefix="teraflops-lab3-"))
+    try:
+        _submit_and_check(fn, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _submit_and_check(fn, work) -> None:
+    import time
+
+    from .. import cluster as cl
+    from .. import slurm
+    from ..slurm_queue import parse_jobs
+
+    report = work / "report.sh"
+    report.write_text(_REPORT)
+    report.chmod(0o755)
+    command = str(report)
+    script = fn(command)
+    opts = _read_script(script)
+    why = cl.unavailable() or slurm.unavailable()
+    if why:
+        _static(script, opts, command)
+        print(f"(read, not submitted: {why})")
+        return
+    (work / "job.sh").write_text(script)
+    with cl.Cluster(2, name=f"lab3{os.getpid() % 100000}", slurm=True) as nodes:
+        s = nodes.slurm_
+        done = s.exec(["sbatch", "--parsable", f"--output={work}/out.txt", str(work / "job.sh")])
+        if done.returncode != 0:
+            fail(f"sbatch refused the script: {(done.stderr or done.stdout).strip().splitlines()[-1]}")
+        job = int(done.stdout.strip().split(";")[0])
+        deadline = time.monotonic() + 60
+        while True:
+            rec = parse_jobs(s.exec(["scontrol", "-d", "-o", "show", "job", str(job)]).stdout).get(job, {})
+            if rec.get("state") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                break
+            if time.monotonic() > deadline:
+                s.exec(["scancel", str(job)])
+                fail("the job did not finish within 60 s. Hint: `squeue` shows why it waits (the cluster has 2 nodes "
+                     "of 2 CPUs and 2 GPUs; ask for no more)")
+            time.sleep(0.3)
+        info = s.exec(["scontrol", "-o", "show", "job", str(job)]).stdout
+    output = (work / "out.txt").read_text(errors="replace") if (work / "out.txt").exists() else ""
+    lines = [x.split() for x in output.splitlines() if re.match(r"node\d+ gpus=", x)]
+    if rec.get("state") != "COMPLETED":
+        last = output.strip().splitlines()[-1] if output.strip() else "no output"
+        fail(f"the job ended {rec.get('state')}: {last}")
+    fields = dict(re.findall(r"(\w+)=(\S*)", info))
+    if fields.get("NumNodes") != "2":
+        fail(f"the job got {fields.get('NumNodes')} node(s), not 2. Hint: #SBATCH --nodes=2")
+    hosts = sorted(x[0] for x in lines)
+    if hosts != ["node0", "node1"]:
+        if len(hosts) == 1:
+            fail(f"the command ran once, on {hosts[0]} only: a batch script runs on the first node of the allocation. "
+                 f"Hint: start it on every node with `srun {command}`")
+        fail(f"the command ran on {hosts or 'no node'}, not once on each of node0 and node1. Hint: one task per node: "
+             "#SBATCH --ntasks-per-node=1 and `srun <command>`")
+    per_node = {x[0]: x[1].split("=", 1)[1] for x in lines}
+    if any(g == "none" or "," in g for g in per_node.values()):
+        fail(f"GPUs per node: {per_node}, not one each. Hint: #SBATCH --gres=gpu:1 asks for one GPU on every node")
+    if fields.get("TimeLimit") != "00:01:00":
+        fail(f"the job's time limit is {fields.get('TimeLimit')}, not 1 minute. Hint: #SBATCH --time=1")
+    _static(script, opts, command)  # what ran right may still differ from the letter of the exercise
