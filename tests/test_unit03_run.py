@@ -37,6 +37,9 @@ def test_run_unit_3_reports_idle_time_at_the_largest_delay(tmp_path):
         jumped = re.search(r"^Slurm backfill started jobs \[(.*)\] ahead of the blocked head job (\d+)$", out, re.M)
         assert jumped and jumped.group(1), "backfill started no job ahead of the blocked head job on Slurm"
         assert "Slurm FIFO started none ahead of it: True" in out
+        bf, ff = map(float, re.search(r"^the head job started ([\d.]+) s after .* backfill, ([\d.]+) s under FIFO",
+                                      out, re.M).groups())
+        assert bf <= ff + 1.5, f"backfill delayed the head job on Slurm: {bf} s against FIFO's {ff} s"
         assert re.findall(r"^(fifo|backfill): Slurm's start order matches the simulation's: True", out, re.M) == \
             ["fifo", "backfill"], "Slurm's start order differs from the simulation's (the lecture should explain it)"
         stranded = re.search(r"^fifo: utilisation .* GPUs stranded by fragmentation ([\d.]+) vs", out, re.M)

@@ -430,6 +430,18 @@ def handovers(result: SimResult, tolerance: float = 1.5) -> list[float]:
     return gaps
 
 
+def head_delay(result: SimResult, tolerance: float = 1.5) -> float | None:
+    """Seconds the head job (:func:`head_job`) started after the last job ahead of it on its GPUs
+    ended: 0 in the simulation, Slurm's hand-over on Slurm, more if a backfilled job held it up.
+    None without a head."""
+    head = head_job(result, tolerance)
+    if head is None:
+        return None
+    me = result.run(head.id)
+    ends = [o.end for o in result.runs if o is not me and o.end <= me.start + 1e-9 and set(o.gpus_held) & set(me.gpus_held)]
+    return me.start - max(ends) if ends else None
+
+
 def differences(run: QueueRun, tolerance: float = 1.5) -> list[str]:
     """Where Slurm and the simulation differ for ``run``, one line each, with the reason.
 
