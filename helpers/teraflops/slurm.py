@@ -189,7 +189,10 @@ def slurm_conf(cluster, config: SlurmConfig, directory: Path) -> str:
     if config.accounting:
         lines += ["AccountingStorageType=accounting_storage/slurmdbd", f"AccountingStorageHost={cluster.address(0)}",
                   f"AccountingStoragePass={d}/munge.socket",  # the munge socket of dbd connections
-                  "AccountingStorageEnforce=associations", "PriorityType=priority/multifactor",
+                  # `limits` also makes slurmctld charge a finished job's usage to its association at
+                  # its end (acct_policy.c calls priority_g_job_end only then); without it a job that
+                  # starts and ends between two PriorityCalcPeriod passes is never charged: RawUsage 0.
+                  "AccountingStorageEnforce=associations,limits", "PriorityType=priority/multifactor",
                   "PriorityWeightFairshare=100000", "PriorityWeightAge=0", "PriorityWeightJobSize=0",
                   "PriorityWeightPartition=0", "PriorityWeightQOS=0", "PriorityDecayHalfLife=7-0",
                   "DebugFlags=Priority", f"PriorityCalcPeriod={config.priority_period}",

@@ -235,16 +235,22 @@ def _wait(slurm, ids, timeout: float) -> dict[int, dict]:
         time.sleep(0.5)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FairShareRun:
-    """Fair share between two accounts on Slurm (``priority/multifactor``).
+    """Fair share between two accounts on Slurm (``priority/multifactor``, Fair Tree).
 
     Attributes:
-        heavy, light: the accounts (``heavy`` ran a history job first).
-        shares: ``sshare -P`` rows after the history (account → fields, ``FairShare`` among them).
-        priorities: ``sprio`` fair-share factor of the two contested jobs before they ran.
-        starts: Unix start time of each contested job, by account (the heavy one was submitted first).
-        light_first: the light account's job started before the heavy one's.
+        heavy, light: the accounts (``heavy`` ran a history job first and holds the blocker).
+        shares: ``sshare -P -a`` row of each account's association, read after the recalculation and
+            before the contested jobs ran (strings by column: ``RawShares``, ``NormShares``,
+            ``RawUsage``, ``EffectvUsage``, ``LevelFS``).
+        priorities: ``sprio`` normalized fair-share factor (0-1) of each account's contested job then.
+        starts: Unix start time (s, Slurm stamps whole seconds) of each contested job, by account; the
+            heavy one was submitted first.
+        waited_s: seconds from the contested submissions until ``sprio`` showed the recalculated
+            factors (the controller restart, or up to one ``PriorityCalcPeriod`` without it).
+        history_usage: ``RawUsage`` by account just after the history job ended, before the blocker
+            (the finished job is charged at its end, not at the next recalculation).
     """
 
     heavy: str
@@ -252,24 +258,69 @@ class FairShareRun:
     shares: dict[str, dict]
     priorities: dict[str, float]
     starts: dict[str, float]
+    waited_s: float
+    history_usage: dict[str, float]
+
+    @property
+    def usage(self) -> dict[str, float]:
+        """``RawUsage`` by account: billing-weighted seconds charged, decayed, whole units as ``sshare``
+        prints them (truncated: 2 s on 2 CPUs shows 3). Billing = allocated CPUs here (no
+        ``TRESBillingWeights``; slurm.conf(5))."""
+        return {a: float(row["RawUsage"]) for a, row in self.shares.items()}
 
     @property
     def light_first(self) -> bool:
+        """The light account's job started before the heavy one's, though submitted after it."""
         return self.starts[self.light] < self.starts[self.heavy]
 
 
-def run_fair_share(slurm, runtime_s: float = 3, recompute: bool = True, timeout: float = 150) -> FairShareRun:
+def _account_rows(slurm, accounts) -> dict[str, dict]:
+    """``sshare -P -a`` row of each account's own association (not its users'), strings by column."""
+    rows = slurm.exec(["sshare", "-P", "-a", "-o", "Account,User,RawShares,NormShares,RawUsage,EffectvUsage,"
+                       "LevelFS"]).stdout.splitlines()
+    head, out = (rows[0].split("|") if rows else []), {}
+    for row in rows[1:]:
+        rec = {k: v.strip() for k, v in zip(head, row.split("|"))}
+        if rec.get("Account") in accounts and not rec.get("User"):
+            out[rec["Account"]] = rec
+    return out
+
+
+def _fair_share_factors(slurm, jobs: dict[str, int]) -> dict[str, float]:
+    """``sprio``'s normalized fair-share factor of each pending job of ``jobs`` (account → job id)."""
+    out = {}
+    for line in slurm.exec(["sprio", "-h", "-o", "%i|%f"]).stdout.split():
+        job, _, factor = line.partition("|")
+        for acct, jid in jobs.items():
+            if job.strip() == str(jid):
+                out[acct] = float(factor)
+    return out
+
+
+def run_fair_share(slurm, runtime_s: float = 2, recompute: bool = True, timeout: float = 150) -> FairShareRun:
     """Fair share measured on an accounting cluster (``SlurmConfig(accounting=True)``).
 
-    The heavy account (the first of ``config.accounts``) runs a job on every node; then, while a
-    second job of it holds the cluster, the heavy account submits a job and *after* it the light
-    account does, both needing every node. Under FIFO order the heavy one would run first; fair
-    share (Slurm's fair tree: the account that used less of its share ranks higher) runs the light
-    one first once priorities are recalculated: every ``PriorityCalcPeriod`` (a minute at least),
-    or at once with ``recompute`` (:meth:`teraflops.slurm.Slurm.recompute_priorities`).
+    The heavy account (the first of ``config.accounts``) runs a history job of ``runtime_s`` s on
+    every node (its usage is charged when it ends). Then a blocker job of the heavy account takes
+    every node, and while it runs the heavy account submits a job needing every node and *after* it
+    the light account does. Under FIFO order the heavy one would run first; fair share (Fair Tree:
+    the account that used less of its share ranks higher, https://slurm.schedmd.com/fair_tree.html)
+    runs the light one first once priorities are recalculated. Slurm recalculates fair-share factors
+    and the priorities of pending jobs in one pass of its decay thread, which runs when ``slurmctld``
+    starts and then every ``PriorityCalcPeriod`` (whole minutes, at least 1; slurm.conf(5)).
+
+    ``recompute`` restarts the controller (:meth:`teraflops.slurm.Slurm.recompute_priorities`, ~2 s)
+    instead of waiting up to a minute: the pass run at start-up is the same code as the periodic one
+    (priority_multifactor.c ``_decay_thread``: decay over the seconds since the last pass, then the
+    Fair Tree factors and every pending job's priority) on the same recorded usage (saved in the
+    state directory across the restart), so the factors are what a periodic pass at that moment would
+    compute; only the wait is skipped (``scontrol reconfigure`` does not run a pass). Without
+    ``recompute`` it waits for the periodic pass. Either way it polls ``sprio`` until the contested
+    jobs' factors differ, reads ``sprio`` and ``sshare``, then cancels the blocker so the pending
+    jobs start in priority order.
 
     Raises:
-        QueueError: the cluster has no accounting, or jobs did not finish within ``timeout`` s.
+        QueueError: the cluster has no accounting, or jobs did not start or finish within ``timeout`` s.
     """
     if not slurm.config.accounting:
         raise QueueError("fair share needs accounting. Hint: Cluster(3, slurm=SlurmConfig(accounting=True)) "
@@ -278,29 +329,34 @@ def run_fair_share(slurm, runtime_s: float = 3, recompute: bool = True, timeout:
     every = slurm.cluster.nodes * slurm.config.gpus_per_node
     history = _submit(slurm, MixJob(0, heavy, every, runtime_s, 1, heavy))
     _wait(slurm, [history], timeout)
-    blocker = _submit(slurm, MixJob(0, heavy, every, 3 * runtime_s, 1, heavy))
+    charged = {a: float(row["RawUsage"]) for a, row in _account_rows(slurm, (heavy, light)).items()}
+    limit = max(1, -(-int(timeout) // 60))  # whole minutes: the blocker is cancelled long before
+    blocker = _submit(slurm, MixJob(0, heavy, every, timeout, limit, heavy))
+    deadline = time.monotonic() + timeout
+    while parse_jobs(slurm.exec(["scontrol", "-o", "show", "job", str(blocker)]).stdout).get(
+            blocker, {}).get("state") != "RUNNING":
+        if time.monotonic() > deadline:
+            slurm.exec(["scancel", str(blocker)])
+            raise QueueError(f"the blocker job {blocker} did not start within {timeout:g} s. "
+                             "Hint: `teraflops cluster exec -- squeue` shows why it waits.")
+        time.sleep(0.2)
     contested = {heavy: _submit(slurm, MixJob(0, heavy, every, runtime_s, 1, heavy))}
     contested[light] = _submit(slurm, MixJob(0, light, every, runtime_s, 1, light))
+    t0 = time.monotonic()
     if recompute:
         slurm.recompute_priorities()
-    else:
-        time.sleep(60 * slurm.config.priority_period + 2)
-    prio = {}
-    for line in slurm.exec(["sprio", "-h", "-o", "%i|%F"]).stdout.split():
-        job, _, factor = line.partition("|")
-        for acct, jid in contested.items():
-            if job.strip() == str(jid):
-                prio[acct] = float(factor)
-    shares = {}
-    rows = slurm.exec(["sshare", "-P", "-a"]).stdout.splitlines()
-    if rows:
-        head = rows[0].split("|")
-        for row in rows[1:]:
-            rec = dict(zip(head, row.split("|")))
-            if rec.get("Account", "").strip() in (heavy, light) and not rec.get("User"):
-                shares[rec["Account"].strip()] = rec
+    deadline = time.monotonic() + (10 if recompute else 60 * slurm.config.priority_period + 10)
+    while True:  # the recalculated factors differ (the light account has used less of its share)
+        prio = _fair_share_factors(slurm, contested)
+        if (len(prio) == 2 and prio[heavy] != prio[light]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    waited = time.monotonic() - t0
+    shares = _account_rows(slurm, (heavy, light))
+    slurm.exec(["scancel", str(blocker)], check=True)
     found = _wait(slurm, [blocker, *contested.values()], timeout)
-    return FairShareRun(heavy, light, shares, prio, {a: found[j]["start"] for a, j in contested.items()})
+    return FairShareRun(heavy, light, shares, prio, {a: found[j]["start"] for a, j in contested.items()}, waited,
+                        charged)
 
 
 def plot_gantt(runs: list[QueueRun]):
