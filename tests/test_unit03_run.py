@@ -33,7 +33,7 @@ def test_run_unit_3_reports_idle_time_at_the_largest_delay(tmp_path):
         verdict = re.search(r"^slow link: +(.*)$", out, re.M).group(1)
         assert "transfer grew" in verdict and "busy for longer" not in verdict, verdict
         assert "busy for longer" in re.search(r"^slow compute: +(.*)$", out, re.M).group(1)
-    if unavailable() is None and slurm.unavailable() is None:  # the real Slurm section ran
+    if unavailable() is None and slurm.unavailable(accounting=True) is None:  # the real Slurm section ran
         jumped = re.search(r"^Slurm backfill started jobs \[(.*)\] ahead of the blocked head job (\d+)$", out, re.M)
         assert jumped and jumped.group(1), "backfill started no job ahead of the blocked head job on Slurm"
         assert "Slurm FIFO started none ahead of it: True" in out
@@ -42,5 +42,8 @@ def test_run_unit_3_reports_idle_time_at_the_largest_delay(tmp_path):
         assert bf <= ff + 1.5, f"backfill delayed the head job on Slurm: {bf} s against FIFO's {ff} s"
         assert re.findall(r"^(fifo|backfill): Slurm's start order matches the simulation's: True", out, re.M) == \
             ["fifo", "backfill"], "Slurm's start order differs from the simulation's (the lecture should explain it)"
+        fair = re.search(r"^(\w+)'s job started first though submitted after (\w+)'s: (True|False)$", out, re.M)
+        assert fair and fair.group(3) == "True", "fair share did not run the light account's job first on Slurm"
+        assert f"the simulation's fair share starts them in the order: ['{fair.group(1)}', '{fair.group(2)}']" in out
         stranded = re.search(r"^fifo: utilisation .* GPUs stranded by fragmentation ([\d.]+) vs", out, re.M)
         assert stranded and float(stranded.group(1)) > 0, "FIFO stranded no GPU on Slurm"

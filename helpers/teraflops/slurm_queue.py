@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from .errors import CourseError
-from .scheduling import Job, JobRun, SimResult, measure, simulate
+from .scheduling import Job, JobRun, SimResult, fair_share, measure, simulate
 from .tables import table
 
 
@@ -403,44 +403,45 @@ def mix_table(mix=LECTURE_MIX, gpus_per_node: int = 2) -> str:
     return table(rows, ["job", "user", "GPUs", "nodes", "runtime s", "limit min", "sbatch"])
 
 
-def run_policies(mix=LECTURE_MIX, schedulers=("fifo", "backfill"), nodes: int = 3, gpus_per_node: int = 2,
-                 timeout: float = 120) -> list[QueueRun]:
-    """:func:`run_mix` of ``mix`` under each scheduler, each on a Slurm cluster of its own (``nodes``
-    emulated nodes × ``gpus_per_node`` fake GPUs), all at once: the jobs only sleep, so the clusters do
-    not compete for the CPU. A progress bar counts finished clusters; every cluster is removed at the
-    end, also on an error or Ctrl-C. About 30 s for the lecture's mix.
+@dataclass(frozen=True)
+class LectureRuns:
+    """What Unit 3 runs on real Slurm (:func:`run_lecture`): the mix per scheduler, and fair share."""
 
-    Raises:
-        QueueError, teraflops.cluster.ClusterError, teraflops.slurm.SlurmError: from any of the runs.
-    """
+    runs: tuple[QueueRun, ...]
+    fair: FairShareRun | None
+
+
+def _concurrently(tasks: dict, desc: str) -> dict:
+    """Run each ``name: (nodes, SlurmConfig, fn)`` on a Slurm cluster of its own, all at once
+    (threads: the jobs only sleep, so the clusters do not compete for the CPU); ``fn(slurm)``'s
+    results by name. A progress bar counts finished clusters; every cluster is removed at the end,
+    also on an error or Ctrl-C (the threads end within their timeouts). The first error is raised."""
     import threading
 
     from tqdm.auto import tqdm
 
     from .cluster import Cluster
-    from .slurm import SlurmConfig
 
-    out: dict[str, QueueRun] = {}
-    errors: list[BaseException] = []
+    out, errors = {}, []
+    bar = tqdm(total=len(tasks), desc=desc, unit="cluster")
 
-    def one(scheduler):
+    def one(name, nodes, config, fn):
         try:
-            with Cluster(nodes, slurm=SlurmConfig(scheduler=scheduler, gpus_per_node=gpus_per_node)) as cl:
-                out[scheduler] = run_mix(cl.slurm_, mix, timeout)
-        except BaseException as e:  # re-raised in the caller's thread
+            with Cluster(nodes, slurm=config) as cl:
+                out[name] = fn(cl.slurm_)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(e)
         finally:
             bar.update(1)
 
-    bar = tqdm(total=len(schedulers), desc=f"job mix on Slurm ({', '.join(schedulers)})", unit="cluster")
-    threads = [threading.Thread(target=one, args=(s,), name=f"slurm-{s}") for s in schedulers]
+    threads = [threading.Thread(target=one, args=(name, *task), name=f"slurm-{name}") for name, task in tasks.items()]
     try:
         for t in threads:
             t.start()
         for t in threads:
             while t.is_alive():
                 t.join(0.2)
-    finally:  # on Ctrl-C the threads still end (within the timeout) and remove their clusters
+    finally:
         for t in threads:
             while t.is_alive():
                 try:
@@ -450,7 +451,40 @@ def run_policies(mix=LECTURE_MIX, schedulers=("fifo", "backfill"), nodes: int = 
         bar.close()
     if errors:
         raise errors[0]
+    return out
+
+
+def run_policies(mix=LECTURE_MIX, schedulers=("fifo", "backfill"), nodes: int = 3, gpus_per_node: int = 2,
+                 timeout: float = 120) -> list[QueueRun]:
+    """:func:`run_mix` of ``mix`` under each scheduler, each on a Slurm cluster of its own (``nodes``
+    emulated nodes × ``gpus_per_node`` fake GPUs), all at once. About 30 s for the lecture's mix.
+
+    Raises:
+        QueueError, teraflops.cluster.ClusterError, teraflops.slurm.SlurmError: from any of the runs.
+    """
+    from .slurm import SlurmConfig
+
+    tasks = {s: (nodes, SlurmConfig(scheduler=s, gpus_per_node=gpus_per_node), lambda sl: run_mix(sl, mix, timeout))
+             for s in schedulers}
+    out = _concurrently(tasks, f"job mix on Slurm ({', '.join(schedulers)})")
     return [out[s] for s in schedulers]
+
+
+def run_lecture(mix=LECTURE_MIX, with_fair_share: bool = True, timeout: float = 120) -> LectureRuns:
+    """Unit 3's Slurm section at once: ``mix`` under FIFO and under backfill (3 nodes × 2 fake GPUs
+    each) and, with ``with_fair_share``, :func:`run_fair_share` on a 2-node accounting cluster, three
+    clusters side by side. About 35 s here.
+
+    Raises:
+        QueueError, teraflops.cluster.ClusterError, teraflops.slurm.SlurmError: from any of the runs.
+    """
+    from .slurm import SlurmConfig
+
+    tasks = {s: (3, SlurmConfig(scheduler=s), lambda sl: run_mix(sl, mix, timeout)) for s in ("fifo", "backfill")}
+    if with_fair_share:
+        tasks["fair share"] = (2, SlurmConfig(accounting=True), lambda sl: run_fair_share(sl, timeout=timeout))
+    out = _concurrently(tasks, "Slurm: FIFO, backfill" + (", fair share" if with_fair_share else ""))
+    return LectureRuns((out["fifo"], out["backfill"]), out.get("fair share"))
 
 
 def head_job(result: SimResult, tolerance: float = 1.5) -> Job | None:
@@ -522,3 +556,22 @@ def differences(run: QueueRun, tolerance: float = 1.5) -> list[str]:
             lines.append(f"job {r.job.id} ran on nodes {r.nodes} on Slurm, {s.nodes} in the simulation: Slurm's "
                          "select/cons_tres picks nodes its own way; the simulation places by best fit.")
     return lines
+
+
+def fair_share_simulated(run: FairShareRun, nodes: int = 2, gpus_per_node: int = 2, runtime_s: float = 2) -> list[str]:
+    """The same sequence as :func:`run_fair_share` through :func:`teraflops.scheduling.fair_share`:
+    the accounts in the order their contested jobs started in the simulation."""
+    every, heavy, light = nodes * gpus_per_node, run.heavy, run.light
+    trace = [Job(0, heavy, every, 0.0, runtime_s), Job(1, heavy, every, runtime_s, 3 * runtime_s),
+             Job(2, heavy, every, runtime_s + 0.1, runtime_s), Job(3, light, every, runtime_s + 0.2, runtime_s)]
+    sim = simulate(trace, fair_share, nodes, gpus_per_node)
+    return [r.job.user for r in sorted(sim.runs[2:], key=lambda r: r.start)]
+
+
+def fair_share_table(run: FairShareRun) -> str:
+    """Per account: usage (``sshare`` RawUsage) and fair-share factor (``sprio``) before the contested
+    jobs ran, the order they were submitted in, and their start (s after the first of them)."""
+    first = min(run.starts.values())
+    rows = [(a, run.usage.get(a, 0.0), run.priorities.get(a, float("nan")), i + 1, run.starts[a] - first)
+            for i, a in enumerate((run.heavy, run.light))]
+    return table(rows, ["account", "usage (CPU·s)", "fair-share factor", "submitted", "start s"])
