@@ -38,8 +38,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from . import stale
+from . import sbatch, stale
 from .errors import CourseError
+from .slurm import host as slurm_host
 from .teardown import uninterruptible
 
 RESULTS_ENV, FAULT_ENV, FAULT_KINDS = "TERAFLOPS_RESULTS_DIR", "TERAFLOPS_FAULT", ("kill", "hang", "raise")
@@ -102,7 +103,7 @@ def port_in_use(port: int) -> bool:
 def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "torchrun",
            timeout: float = 120, env: dict | None = None, launcher_args: Sequence[str] = (),
            desc: str | None = None, verbose: bool = False, port: int | None = None,
-           cluster=None, deepspeed: bool = False, spec=None, result=None) -> list:
+           cluster=None, deepspeed: bool = False, spec=None, result=None, submit: bool | None = None) -> list:
     """Run ``python -m module *args`` on the ranks of a run; return their results, by rank.
 
     ``spec`` (a frozen dataclass, :mod:`teraflops.spec`) is written to ``spec.json`` in the launch
@@ -126,6 +127,16 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
     rendezvous on node 0's address), talking over the nodes' shaped links. Each result then carries
     ``"node"``, the node its rank ran on. Torchrun only.
 
+    ``submit``: on a cluster that runs Slurm (``Cluster(..., slurm=True)``) the run is submitted as a
+    batch job (the default, or ``True``; :mod:`teraflops.sbatch`): an sbatch script for an allocation
+    of K nodes, ``srun`` starting one torchrun agent per node with c10d rendezvous on the first node
+    of the allocation, written to ``job.sbatch`` in the launch folder and kept in the cluster's
+    ``jobs/`` folder as ``<job id>.sbatch`` (:func:`teraflops.sbatch.archived`: the script to take to
+    a real cluster), submitted, followed until it ends (``scontrol show job``; ``scancel`` at
+    ``timeout``), the ranks' results read back as above. A failed rank's line then names its node
+    (``node1``) and Slurm's end of the job, and the job has left its nodes when :class:`LaunchFailed`
+    is raised. ``submit=False`` starts the agents itself, as on a cluster without Slurm.
+
     ``deepspeed=True`` says torchrun's ranks call ``deepspeed.init_distributed`` (the DeepSpeed
     launcher implies it): its CPU op is built first (:func:`prepare_deepspeed_ops`).
 
@@ -140,6 +151,10 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
     if cluster is not None and (launcher != "torchrun" or not getattr(cluster, "up_", False)):
         raise CourseError("a multi-node launch needs launcher='torchrun' and a cluster that is up. "
                           "Hint: with Cluster(2) as cl: launch(..., cluster=cl); DeepSpeed initialises inside torchrun ranks.")
+    slurm = getattr(cluster, "slurm_", None) if cluster is not None and submit is not False else None
+    if submit and slurm is None:
+        raise CourseError("submit=True needs a cluster that runs Slurm. Hint: Cluster(2, slurm=True); on a cluster "
+                          "without Slurm leave submit out and launch starts one torchrun agent per node itself.")
     if not isinstance(ranks, Placement):
         ranks = place(ranks * (1 if cluster is None else cluster.nodes) if isinstance(ranks, int) and not
                       isinstance(ranks, bool) else ranks, cluster=cluster)
@@ -149,6 +164,10 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
     if cluster is None and where.nodes != 1:
         raise CourseError(f"the placement spreads {where.world_size} ranks over {where.nodes} nodes but no cluster "
                           "was given. Hint: launch(..., cluster=cl) with the cluster it was placed on")
+    if slurm is not None and where.on_gpus and where.ranks_per_node > slurm.config.gpus_per_node:
+        raise CourseError(f"the run puts {where.ranks_per_node} GPU ranks on each node but the Slurm nodes declare "
+                          f"{slurm.config.gpus_per_node} GPUs each. Hint: Cluster(..., slurm=SlurmConfig("
+                          f"gpus_per_node={where.ranks_per_node})), or fewer ranks.")
     fault = parse_fault({**os.environ, **(env or {})}.get(FAULT_ENV))  # a malformed spec fails here, not in a rank
     if launcher == "deepspeed" or deepspeed:  # before anything that needs cleaning up
         prepare_deepspeed_ops(cpu=not where.on_gpus)
@@ -162,32 +181,66 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
         from . import spec as wire
 
         args = [*args, "--spec", str(wire.write(spec, results / "spec.json"))]
-    cmds = launch_commands(where, module, args, launcher=launcher, port=port, rdzv_id=results.name,
-                           launcher_args=launcher_args, cluster=cluster, log_dir=results / "torchelastic")
-    child_env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(_extensions_dir()), RESULTS_ENV: str(results),
-                 "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **where.env, **stale.owner_env(),
-                 **{k: str(v) for k, v in (env or {}).items()}}
+    course = {"TORCH_EXTENSIONS_DIR": str(_extensions_dir()), RESULTS_ENV: str(results), "PYTHONUNBUFFERED": "1",
+              "PYTHONFAULTHANDLER": "1"}
+    user = {k: str(v) for k, v in (env or {}).items()}
+    child_env = {**os.environ, **course, **where.env, **stale.owner_env(), **user}
     procs, keep, watchdog = [], False, None  # the results directory is kept for a LaunchFailed, which names it
+    job_id, follower, refused, final = None, None, None, None
     try:
-        for node, node_cmd in enumerate(cmds):
-            node_env = {**child_env, **where.node_env[node], **{k: str(v) for k, v in (env or {}).items()}}
-            with open(results / ("launcher.log" if node == 0 else f"launcher{node}.log"), "wb") as log:
-                procs.append(subprocess.Popen(node_cmd, env=node_env, stdin=subprocess.DEVNULL, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
-        watchdog = stale.start_watchdog(results, port, [p.pid for p in procs])  # stops it all if we die
-        code = _wait(procs, results, timeout, desc or module.rsplit(".", 1)[-1], verbose)
+        if slurm is not None:  # one batch job; Slurm's srun starts the agents
+            job = sbatch.BatchJob.of(where, [str(_WRAPPER), module, *map(str, args)], torchrun=_torchrun(), port=port,
+                                     time_s=timeout, output=str(results / sbatch.OUTPUT),
+                                     name=module.rsplit(".", 1)[-1], env={**course, **user},
+                                     cpus_per_node=slurm.config.cpus, torchrun_args=launcher_args,
+                                     log_dir=str(results / "torchelastic"))
+            script = results / sbatch.SCRIPT
+            script.write_text(job.script())
+            watchdog = stale.start_watchdog(results, port, [])  # stops the job's processes if we die
+            try:  # sbatch hands its environment (the owner's record for the ranks' wrappers) on to the job
+                job_id = sbatch.submit(slurm, script, env={**os.environ, **stale.owner_env()})
+            except sbatch.BatchJobError as e:
+                refused = str(e)
+            follower = sbatch.Follower(slurm, job_id) if job_id is not None else None
+            poll = follower.poll if follower is not None else None
+        else:
+            cmds = launch_commands(where, module, args, launcher=launcher, port=port, rdzv_id=results.name,
+                                   launcher_args=launcher_args, cluster=cluster, log_dir=results / "torchelastic")
+            for node, node_cmd in enumerate(cmds):
+                node_env = {**child_env, **where.node_env[node], **user}
+                with open(results / ("launcher.log" if node == 0 else f"launcher{node}.log"), "wb") as log:
+                    procs.append(subprocess.Popen(node_cmd, env=node_env, stdin=subprocess.DEVNULL, stdout=log,
+                                                  stderr=subprocess.STDOUT, start_new_session=True))
+            watchdog = stale.start_watchdog(results, port, [p.pid for p in procs])  # stops it all if we die
+            poll = lambda: _launchers_code(procs)  # noqa: E731
+        code = 1 if refused else _wait(poll, results, timeout, desc or module.rsplit(".", 1)[-1], verbose)
         out = [_read_json(results / f"rank{r}.json") for r in range(world)]
-        if code == 0 and None not in out:
+        if refused is None and code == 0 and None not in out:
             if cluster is not None:
                 for r, got in enumerate(out):
                     got["node"] = (_read_json(results / f"rank{r}.exit") or {}).get("node")
             return out if result is None else _typed(out, result)
         keep = True
-        rank, why = _diagnose(results, world, code, timeout, launcher, child_env.get(FAULT_ENV))
+        hosts = None if slurm is None else [slurm_host(i) for i in range(where.nodes)]
+        rank, why = (None, refused) if refused else _diagnose(results, world, code, timeout, launcher,
+                                                              child_env.get(FAULT_ENV), hosts=hosts)
+        last = follower.last if follower is not None else None
+        if last is not None and last.state == "PENDING" and last.reason in sbatch.UNSTARTABLE:
+            rank, why = None, (f"Slurm job {job_id} cannot start: it is PENDING ({last.reason}), asking for more "
+                               f"than the nodes or the partition have. Hint: compare the #SBATCH lines of "
+                               f"{sbatch.SCRIPT} with `sinfo -N -l` (https://slurm.schedmd.com/job_reason_codes.html).")
+        elif code is None and last is not None and last.state == "PENDING":
+            rank, why = None, (f"Slurm job {job_id} was still PENDING ({last.reason}) after {timeout:g} s: its "
+                               f"{where.nodes} nodes never came free. Hint: `squeue` shows the jobs holding them; "
+                               "scancel those or raise timeout=.")
         gone = cluster.taken_down() if cluster is not None else None
         why = f"{gone} {why}" if gone else why
     finally:  # also on KeyboardInterrupt: nothing of this launch may outlive the call
         try:
+            if job_id is not None:  # scancel (if it still runs) and wait until it has left its nodes
+                final = uninterruptible(sbatch.cancel, slurm, job_id)
+                sbatch.archive(slurm, job_id, results)  # the script outlives the launch folder
+                uninterruptible(_stop, None, results)  # what proctrack/linuxproc lost track of
             _stop_uninterrupted(procs, results)
             deadline = time.monotonic() + 10
             while cluster is None and port_in_use(port) and time.monotonic() < deadline:
@@ -202,9 +255,20 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
                 watchdog.wait()
             if not keep:
                 shutil.rmtree(results, ignore_errors=True)
+    if job_id is not None:
+        held = job_id in sbatch.queued(slurm)
+        why += f" {(final.describe() if final else f'Slurm job {job_id}')}" + (
+            f", still in squeue (scancel {job_id})." if held else ", nothing left allocated.")
     err = LaunchFailed(f"{desc or module}: {why} Logs: {results}")
     err.rank, err.logs, err.port = rank, results, port
     raise err
+
+
+def _torchrun() -> list[str]:
+    """This environment's torchrun: the ``torchrun`` script beside the interpreter, else ``python -m
+    torch.distributed.run`` (the same program)."""
+    script = Path(sys.executable).with_name("torchrun")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
 def _typed(out: list[dict], cls) -> list:
@@ -271,8 +335,9 @@ def _launchers_code(procs) -> int | None:
     return failed[0] if failed else (0 if None not in codes else None)
 
 
-def _wait(procs, results: Path, timeout: float, desc: str, verbose: bool) -> int | None:
-    """Wait for the launchers behind a progress bar: their exit code, or None after ``timeout`` s."""
+def _wait(poll, results: Path, timeout: float, desc: str, verbose: bool) -> int | None:
+    """Wait behind a progress bar until ``poll()`` (the launchers' or the batch job's exit code, None
+    while they run) says they are done: that code, or None after ``timeout`` s."""
     from tqdm.auto import tqdm
 
     start, offsets, shown = time.monotonic(), {}, None
@@ -281,7 +346,7 @@ def _wait(procs, results: Path, timeout: float, desc: str, verbose: bool) -> int
         if len(widgets) == 3:  # tqdm's notebook bar: [description, bar, counts]; a long description squeezed
             widgets[1].layout.min_width = "12em"  # the bar to 30 px, so it wraps below it instead
         while True:
-            code, progress = _launchers_code(procs), _read_json(results / "progress.json")
+            code, progress = poll(), _read_json(results / "progress.json")
             if progress:
                 if bar.total != progress["total"]:  # tqdm's notebook bar only takes its width in reset(total=)
                     bar.reset(total=progress["total"])
@@ -302,8 +367,10 @@ def _wait(procs, results: Path, timeout: float, desc: str, verbose: bool) -> int
             time.sleep(0.2)
 
 
-def _diagnose(results: Path, nproc: int, code: int | None, timeout: float, launcher: str, fault: str | None):
-    """(rank or None, one line: what happened, the rank's last error line, a hint)."""
+def _diagnose(results: Path, nproc: int, code: int | None, timeout: float, launcher: str, fault: str | None,
+              hosts: Sequence[str] | None = None):
+    """(rank or None, one line: what happened, the rank's last error line, a hint). ``hosts``: each
+    node's host name (by the ``node`` of the ranks' exit records), named for the failed rank."""
     exits = [_read_json(results / f"rank{r}.exit") for r in range(nproc)]
     failed = sorted((e["time"], e["rank"], e["returncode"]) for e in exits if e and e["returncode"])
     failed = [f for f in failed if f[2] not in _VICTIMS] or failed  # the first real failure
@@ -311,7 +378,9 @@ def _diagnose(results: Path, nproc: int, code: int | None, timeout: float, launc
     rc = failed[0][2] if failed else 0
     if failed:
         rank = failed[0][1]
-        what = f"rank {rank} of {nproc} " + (f"was killed by {signal.Signals(-rc).name}" if rc < 0
+        node = next((e.get("node") for e in exits if e and e["rank"] == rank), None)
+        on = f"on {hosts[node]} " if hosts and isinstance(node, int) and 0 <= node < len(hosts) else ""
+        what = f"rank {rank} of {nproc} {on}" + (f"was killed by {signal.Signals(-rc).name}" if rc < 0
                                               else f"exited with code {rc}")
     elif code is None:
         running = [r for r in range(nproc) if exits[r] is None]  # suspect first one that said something
@@ -321,7 +390,8 @@ def _diagnose(results: Path, nproc: int, code: int | None, timeout: float, launc
         rank, what = missing[0], f"rank {missing[0]} exited without a result (did it call write_result?)"
     else:
         rank, what = None, f"the {launcher} launcher exited with code {code}"
-    logs = [f"rank{rank}.err"] if rank is not None else sorted(p.name for p in results.glob("launcher*.log"))
+    logs = [f"rank{rank}.err"] if rank is not None else sorted(  # the agents' logs, or the batch job's output
+        p.name for p in [*results.glob("launcher*.log"), *results.glob("slurm-*.out")])
     line = next((found for found in map(_last_line, (results / name for name in logs)) if found), "")
     others = [r for r, e in enumerate(exits) if r != rank and (e is None or e["returncode"] in _VICTIMS)]
     timeouts = {r: t for r in range(nproc) if (t := nccl_timeout(results / f"rank{r}.err"))}
@@ -395,27 +465,30 @@ def _stop(proc, results: Path | None, grace: float = 3.0) -> None:
     """
     import psutil
 
-    if proc is None:
+    if proc is None and results is None:
         return
     found = {}
-    if proc.poll() is None:  # still running, so the pid is still its own
+    if proc is not None and proc.poll() is None:  # still running, so the pid is still its own
         with suppress(psutil.Error):
             found = {p.pid: p for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]}
     for p in psutil.process_iter() if results else ():
         with suppress(psutil.Error):
             if p.pid != os.getpid() and p.environ().get(RESULTS_ENV) == str(results):
                 found[p.pid] = p
-    found.pop(proc.pid, None)  # our own child is reaped by proc.wait, or its exit status reads 0
+    if proc is not None:
+        found.pop(proc.pid, None)  # our own child is reaped by proc.wait, or its exit status reads 0
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
+            if proc is not None:
+                os.killpg(proc.pid, sig)
         for p in found.values():
             with suppress(psutil.Error):
                 p.send_signal(sig)
         found = {p.pid: p for p in psutil.wait_procs(list(found.values()), timeout=grace)[1]}
         with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace)
-        if not found and proc.returncode is not None:
+            if proc is not None:
+                proc.wait(timeout=grace)
+        if not found and (proc is None or proc.returncode is not None):
             break
 
 
