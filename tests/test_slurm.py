@@ -67,7 +67,7 @@ def test_accounting_adds_slurmdbd_and_fair_share():
     acct = slurm.slurm_conf(_fake_cluster(), SlurmConfig(accounting=True, priority_period=2), d).splitlines()
     assert "AccountingStorageType=accounting_storage/none" in plain and "PriorityType=priority/basic" in plain
     assert "AccountingStorageType=accounting_storage/slurmdbd" in acct and "PriorityType=priority/multifactor" in acct
-    assert "PriorityCalcPeriod=2" in acct and "AccountingStorageEnforce=associations" in acct
+    assert "PriorityCalcPeriod=2" in acct and "AccountingStorageEnforce=associations,limits" in acct
     assert not any(x.startswith("Priority") and x != "PriorityType=priority/basic" for x in plain)
 
 

@@ -47,7 +47,7 @@ from .errors import CourseError
 
 INSTALL = ("apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge "
            "slurmdbd mariadb-server")
-DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd")  # the processes a cluster's Slurm runs
+DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmscriptd", "slurmd")  # the processes a cluster's Slurm runs
 _BINARIES = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd",
              "sinfo": "sinfo", "sbatch": "sbatch", "nsenter": "nsenter", "unshare": "unshare"}
 _ACCOUNTING = {"slurmdbd": "/usr/sbin/slurmdbd", "mariadbd": "/usr/sbin/mariadbd",
@@ -195,7 +195,7 @@ def slurm_conf(cluster, config: SlurmConfig, directory: Path) -> str:
                   "AccountingStorageEnforce=associations,limits", "PriorityType=priority/multifactor",
                   "PriorityWeightFairshare=100000", "PriorityWeightAge=0", "PriorityWeightJobSize=0",
                   "PriorityWeightPartition=0", "PriorityWeightQOS=0", "PriorityDecayHalfLife=7-0",
-                  "DebugFlags=Priority", f"PriorityCalcPeriod={config.priority_period}",
+                  f"PriorityCalcPeriod={config.priority_period}",
                   "JobCompType=jobcomp/none"]
     else:
         lines += ["AccountingStorageType=accounting_storage/none", "PriorityType=priority/basic"]
