@@ -47,7 +47,7 @@ from .errors import CourseError
 
 INSTALL = ("apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge "
            "slurmdbd mariadb-server")
-DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmscriptd", "slurmd")  # the processes a cluster's Slurm runs
+DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd")  # the processes a cluster's Slurm runs
 _BINARIES = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd",
              "sinfo": "sinfo", "sbatch": "sbatch", "nsenter": "nsenter", "unshare": "unshare"}
 _ACCOUNTING = {"slurmdbd": "/usr/sbin/slurmdbd", "mariadbd": "/usr/sbin/mariadbd",
