@@ -92,3 +92,10 @@ def test_fair_share_starts_the_light_accounts_job_first_though_submitted_second(
     assert run.usage[heavy] >= run.history_usage[heavy] and run.usage[light] == 0, run.shares
     assert run.priorities[light] > run.priorities[heavy], run.priorities
     assert run.waited_s < 10  # the restart's pass, not a PriorityCalcPeriod of a minute
+
+
+def test_sacct_records_are_read():
+    got = q.parse_sacct("12|COMPLETED|2026-12-02T06:00:01|2026-12-02T06:00:07|node[0-1]\n"
+                        "13|CANCELLED by 0|2026-12-02T06:00:02|Unknown|node2\nnot a row\n")
+    assert got[12]["state"] == "COMPLETED" and got[12]["end"] - got[12]["start"] == 6 and got[12]["nodelist"] == "node[0-1]"
+    assert got[13]["state"] == "CANCELLED" and got[13]["end"] is None and 14 not in got

@@ -9,8 +9,9 @@ study, not work done. The queue is filled while the partition is down (``scontro
 PartitionName=main State=DOWN``: jobs queue, none starts) and opened at once, so every job is
 eligible at the same instant ``t0`` and priorities follow submission order (``priority/basic``).
 
-What comes back is Slurm's own record (``scontrol -d show job``: start and end times to the second,
-nodes and GPU indices per node), turned into :class:`teraflops.scheduling.JobRun` rows and measured
+What comes back is Slurm's own record (``sacct`` on an accounting cluster, else ``scontrol show job``:
+start and end times to the second; ``scontrol -d`` while a job runs: nodes and GPU indices per node),
+turned into :class:`teraflops.scheduling.JobRun` rows and measured
 with the same definitions as the simulation (:func:`teraflops.scheduling.measure`), in seconds.
 
 Sources: sbatch(1), scontrol(1), slurm.conf(5) SchedulerType; Slurm's backfill
@@ -119,6 +120,36 @@ def parse_jobs(text: str) -> dict[int, dict]:
     return out
 
 
+def parse_sacct(text: str) -> dict[int, dict]:
+    """``sacct -X -n -P -o JobID,State,Start,End,NodeList`` output → per job id: ``state``,
+    ``start``/``end`` (Unix s; None while unknown), ``nodelist``."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 5 or not parts[0].isdigit():
+            continue
+
+        def stamp(value):
+            return None if value in ("Unknown", "None", "") else datetime.fromisoformat(value).timestamp()
+
+        out[int(parts[0])] = dict(state=parts[1].split()[0], start=stamp(parts[2]), end=stamp(parts[3]),
+                                  nodelist=parts[4])
+    return out
+
+
+def sacct_times(slurm, ids) -> dict[int, dict]:
+    """Start and end of Slurm jobs ``ids`` from the accounting database (``sacct``; accounting clusters),
+    retried for a few seconds while slurmdbd has not recorded an end yet."""
+    ids = [int(i) for i in ids]
+    deadline = time.monotonic() + 10
+    while True:
+        got = parse_sacct(slurm.exec(["sacct", "-X", "-n", "-P", "-j", ",".join(map(str, ids)),
+                                      "-o", "JobID,State,Start,End,NodeList"]).stdout)
+        if all(got.get(i, {}).get("end") for i in ids) or time.monotonic() > deadline:
+            return {i: got[i] for i in ids if got.get(i, {}).get("end")}
+        time.sleep(0.3)
+
+
 @dataclass
 class QueueRun:
     """A mix run on Slurm under one scheduler.
@@ -175,6 +206,8 @@ def run_mix(slurm, mix=LECTURE_MIX, timeout: float = 120) -> QueueRun:
     bad = {j: s for j, s in states.items() if s != "COMPLETED"}
     if bad:
         raise QueueError(f"jobs {bad} did not complete. Hint: their output is in {slurm.dir}/jobs.")
+    if slurm.config.accounting:  # the accounting record (sacct) where there is one: the same times
+        found = {**found, **sacct_times(slurm, ids.values())}
     t0 = min(t0, min(found[ids[j.id]]["start"] for j in mix))  # a start stamped before t0 rounds down
     runs = []
     for j, job in zip(mix, jobs):
@@ -480,7 +513,8 @@ def run_lecture(mix=LECTURE_MIX, with_fair_share: bool = True, timeout: float = 
     """
     from .slurm import SlurmConfig
 
-    tasks = {s: (3, SlurmConfig(scheduler=s), lambda sl: run_mix(sl, mix, timeout)) for s in ("fifo", "backfill")}
+    tasks = {s: (3, SlurmConfig(scheduler=s, accounting=True), lambda sl: run_mix(sl, mix, timeout))
+             for s in ("fifo", "backfill")}  # accounting: starts and ends from sacct
     if with_fair_share:
         tasks["fair share"] = (2, SlurmConfig(accounting=True), lambda sl: run_fair_share(sl, timeout=timeout))
     out = _concurrently(tasks, "Slurm: FIFO, backfill" + (", fair share" if with_fair_share else ""))
