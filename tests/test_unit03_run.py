@@ -45,5 +45,9 @@ def test_run_unit_3_reports_idle_time_at_the_largest_delay(tmp_path):
         fair = re.search(r"^(\w+)'s job started first though submitted after (\w+)'s: (True|False)$", out, re.M)
         assert fair and fair.group(3) == "True", "fair share did not run the light account's job first on Slurm"
         assert f"the simulation's fair share starts them in the order: ['{fair.group(1)}', '{fair.group(2)}']" in out
+        # the history job is charged when it ends (AccountingStorageEnforce=...,limits; without it RawUsage stays 0
+        # and the order above still comes out right, from the blocker's usage charged at the restart)
+        usage = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(team\w+) +([\d.]+) +[\d.]+ +[\d.]+ +\d", out, re.M)}
+        assert usage.get(fair.group(2), 0) > 0 == usage.get(fair.group(1)), f"usage after the history job: {usage}"
         stranded = re.search(r"^fifo: utilisation .* GPUs stranded by fragmentation ([\d.]+) vs", out, re.M)
         assert stranded and float(stranded.group(1)) > 0, "FIFO stranded no GPU on Slurm"

@@ -232,7 +232,7 @@ class Slurm:
     def _write(self) -> None:
         d = self.dir
         shutil.rmtree(d, ignore_errors=True)
-        for sub in ("state", "spool", "dev", "jobs", "log"):
+        for sub in ("state", "spool", "dev", "jobs", "log", "dbtmp"):
             (d / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(d, 0o755)
         key = d / "munge.key"
@@ -307,13 +307,16 @@ class Slurm:
 
     def _start_accounting(self, timeout: float) -> None:
         d = self.dir
+        # a temporary folder of its own: bootstraps sharing /tmp at once failed (4 of 12 here, 3 at a time)
         done = subprocess.run(["mariadb-install-db", "--user=root", f"--datadir={d}/db", "--skip-test-db",
-                               "--auth-root-authentication-method=normal", "--skip-name-resolve"],
+                               "--auth-root-authentication-method=normal", "--skip-name-resolve", f"--tmpdir={d}/dbtmp"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
-            raise SlurmError(f"mariadb-install-db failed: {done.stderr.strip()[-300:]}")
+            lines = (done.stderr + done.stdout).strip().splitlines()
+            why = next((x for x in reversed(lines) if "ERROR" in x or "failed" in x.lower()), lines[-1] if lines else "")
+            raise SlurmError(f"mariadb-install-db failed: {why.strip()[-300:]}. Logs: {d}")
         self._start("mariadbd", 0, ["/usr/sbin/mariadbd", "--no-defaults", "--user=root", f"--datadir={d}/db",
-                                    f"--socket={d}/mysql.sock", "--bind-address=127.0.0.1", "--port=3306",
+                                    f"--socket={d}/mysql.sock", "--bind-address=127.0.0.1", "--port=3306", f"--tmpdir={d}/dbtmp",
                                     "--skip-name-resolve", f"--pid-file={d}/mariadbd.pid",
                                     "--innodb-buffer-pool-size=256M", "--innodb-log-file-size=64M",
                                     "--innodb-lock-wait-timeout=900"])

@@ -603,9 +603,10 @@ def fair_share_simulated(run: FairShareRun, nodes: int = 2, gpus_per_node: int =
 
 
 def fair_share_table(run: FairShareRun) -> str:
-    """Per account: usage (``sshare`` RawUsage) and fair-share factor (``sprio``) before the contested
-    jobs ran, the order they were submitted in, and their start (s after the first of them)."""
+    """Per account: usage (``sshare`` RawUsage, CPU·s) charged for the history job when it ended and
+    in all before the contested jobs ran (the blocker so far added), their fair-share factor
+    (``sprio``), the order they were submitted in, and their start (s after the first of them)."""
     first = min(run.starts.values())
-    rows = [(a, run.usage.get(a, 0.0), run.priorities.get(a, float("nan")), i + 1, run.starts[a] - first)
-            for i, a in enumerate((run.heavy, run.light))]
-    return table(rows, ["account", "usage (CPU·s)", "fair-share factor", "submitted", "start s"])
+    rows = [(a, run.history_usage.get(a, 0.0), run.usage.get(a, 0.0), run.priorities.get(a, float("nan")), i + 1,
+             run.starts[a] - first) for i, a in enumerate((run.heavy, run.light))]
+    return table(rows, ["account", "usage after history", "usage before", "fair-share factor", "submitted", "start s"])
