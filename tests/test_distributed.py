@@ -131,6 +131,11 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(monkeypatch, tmp_path
     rank = psutil.Popen(["sleep", "30"], env={**os.environ, distributed.RESULTS_ENV: str(tmp_path)})
     try:
         started = rank.create_time()
+        # /proc/PID/environ reads empty until the kernel has set up the new image, a moment after Popen returns
+        # (vfork resumes the parent first): under CI's load the check below once ran inside that window
+        deadline = time.monotonic() + 10
+        while distributed.RESULTS_ENV not in rank.environ() and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.utime(lock, (started + 5, started + 5))  # made after the rank started: the rank may hold it
         assert not distributed.clear_stale_build_lock() and lock.exists()
         os.utime(lock, (started - 60, started - 60))  # made before it started: the rank can only be waiting
