@@ -46,7 +46,7 @@ def test_cpu_only_machine_gets_gloo_cpu_ranks_and_no_gpu_variables():
     assert (where.world_size, where.backend, where.devices) == (4, "gloo", ("cpu",) * 4)
     env = where.rank_env()
     assert env[pl.BACKEND_ENV] == "gloo" and env["TRITON_INTERPRET"] == "1" and env["OMP_NUM_THREADS"] == "4"
-    assert "CUDA_VISIBLE_DEVICES" not in env and env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert "CUDA_VISIBLE_DEVICES" not in env and env["GLOO_SOCKET_IFNAME"] == "lo" == env["NCCL_SOCKET_IFNAME"]
 
 
 def test_one_gpu_gets_cpu_ranks_with_the_gpu_hidden_and_says_why():
@@ -121,7 +121,10 @@ def test_rank_side_reads_the_placement_not_the_gpu_count():
 def test_launch_commands_per_launcher_and_node():
     where = pl.place(2, machine=machine(0), environ={})
     torchrun, = distributed.launch_commands(where, "m", ["--x"], port=1234)
-    assert torchrun[2:5] == ["torch.distributed.run", "--nproc-per-node", "2"] and "127.0.0.1" in torchrun
+    assert torchrun[1:6] == ["-m", "teraflops.loopback", "torch.distributed.run", "--nproc-per-node", "2"]
+    assert torchrun[torchrun.index("--master-addr") + 1] == "127.0.0.1"  # its stores on loopback only
+    c10d, = distributed.launch_commands(where, "m", port=1234, launcher_args=["--rdzv-backend", "c10d"])
+    assert "127.0.0.1:1234" in c10d and c10d[c10d.index("--local-addr") + 1] == "127.0.0.1"
     ds, = distributed.launch_commands(where, "m", launcher="deepspeed", port=1234)
     assert ds[2] == "deepspeed.launcher.runner" and ds[ds.index("--num_gpus") + 1] == "2"
     spread = pl.place(4, cluster=FakeCluster(2), machine=machine(0), environ={})

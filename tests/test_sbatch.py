@@ -66,6 +66,7 @@ def test_the_script_allocates_k_nodes_and_sruns_one_torchrun_each_meeting_on_the
     assert "exec /venv/bin/torchrun" in step and "--nnodes 2 --nproc-per-node 2" in step
     assert '--rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:29400" --rdzv-id "$SLURM_JOB_ID"' in step
     assert 'addr=$(getent hosts "$(hostname)")' in step and '--local-addr "$addr"' in step  # the node's own address
+    assert 'export TERAFLOPS_LISTEN_ADDRS="$addr"' in step  # where its stores listen (teraflops.loopback)
     assert step.rstrip().endswith("/w/_rank.py teraflops.workers.selftest'")
     assert 'export TERAFLOPS_NODE="$SLURM_NODEID" NCCL_HOSTID="$SLURMD_NODENAME"' in step
     # the course's environment, once for all nodes, before srun (which passes it on)

@@ -2,8 +2,9 @@
 
 :func:`launch` starts ``python -m MODULE`` on N local ranks (127.0.0.1) through ``torchrun``
 (https://pytorch.org/docs/stable/elastic/run.html) or DeepSpeed's launcher, each rank inside
-``workers/_rank.py``, which records how it ended. A host module sends its rank program a Spec
-(``launch(..., spec=)``, a frozen dataclass written to ``spec.json``, read with :func:`read_spec`)
+``workers/_rank.py``, which records how it ended. The rendezvous listens on loopback only (on each
+node's own address for a multi-node run; :mod:`teraflops.loopback`). A host module sends its rank
+program a Spec (``launch(..., spec=)``, a frozen dataclass written to ``spec.json``, read with :func:`read_spec`)
 and ranks hand back a Result (a dataclass, or a JSON dict) with :func:`write_result`, read back as
 ``result=`` (:mod:`teraflops.spec` checks every field). Their output goes to files in
 ``$TERAFLOPS_RESULTS_DIR`` (a fresh temporary directory per launch, kept when it fails):
@@ -38,7 +39,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from . import sbatch, stale
+from . import loopback, sbatch, stale
 from .errors import CourseError
 from .slurm import host as slurm_host
 from .teardown import uninterruptible
@@ -118,7 +119,9 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
     ``cluster`` is re-placed over its nodes (:func:`~teraflops.placement.across`).
 
     ``launcher`` is ``"torchrun"`` or ``"deepspeed"``; ``launcher_args`` go to it (torchrun ``--rdzv-*``
-    options get ``--rdzv-endpoint 127.0.0.1:port`` unless they name one). ``timeout`` (s) covers the
+    options get ``--rdzv-endpoint 127.0.0.1:port`` unless they name one, and ``--local-addr 127.0.0.1``).
+    Every rendezvous store of a one-node run listens on 127.0.0.1 only, those of a multi-node run on
+    their node's address (:mod:`teraflops.loopback`). ``timeout`` (s) covers the
     whole launch. Ranks get the placement's environment, ``TORCH_EXTENSIONS_DIR`` under
     :func:`cache_dir` unless set, then ``env``. ``verbose`` prints their output as it comes.
 
@@ -208,6 +211,8 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
                                    launcher_args=launcher_args, cluster=cluster, log_dir=results / "torchelastic")
             for node, node_cmd in enumerate(cmds):
                 node_env = {**child_env, **where.node_env[node], **user}
+                if cluster is not None:  # the node's own address: its stores listen there, nowhere else
+                    node_env[loopback.LISTEN_ENV] = cluster.address(node)
                 with open(results / ("launcher.log" if node == 0 else f"launcher{node}.log"), "wb") as log:
                     procs.append(subprocess.Popen(node_cmd, env=node_env, stdin=subprocess.DEVNULL, stdout=log,
                                                   stderr=subprocess.STDOUT, start_new_session=True))
@@ -265,10 +270,10 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
 
 
 def _torchrun() -> list[str]:
-    """This environment's torchrun: the ``torchrun`` script beside the interpreter, else ``python -m
-    torch.distributed.run`` (the same program)."""
-    script = Path(sys.executable).with_name("torchrun")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    """This environment's torchrun, its stores listening on one address: ``python -m
+    teraflops.loopback torch.distributed.run`` (the program of the ``torchrun`` script;
+    :mod:`teraflops.loopback`)."""
+    return [sys.executable, "-m", "teraflops.loopback", "torch.distributed.run"]
 
 
 def _typed(out: list[dict], cls) -> list:
@@ -290,15 +295,18 @@ def launch_commands(where, module: str, args: Sequence[str] = (), *, launcher: s
     :func:`launch` starts): torchrun (``torch.distributed.run``) with ``--nproc-per-node``, or
     DeepSpeed's launcher with ``--num_gpus``; on emulated nodes, inside the node's namespace with
     c10d rendezvous on node 0 (``is_host`` and ``--local-addr`` said, as torch finds both by hostname,
-    which a namespace shares with the machine). Each rank runs ``workers/_rank.py MODULE ARGS``.
-    ``log_dir``: torchrun's ``--log-dir`` (inside the launch folder: no ``/tmp/torchelastic_*`` per launch)."""
+    which a namespace shares with the machine). torchrun runs as :func:`_torchrun` (its stores
+    listen on one address), and one-node c10d gets ``--local-addr 127.0.0.1``: rank 0's agent hosts
+    the store it shares with the ranks on its local address, by default its host name
+    (``dynamic_rendezvous.py``, ``_create_tcp_store_server``). Each rank runs ``workers/_rank.py
+    MODULE ARGS``. ``log_dir``: torchrun's ``--log-dir`` (inside the launch folder: no
+    ``/tmp/torchelastic_*`` per launch)."""
     nproc = str(where.ranks_per_node)
     tail = [*launcher_args, str(_WRAPPER), module, *map(str, args)]
     if launcher == "deepspeed":
         return [[sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", nproc, "--master_addr",
                  "127.0.0.1", "--master_port", str(port), "--no_local_rank", *tail]]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc,
-           *(["--log-dir", str(log_dir)] if log_dir is not None else [])]
+    cmd = [*_torchrun(), "--nproc-per-node", nproc, *(["--log-dir", str(log_dir)] if log_dir is not None else [])]
     if cluster is not None:
         cmd += ["--nnodes", str(where.nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                 f"{cluster.address(0)}:{port}", "--rdzv-id", rdzv_id]
@@ -306,6 +314,8 @@ def launch_commands(where, module: str, args: Sequence[str] = (), *, launcher: s
                  cluster.address(node), *tail] for node in range(where.nodes)]
     if any(a.startswith("--rdzv") for a in launcher_args):
         cmd += [] if any("endpoint" in a for a in launcher_args) else ["--rdzv-endpoint", f"127.0.0.1:{port}"]
+        cmd += [] if any(a.startswith(("--local-addr", "--local_addr")) for a in launcher_args) else \
+            ["--local-addr", "127.0.0.1"]
     else:
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     return [cmd + tail]

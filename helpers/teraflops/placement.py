@@ -26,7 +26,10 @@ The rules (``machine`` is :func:`teraflops.machine.detect`, a stand-in in the te
   visible list), so local rank ``j`` of two nodes never shares ``cuda:j``; the ranks talk over the
   node's ``eth0`` (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``) with a ``NCCL_HOSTID`` per node so
   NCCL does not take a same-host shortcut past the shaped link.
-* Single-node runs keep gloo on the loopback interface (``GLOO_SOCKET_IFNAME=lo``).
+* Single-node runs keep gloo's and NCCL's sockets on the loopback interface (``GLOO_SOCKET_IFNAME=lo``,
+  ``NCCL_SOCKET_IFNAME=lo``: NCCL's bootstrap otherwise takes the first interface that is neither
+  ``lo`` nor ``docker*``, NCCL's environment variable docs), so nothing of a one-node run listens
+  beyond the machine; its rendezvous stores listen on 127.0.0.1 (:mod:`teraflops.loopback`).
 * ``TRITON_INTERPRET`` follows the ranks' device: ``1`` for CPU ranks (a parent on a GPU machine
   has ``0`` set, and a hidden-GPU rank would then find "0 active drivers"), ``0`` for GPU ranks.
 * Threads: ``OMP_NUM_THREADS = max(1, cores // world size)`` (emulated nodes share the cores).
@@ -173,7 +176,7 @@ def place(ranks: int | None = None, *, cpu_ranks: int | None = None, min_ranks: 
             else {}
         if cluster is None:
             if sys.platform == "linux":
-                extra["GLOO_SOCKET_IFNAME"] = "lo"  # one machine: gloo's sockets on loopback only
+                extra.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})  # one machine: loopback only
         else:
             from .cluster import IFNAME
 

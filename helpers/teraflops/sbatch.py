@@ -9,7 +9,9 @@ ranks; the agents meet in a c10d rendezvous (``--rdzv-backend c10d --rdzv-endpoi
 in those docs' multi-node usage, HOST is the node on which the C10d rendezvous backend is hosted,
 any node of the job), here the first node of the allocation (``scontrol show hostnames
 "$SLURM_JOB_NODELIST" | head -n1``, scontrol(1)), each agent listening on its own node's address
-(``--local-addr``, resolved from the node's host name).
+(``--local-addr``, resolved from the node's host name), where its rendezvous stores listen, and
+nowhere else (``$TERAFLOPS_LISTEN_ADDRS``, :mod:`teraflops.loopback`: the torchrun command is
+``python -m teraflops.loopback torch.distributed.run``).
 ``srun --kill-on-bad-exit=1`` ends every task once one fails, so a dead rank ends the job and frees
 its nodes.
 
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .errors import CourseError
+from .loopback import LISTEN_ENV
 
 SCRIPT = "job.sbatch"  # the script's name in the launch folder
 OUTPUT = "slurm-%j.out"  # the batch step's output (srun's messages), %j = job id (sbatch(1), "filename pattern")
@@ -64,7 +67,8 @@ class BatchJob:
         nodes: ``--nodes``, K; one task (one torchrun agent) per node.
         ranks_per_node: torchrun's ``--nproc-per-node``.
         program: what each rank runs, after torchrun's options: a script and its arguments.
-        torchrun: the torchrun command (``/venv/bin/torchrun`` or ``python -m torch.distributed.run``).
+        torchrun: the torchrun command (``python -m teraflops.loopback torch.distributed.run``, or
+            ``/venv/bin/torchrun``, whose stores listen on every interface).
         port: TCP port of the c10d rendezvous store on the first node of the allocation.
         time_s: ``--time``, seconds (Slurm keeps whole minutes: rounded up, at least 1 min).
         cpus_per_task: ``--cpus-per-task``: CPUs of each node's task (its agent and all its ranks).
@@ -182,6 +186,7 @@ class BatchJob:
             if mine:
                 step.append("export " + " ".join(f'{k}="{_SELF_PER_NODE[k]}"' for k in mine))
         step += ['addr=$(getent hosts "$(hostname)"); addr=${addr%% *}',
+                 f'export {LISTEN_ENV}="$addr"',  # its stores listen on the node's own address only
                  "exec " + " \\\n    ".join(self.torchrun_lines()) + "'"]
         lines += ["  " + s for s in step]
         return "\n".join(lines) + "\n"

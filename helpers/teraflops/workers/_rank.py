@@ -1,6 +1,8 @@
 """Wrapper each rank of a launch runs in: ``python _rank.py MODULE ARGS...`` (started by the launcher).
 
-Runs ``python -m MODULE ARGS`` with its stdout and stderr appended to ``rank{RANK}.out`` and
+Runs ``python -m MODULE ARGS``, as ``python -m teraflops.loopback MODULE ARGS`` so that a store the
+rank hosts (``init_process_group`` under DeepSpeed's launcher) listens on one address only
+(:mod:`teraflops.loopback`), with its stdout and stderr appended to ``rank{RANK}.out`` and
 ``rank{RANK}.err`` in ``$TERAFLOPS_RESULTS_DIR``, then records how it ended in ``rank{RANK}.exit``
 (JSON: ``returncode``, negative for a signal as in :mod:`subprocess`, ``time``, Unix seconds, and
 ``node``, the emulated node it ran on, 0 outside one),
@@ -48,7 +50,7 @@ def main(argv: list[str]) -> None:
     if VISIBLE_ENV in env:  # the placement's GPUs, put back over what a launcher set (DeepSpeed's does)
         env["CUDA_VISIBLE_DEVICES"] = env[VISIBLE_ENV]
     with open(base + ".out", "ab") as out, open(base + ".err", "ab") as err:
-        child = subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=err, env=env)
+        child = subprocess.Popen([sys.executable, "-m", "teraflops.loopback", *argv], stdout=out, stderr=err, env=env)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _frame: child.send_signal(s))
     if os.environ.get("TERAFLOPS_OWNER", "").count(":") == 1:
