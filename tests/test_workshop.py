@@ -194,10 +194,11 @@ def test_a_learner_copies_the_warm_op_without_its_lock(tmp_path, monkeypatch):
     from teraflops import warmup
 
     monkeypatch.setenv(warmup.WARM_ENV, str(tmp_path / "warm"))
+    monkeypatch.setattr(warmup, "ninja_version", lambda: "1.13.2")
     ext = tmp_path / "mine" / "torch_extensions" / "py311-abc"
     source = warmup.warm_op_dir(ext)
     source.mkdir(parents=True)
-    (source / warmup._stamp_name()).touch()
+    (source / warmup.op_stamp()).touch()
     (source / "deepspeed_shm_comm.so").write_bytes(b"\x7fELF")
     (source / "lock").touch()
     os.utime(source / "deepspeed_shm_comm.so", (1e9, 1e9))
@@ -251,3 +252,263 @@ def test_a_waiter_whose_other_build_died_builds_it_itself(tmp_path, monkeypatch)
     monkeypatch.setattr(warmup, "seed_op", lambda ext: False)
     distributed.prepare_deepspeed_ops(cpu=True)
     assert len(calls) == 2
+
+
+def test_builds_and_ranks_run_the_environments_ninja_and_the_op_stamp_names_it(monkeypatch):
+    import shutil
+
+    import ninja
+
+    from teraflops import warmup
+
+    env = warmup.with_ninja({"PATH": "/usr/bin:/bin"})
+    assert shutil.which("ninja", path=env["PATH"]) == f"{ninja.BIN_DIR}/ninja"  # not Debian's /usr/bin/ninja
+    assert env["PATH"].endswith(":/usr/bin:/bin")
+    monkeypatch.setattr(warmup, "ninja_version", lambda: "1.11.1")
+    assert warmup.op_stamp().endswith("-ninja1.11.1")  # an op another ninja built is not taken as ours
+
+
+def test_the_header_folder_is_torchs():
+    from torch._inductor import codecache
+
+    from teraflops import warmup
+
+    assert str(warmup.header_dir()) == codecache._HEADER_DIR
+
+
+def _fake_warm_cache(root, versions, at=1):
+    import json
+
+    warm = root / "warm" / "compile"
+    for rel, data in (("inductor/ab/cabc.so", b"\x7fELF"), ("inductor/fxgraph/x/entry", b"graph"),
+                      ("inductor/locks/cabc.lock", b""), ("triton/k1/kernel.cubin", b"cubin"),
+                      ("precompiled_headers/cp.h", b"#include <x>"), ("precompiled_headers/cp.h.gch", b"pch"),
+                      ("precompiled_headers/locks/cp.lock", b"")):
+        (warm / rel).parent.mkdir(parents=True, exist_ok=True)
+        (warm / rel).write_bytes(data)
+    os.utime(warm / "inductor/ab/cabc.so", (1e9, 1e9))
+    (warm / "STAMP.json").write_text(json.dumps({"versions": versions, "compiled": [], "at": at}))
+    return warm
+
+
+@pytest.fixture
+def learner(tmp_path, monkeypatch):
+    import tempfile
+
+    from teraflops import warmup
+
+    monkeypatch.setenv(warmup.WARM_ENV, str(tmp_path / "warm"))
+    monkeypatch.setenv("TERAFLOPS_CACHE", str(tmp_path / "mine"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)  # and what seeding sets is undone after the test
+    return tmp_path
+
+
+def test_a_learners_import_seeds_the_compile_caches_once_per_warmup(learner):
+    from teraflops import warmup
+
+    warm = _fake_warm_cache(learner, warmup._versions())
+    assert warmup.seed_compile_caches()
+    inductor, triton = learner / "mine" / "inductor", learner / "mine" / "triton"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(inductor) and os.environ["TRITON_CACHE_DIR"] == str(triton)
+    assert (inductor / "ab/cabc.so").read_bytes() == b"\x7fELF" and (inductor / "ab/cabc.so").stat().st_mtime == 1e9
+    assert (inductor / "fxgraph/x/entry").exists() and (triton / "k1/kernel.cubin").exists()
+    assert not (inductor / "locks").exists()  # torch's locks are the learner's own to make
+    headers = warmup.header_dir()
+    assert str(headers).startswith(str(learner / "tmp" / "torchinductor_"))
+    assert os.readlink(headers / "cp.h.gch") == str(warm / "precompiled_headers/cp.h.gch")
+    assert not (headers / "locks").exists()
+    (inductor / "ab/cabc.so").write_bytes(b"mine")
+    assert not warmup.seed_compile_caches()  # seeded: nothing copied again
+    _fake_warm_cache(learner, warmup._versions(), at=2)  # the host warmed again
+    assert warmup.seed_compile_caches()
+    assert (inductor / "ab/cabc.so").read_bytes() == b"mine"  # what the learner has is kept
+
+
+def test_without_a_warm_cache_for_this_environment_nothing_changes(learner):
+    from teraflops import warmup
+
+    assert not warmup.seed_compile_caches()  # no warm cache at all
+    _fake_warm_cache(learner, {**warmup._versions(), "torch": "0.0"})  # another torch's kernels
+    assert not warmup.seed_compile_caches()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and not (learner / "mine" / "inductor").exists()
+
+
+def test_a_compile_cache_it_cannot_write_says_why_in_one_line_and_torch_compiles_as_usual(learner, monkeypatch):
+    from teraflops import warmup
+
+    _fake_warm_cache(learner, warmup._versions())
+
+    def refuse(source, target):
+        raise PermissionError(13, "Permission denied", str(target))
+
+    monkeypatch.setattr(warmup, "_merge", refuse)
+    with pytest.warns(UserWarning) as caught:
+        assert not warmup.seed_compile_caches()
+    (why,) = [str(w.message) for w in caught]
+    assert "Permission denied" in why and "TERAFLOPS_CACHE" in why and "\n" not in why
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_the_unit4_lecture_compiles_as_warmup_does():
+    """Inductor's cache keys follow the generated code (threads, sizes): warmup's compile_course mirrors
+    the lecture's calls, and a lecture that changes them must change it too."""
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).parents[1] / "notebooks" / "04_compilation.ipynb").read_text())
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    for call in ('if p.device == "cpu":\n    torch.set_num_threads(1)', "decode.decode_model(p, dtype=torch.float32)",
+                 "cache = model.new_cache(1)", "decode.compile_decode(model, cache)",
+                 "for dynamic in (False, None, True):\n"
+                 "    r = decode.recompile_demo(seq_lens=(8, 9, 10), dynamic=dynamic)"):
+        assert call in code, f"the Unit 4 lecture no longer does {call!r}: update teraflops.warmup.compile_course"
+
+
+_LEARNER = r'''
+import json, os, time
+import teraflops  # seeds the compile caches from the host's
+from teraflops import decode, sizing, warmup, zero
+from teraflops.sizing import PRESETS, data_parallel_plan
+
+t0 = time.perf_counter()
+runs = zero.run_zero(stages=(1,), plan=data_parallel_plan(PRESETS["tiny"]), steps=2)  # a first ZeRO run
+zero_s = time.perf_counter() - t0
+import torch
+from torch._dynamo.utils import counters
+
+p = sizing.preset()
+if p.device == "cpu":
+    torch.set_num_threads(1)  # the Unit 4 lecture, as it runs
+model = decode.decode_model(p, dtype=torch.float32)
+compile_s = decode.compile_decode(model, model.new_cache(1)).compile_seconds
+seen = {}
+def add():
+    for k, v in counters["inductor"].items():
+        seen[k] = seen.get(k, 0) + v
+add()
+for dynamic in (False, None, True):
+    decode.recompile_demo(seq_lens=(8, 9, 10), dynamic=dynamic)  # clears the counters first
+    add()
+print(json.dumps({"stages": [r.stage for r in runs], "inductor": seen, "zero_s": zero_s, "compile_s": compile_s,
+                  "headers": str(warmup.header_dir()),
+                  "dirs": [os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get("TRITON_CACHE_DIR")]}))
+'''
+
+
+def _probe(call: str) -> bool:
+    """A compiler call that builds nothing kept: a version probe; torch's preprocessing of its kernel
+    header (``g++ -E``, hashed on every run: ``_precompile_header`` in torch/_inductor/codecache.py);
+    DeepSpeed's libaio probe (a one-line ``test.c`` compiled and linked in a temporary folder on every
+    run: ``has_function`` in deepspeed/ops/op_builder/builder.py)."""
+    import re
+
+    return (all(arg in ("--version", "-v") or arg.startswith("-dump") for arg in call.split())
+            or " -E " in f" {call} "
+            or re.search(r"/tmp\w+/(test\.c|test\.o) ", f"{call} ") is not None)
+
+
+def _as_user(user: str, argv: list, stage) -> list:
+    """``argv`` run as ``user``; where this interpreter lies in a folder others cannot enter (here
+    /root/.pyenv), in a mount namespace of its own that shows just the interpreter's folder there,
+    as a workshop's shared environment would be (the host's mounts are not touched)."""
+    import stat
+    from pathlib import Path
+
+    prefix = Path(os.path.realpath(sys.executable)).parents[1]
+    shut = next((p for p in reversed(prefix.parents) if p != Path("/") and not p.stat().st_mode & stat.S_IXOTH), None)
+    run = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--", *argv]
+    if shut is None:
+        return run
+    script = (f"mount --bind {prefix} {stage} && mount -t tmpfs -o mode=755 tmpfs {shut} && mkdir -p {prefix} && "
+              f'mount --bind {stage} {prefix} && exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *run]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="needs root on Linux (a second Unix user)")
+def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
+    """Acceptance of issue 20 item 3: root runs `teraflops warmup`; a new non-root user's first ZeRO run
+    and first torch.compile of the Unit 4 lecture then start no compiler (a logging g++/c++ first on
+    both PATHs), leave the op's ninja log untouched, hit Inductor's cache for every graph and add no
+    kernel to the caches seeded from the host's."""
+    import json
+    import pwd
+    import shutil
+    import stat
+    import tempfile
+    from contextlib import suppress
+    from pathlib import Path
+
+    import psutil
+
+    from teraflops import warmup
+
+    base = Path(tempfile.mkdtemp(prefix="teraflops-warm-test-"))
+    base.chmod(0o755)
+    warm, home, tools, stage = base / "warm", base / "home", base / "bin", base / "stage"
+    user = f"tfwarm{os.getpid() % 100000}"
+    subprocess.run(["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/usr/sbin/nologin", user],
+                   check=True, capture_output=True)
+    learner = None
+    try:
+        tools.mkdir()
+        for cc in ("g++", "c++", "gcc", "cc"):  # host and learner alike: `g++ -v` (in Inductor's keys) reads the same
+            (tools / cc).write_text(f'#!/bin/sh\necho "$*" >> "${{COMPILERS_LOG:-/dev/null}}"\n'
+                                    f'exec /usr/bin/{cc} "$@"\n')
+            (tools / cc).chmod(0o755)
+        # the host's shell has the environment's bin/ first (an activated venv: the wheel's ninja 1.13), the
+        # learner's kernel not (Debian's ninja 1.11 first): the op's builds and ranks must not care
+        host = subprocess.run([sys.executable, "-m", "teraflops", "warmup", "--dest", str(warm)], capture_output=True,
+                              text=True, timeout=900, stdin=subprocess.DEVNULL,
+                              env={**os.environ, "PATH": f"{tools}:{Path(sys.executable).parent}:{os.environ['PATH']}"})
+        assert host.returncode == 0, host.stdout[-2000:] + host.stderr[-2000:]
+        uid = pwd.getpwnam(user).pw_uid
+        for folder in (home, home / "tmp", stage):
+            folder.mkdir()
+            os.chown(folder, uid, uid)
+        (base / "learner.py").write_text(_LEARNER)
+        env = {"HOME": str(home), "USER": user, "LOGNAME": user, "TMPDIR": str(home / "tmp"),
+               "PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin", "COMPILERS_LOG": str(home / "compilers.log"),
+               "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+               warmup.WARM_ENV: str(warm), **{k: v for k, v in os.environ.items() if k == "CUDA_VISIBLE_DEVICES"}}
+        learner = subprocess.Popen(_as_user(user, [sys.executable, str(base / "learner.py")], stage), env=env,
+                                   cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True, stdin=subprocess.DEVNULL)
+        out, err = learner.communicate(timeout=600)
+        assert learner.returncode == 0, out[-2000:] + err[-3000:]
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["stages"] == [1]
+        calls = (home / "compilers.log").read_text().splitlines() if (home / "compilers.log").exists() else []
+        built = [c for c in calls if not _probe(c)]
+        assert built == [], f"the learner compiled: {built[:3]}"
+        ops = list(warm.glob("torch_extensions/*/deepspeed_shm_comm"))
+        assert len(ops) == 1, ops
+        mine = home / ".cache" / "teraflops" / "torch_extensions" / ops[0].parent.name / "deepspeed_shm_comm"
+        assert (mine / ".ninja_log").read_bytes() == (ops[0] / ".ninja_log").read_bytes()  # ninja ran no step
+        assert got["inductor"].get("fxgraph_cache_hit", 0) >= 7 and not got["inductor"].get("fxgraph_cache_miss")
+        assert not got["inductor"].get("fxgraph_cache_bypass")
+        print(f"learner: ZeRO run {got['zero_s']:.1f} s, compile_decode {got['compile_s']:.1f} s, "
+              f"Inductor {got['inductor']}")
+        inductor = Path(got["dirs"][0])
+        assert inductor == home / ".cache" / "teraflops" / "inductor"
+        theirs = {p.relative_to(warm / "compile" / "inductor") for p in (warm / "compile" / "inductor").rglob("*")
+                  if p.is_file()}
+        new = {p.relative_to(inductor) for p in inductor.rglob("*") if p.is_file()} - theirs
+        assert {p for p in new if p.parts[0] != "locks"} == {Path(warmup.SEEDED)}, sorted(new)[:5]
+        headers = Path(got["headers"])
+        assert headers.is_relative_to(home / "tmp")
+        assert all(p.is_symlink() for p in headers.iterdir() if p.name != "locks")  # no header built
+        assert all(stat.S_IMODE(p.lstat().st_mode) & 0o004 for p in warm.rglob("*") if not p.is_symlink())
+    finally:
+        if learner is not None and learner.poll() is None:
+            os.killpg(learner.pid, signal.SIGKILL)
+            learner.wait()
+        with suppress(KeyError, psutil.Error):
+            uid = pwd.getpwnam(user).pw_uid
+            for proc in psutil.process_iter(["uids"]):  # what the learner's run left: by pid, the user is ours
+                if proc.info["uids"] and proc.info["uids"].real == uid:
+                    proc.kill()
+        subprocess.run(["userdel", user], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)

@@ -4,7 +4,9 @@ Importing the package is cheap (it imports neither torch nor Triton, so the ``te
 answers at once), yet Triton still runs the right way on this machine: how it runs (compiled on a
 GPU, the interpreter on CPU, :func:`teraflops.machine.configure_triton`) is decided before Triton is
 first imported, by an import hook, so ``TRITON_INTERPRET`` is set before any ``@triton.jit``
-decorator runs. If torch or Triton is already imported, it is decided at once.
+decorator runs. If torch or Triton is already imported, it is decided at once. Where a workshop
+host ran ``teraflops warmup``, the import also seeds this user's torch.compile caches from the
+host's (:func:`teraflops.warmup.seed_compile_caches`; without one it costs one failed ``open``).
 """
 
 import importlib.abc as _abc
@@ -48,6 +50,10 @@ if "TRITON_INTERPRET" not in _os.environ:
 from .errors import install_notebook_hooks as _install_notebook_hooks  # noqa: E402
 
 _install_notebook_hooks()  # an unfinished lab exercise reads as one line in a notebook
+
+from .warmup import seed_compile_caches as _seed_compile_caches  # noqa: E402
+
+_seed_compile_caches()  # a workshop host's `teraflops warmup`: torch.compile finds its kernels built
 
 __version__ = "0.1.0"
 __all__ = ["Machine", "detect", "__version__"]

@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
                     help="the command and its arguments, after -- (sinfo, squeue, sbatch, srun, scancel, sacct)")
 
-    warm = sub.add_parser("warmup", help="the workshop host: build DeepSpeed's CPU op once into a cache every learner reads")
+    warm = sub.add_parser("warmup", help="the workshop host: build DeepSpeed's CPU op and the course's "
+                                         "torch.compile kernels once, into a cache every learner reads")
     warm.add_argument("--dest", type=Path, help="default: $TERAFLOPS_WARM_CACHE or /var/cache/teraflops")
 
     triage = sub.add_parser("triage", help="is a profiled step compute-, memory-, overhead- or communication-bound?")
@@ -346,9 +347,15 @@ def _cmd_labs(args: argparse.Namespace) -> int:
 
 def _cmd_warmup(args: argparse.Namespace) -> int:
     from .distributed import build_warm_cache
+    from .warmup import build_compile_cache, warm_dir
 
-    op = build_warm_cache(args.dest)
-    print(f"built {op} (readable by all); learners' runs copy it into their own cache and compile nothing")
+    dest = args.dest or warm_dir()
+    op = build_warm_cache(dest)
+    compiled = build_compile_cache(dest)
+    print(f"built DeepSpeed's CPU op: {op}")
+    for what in compiled:
+        print(f"compiled: {what}")
+    print(f"all in {dest}, readable by all; learners' runs copy it into their own caches and compile nothing")
     return 0
 
 

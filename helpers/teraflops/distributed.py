@@ -21,8 +21,6 @@ attempt only, so that an elastic restart (torchrun ``--max-restarts``) recovers.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -43,6 +41,7 @@ from . import loopback, sbatch, stale
 from .errors import CourseError
 from .slurm import host as slurm_host
 from .teardown import uninterruptible
+from .warmup import cache_dir, env_key, with_ninja  # cache_dir's home is warmup; notebooks name it here
 
 RESULTS_ENV, FAULT_ENV, FAULT_KINDS = "TERAFLOPS_RESULTS_DIR", "TERAFLOPS_FAULT", ("kill", "hang", "raise")
 _WRAPPER = Path(__file__).with_name("workers") / "_rank.py"
@@ -63,13 +62,6 @@ class OpBuildFailed(CourseError, RuntimeError):
     """A DeepSpeed op did not compile; the message has the compiler's last line and the log's path."""
 
 
-def cache_dir() -> Path:
-    """``$TERAFLOPS_CACHE`` or ``~/.cache/teraflops`` (created): compiled ops and other caches."""
-    path = Path(os.environ.get("TERAFLOPS_CACHE") or Path.home() / ".cache" / "teraflops")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def _extensions_dir() -> Path:
     """``$TORCH_EXTENSIONS_DIR``, else one folder per Python environment under :func:`cache_dir`.
 
@@ -78,8 +70,7 @@ def _extensions_dir() -> Path:
     """
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    env = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
-    return cache_dir() / "torch_extensions" / f"py{sys.version_info[0]}{sys.version_info[1]}-{env}"
+    return cache_dir() / "torch_extensions" / env_key()
 
 
 def free_port() -> int:
@@ -123,7 +114,9 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
     Every rendezvous store of a one-node run listens on 127.0.0.1 only, those of a multi-node run on
     their node's address (:mod:`teraflops.loopback`). ``timeout`` (s) covers the
     whole launch. Ranks get the placement's environment, ``TORCH_EXTENSIONS_DIR`` under
-    :func:`cache_dir` unless set, then ``env``. ``verbose`` prints their output as it comes.
+    :func:`cache_dir` unless set, ``PATH`` with the Python environment's ninja first
+    (:func:`teraflops.warmup.with_ninja`: loading an op runs ninja), then ``env``. ``verbose``
+    prints their output as it comes.
 
     ``cluster`` (a :class:`teraflops.cluster.Cluster` that is up) runs it multi-node, as on a real
     cluster: one torchrun agent per emulated node (``--nnodes K --nproc-per-node``, c10d
@@ -185,7 +178,7 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
 
         args = [*args, "--spec", str(wire.write(spec, results / "spec.json"))]
     course = {"TORCH_EXTENSIONS_DIR": str(_extensions_dir()), RESULTS_ENV: str(results), "PYTHONUNBUFFERED": "1",
-              "PYTHONFAULTHANDLER": "1"}
+              "PYTHONFAULTHANDLER": "1", **{k: v for k, v in with_ninja(os.environ).items() if k == "PATH"}}
     user = {k: str(v) for k, v in (env or {}).items()}
     child_env = {**os.environ, **course, **where.env, **stale.owner_env(), **user}
     procs, keep, watchdog = [], False, None  # the results directory is kept for a LaunchFailed, which names it
@@ -572,8 +565,8 @@ def _build_once(ext: Path, log_path: Path, timeout: float) -> tuple[int | None, 
                                     stderr=subprocess.STDOUT, start_new_session=True,
                                     # a CPU rank's environment (GPUs hidden) and accelerator, also where this
                                     # process sees a GPU: CUDA's accelerator has no such builder, nothing is built
-                                    env={**os.environ, **place(1, gpus=False).rank_env(),
-                                         "TORCH_EXTENSIONS_DIR": str(ext), "DS_ACCELERATOR": "cpu"})
+                                    env=with_ninja({**os.environ, **place(1, gpus=False).rank_env(),
+                                                    "TORCH_EXTENSIONS_DIR": str(ext), "DS_ACCELERATOR": "cpu"}))
         with tqdm(desc="compiling DeepSpeed's CPU comm op (once)", bar_format="{desc}: {elapsed}") as bar:
             while proc.poll() is None and time.monotonic() - start < timeout:
                 time.sleep(0.5)
@@ -595,6 +588,8 @@ def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None
     :func:`cache_dir`, keeps the wait out of a launch's timeout. With CUDA there is no such op.
     ``cpu`` says whether the ranks run on CPU (default: when this process sees no GPU); ranks whose
     GPUs are hidden (``CUDA_VISIBLE_DEVICES=""``) need the op although this process sees one.
+    The build runs the Python environment's ninja (:func:`teraflops.warmup.with_ninja`), as the
+    ranks do, and a host's warm build (``teraflops warmup``) is copied in first if there is one.
 
     Raises:
         OpBuildFailed: the build failed (it needs g++ and ninja) or took over ``timeout`` s.
@@ -602,11 +597,11 @@ def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None
     from . import warmup
     from .machine import detect
 
-    ext, v = _extensions_dir(), importlib.metadata.version
-    stamp = ext / _SHM_OP / f".built-deepspeed{v('deepspeed')}-torch{v('torch')}"
     cpu = detect().device != "cuda" if cpu is None else cpu
     if not cpu or sys.platform != "linux":
         return
+    ext = _extensions_dir()
+    stamp = ext / _SHM_OP / warmup.op_stamp()
     why = warmup.unwritable_reason(ext)  # a TERAFLOPS_CACHE of another user
     if why:
         raise OpBuildFailed(why)
@@ -654,8 +649,9 @@ class Worker:
 
 
 def build_warm_cache(dest: Path | None = None) -> Path:
-    """``teraflops warmup``: build DeepSpeed's CPU op into ``dest`` (default
-    :func:`teraflops.warmup.warm_dir`) and make it readable by all (:mod:`teraflops.warmup`).
+    """The op half of ``teraflops warmup`` (the other: :func:`teraflops.warmup.build_compile_cache`):
+    build DeepSpeed's CPU op into ``dest`` (default :func:`teraflops.warmup.warm_dir`) and make it
+    readable by all.
 
     Returns the op folder. Raises :class:`OpBuildFailed` if the build fails.
     """
