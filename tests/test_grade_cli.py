@@ -1,8 +1,11 @@
-"""``teraflops grade``: the learner's own error, any file name, --unit, --json, progress while a cell runs."""
+"""``teraflops grade``: the learner's own error, any file name, --unit, --json, --out (JSON, JUnit XML) naming
+the learner, progress while a cell runs."""
 
 from __future__ import annotations
 
 import json
+import os
+import pwd
 from pathlib import Path
 
 import nbformat
@@ -42,11 +45,14 @@ def test_grade_shows_the_learners_syntax_error_and_its_line(my_try, capsys):
 
 
 @pytest.mark.slow
-def test_grade_json_has_the_shape_a_workshop_host_gathers(my_try, capsys):
-    assert cli.main(["grade", str(my_try), "--json"]) == 1
+def test_grade_json_has_the_shape_a_workshop_host_gathers(my_try, tmp_path, capsys):
+    out = tmp_path / "learner.json"
+    assert cli.main(["grade", str(my_try), "--json", "--out", str(out)]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"notebook", "unit", "checks", "passed", "total"}
+    assert json.loads(out.read_text()) == report  # --out writes what --json prints
+    assert set(report) == {"notebook", "unit", "learner", "checks", "passed", "total"}
     assert report["notebook"] == "my_try.ipynb" and report["unit"] == 1
+    assert report["learner"] == pwd.getpwuid(os.geteuid()).pw_name  # the Unix user the notebook ran as
     assert report["total"] == len(report["checks"]) == 6 and report["passed"] == 0
     first = report["checks"][0]
     assert set(first) == {"name", "passed", "message"} and first["passed"] is False
@@ -105,3 +111,80 @@ def test_a_long_cell_shows_its_elapsed_time_while_it_runs(tmp_path, capsys, monk
     assert execute_cells(make_client(nb, path, 60), nb, "long") == []
     err = capsys.readouterr().err
     assert "cell 0: 2 s" in err and "cell 0: 3 s" in err, err
+
+
+def _report(learner="alice"):
+    from teraflops.grading.report import GradeReport, GradeRow
+
+    return GradeReport("my_try.ipynb", (GradeRow("Exercise 1 (a)", "passed"),
+                                        GradeRow("Exercise 2 (b)", "failed", "expected shape (4,), got (3,)"),
+                                        GradeRow("Exercise 3 (c)", "not attempted")), unit=3, learner=learner)
+
+
+def test_junit_has_one_testcase_per_exercise_and_the_reason_of_each_failure(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    path = _report().write(tmp_path / "alice.xml")
+    suite = ET.parse(path).getroot().find("testsuite")
+    assert suite.get("name") == "alice/my_try.ipynb"
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("3", "2", "0")
+    props = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    assert props == {"learner": "alice", "unit": "3"}
+    cases = suite.findall("testcase")
+    assert [c.get("name") for c in cases] == ["Exercise 1 (a)", "Exercise 2 (b)", "Exercise 3 (c)"]
+    assert {c.get("classname") for c in cases} == {"alice.my_try"}
+    assert cases[0].find("failure") is None
+    assert cases[1].find("failure").attrib == {"message": "expected shape (4,), got (3,)", "type": "ExerciseFailed"}
+    assert cases[2].find("failure").attrib == {"message": "not attempted", "type": "NotAttempted"}
+    assert [p.name for p in tmp_path.iterdir()] == ["alice.xml"]  # the temporary file is gone
+
+
+def _fake_grade(calls, report):
+    def grade(path, timeout=120, unit=None):
+        calls.append(path)
+        return report
+    return grade
+
+
+@pytest.mark.parametrize("suffix", [".json", ".xml"])
+def test_grade_out_writes_the_report_a_host_gathers(suffix, tmp_path, monkeypatch, capsys):
+    from teraflops.grading import grader
+
+    calls = []
+    monkeypatch.setattr(grader, "grade", _fake_grade(calls, _report("bob")))
+    nb = tmp_path / "my_try.ipynb"
+    nb.write_text("{}")
+    out = tmp_path / f"bob{suffix}"
+    assert cli.main(["grade", str(nb), "--out", str(out)]) == 1  # two exercises not passed
+    assert "score: 1/3" in capsys.readouterr().out  # the table still shows
+    text = out.read_text()
+    if suffix == ".json":
+        report = json.loads(text)
+        assert report["learner"] == "bob" and report["passed"] == 1 and report["total"] == 3
+        assert report["checks"][1] == {"name": "Exercise 2 (b)", "passed": False,
+                                       "message": "expected shape (4,), got (3,)"}
+    else:
+        assert '<testcase classname="bob.my_try" name="Exercise 3 (c)">' in text and 'type="NotAttempted"' in text
+
+
+@pytest.mark.parametrize("out, wrong", [("grades/alice.json", "no folder"), ("alice.txt", "not '.txt'"),
+                                        ("alice", "not 'no suffix'")])
+def test_grade_out_that_cannot_be_written_is_refused_before_grading(out, wrong, tmp_path, monkeypatch, capsys):
+    from teraflops.grading import grader
+
+    calls = []
+    monkeypatch.setattr(grader, "grade", _fake_grade(calls, _report()))
+    nb = tmp_path / "my_try.ipynb"
+    nb.write_text("{}")
+    assert cli.main(["grade", str(nb), "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert calls == [] and len(err) == 1 and err[0].startswith("error: --out ") and wrong in err[0], err
+    assert "Hint: " in err[0]
+
+
+def test_the_learner_is_the_unix_user_not_the_environment(monkeypatch):
+    from teraflops.grading.report import current_user
+
+    monkeypatch.setenv("USER", "somebody-else")
+    monkeypatch.setenv("LOGNAME", "somebody-else")
+    assert current_user() == pwd.getpwuid(os.geteuid()).pw_name

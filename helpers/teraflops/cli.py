@@ -9,8 +9,9 @@ Subcommands::
     teraflops preflight [--only CHECK]  every GPU path at small sizes, before a session (exit 0 if all pass)
     teraflops lab [--port P] [--ip A]   start JupyterLab on the course folder, on loopback by default,
                                         and print its URL with the token
-    teraflops grade NOTEBOOK [--unit N] [--json]
-                                        check a lab notebook's exercises (any file name)
+    teraflops grade NOTEBOOK [--unit N] [--json] [--out FILE.json|FILE.xml]
+                                        check a lab notebook's exercises (any file name); --out writes
+                                        the report (JSON or JUnit XML, naming the learner) for a host
     teraflops bench attention [...]     Triton FlashAttention vs SDPA on this machine, as ratios
     teraflops labs build|check|refresh  generate labs/ from solutions/, check they agree, or
                                         (maintainers) re-execute notebooks keeping nbval-checked outputs
@@ -79,8 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--unit", type=int, metavar="N",
                        help="the lab's unit (default: the notebook's metadata, else its NN_ file-name prefix)")
     grade.add_argument("--json", action="store_true",
-                       help='print one JSON object {"notebook", "unit", "checks": [{"name", "passed", "message"}], '
-                            '"passed", "total"} instead of the table')
+                       help='print one JSON object {"notebook", "unit", "learner", "checks": [{"name", "passed", '
+                            '"message"}], "passed", "total"} instead of the table')
+    grade.add_argument("--out", type=Path, metavar="FILE",
+                       help="also write the report to FILE: FILE.json (the --json object) or FILE.xml (JUnit XML, "
+                            "one testcase per exercise), for a workshop host to gather")
 
     bench = sub.add_parser("bench", help="benchmark the course's Triton FlashAttention against SDPA")
     bench.add_argument("what", choices=["attention"])
@@ -305,6 +309,10 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
 def _cmd_grade(args: argparse.Namespace) -> int:
     if not args.notebook.is_file():  # at once: the grader imports torch (seconds on a busy machine)
         raise CourseError(f"no such notebook: {args.notebook}")
+    if args.out is not None:  # at once too, not after minutes of grading
+        from .grading.report import check_out_path
+
+        check_out_path(args.out)
     print(f"grading {args.notebook} (starting a kernel) ...", file=sys.stderr, flush=True)
     from .grading.grader import grade
 
@@ -315,6 +323,8 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         print(json.dumps(report.as_json(), ensure_ascii=False))
     else:
         print(report.table())
+    if args.out is not None:
+        print(f"wrote {report.write(args.out)}", file=sys.stderr)
     return 0 if report.all_passed else 1
 
 

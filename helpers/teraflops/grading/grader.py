@@ -8,55 +8,20 @@ executed cells' outputs (nbformat's output types ``stream`` and ``error``,
 https://nbformat.readthedocs.io/en/latest/format_description.html#code-cell-outputs). When a
 check cell could not run the learner's code, the learner's own failed cell above it is named
 instead (:func:`cell_error`). Every exercise registered for the lab's unit gets a row.
+What it returns, and writes for a workshop host, is a :class:`~teraflops.grading.report.GradeReport`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CourseError
-from ..tables import table
 from . import unit01, unit02, unit03, unit04, unit05, unit06  # noqa: F401 - registers the units' exercises
 from .core import PASS_MARK, REGISTRY, Exercise
+from .report import GradeReport, GradeRow, current_user
 
-
-@dataclass(frozen=True)
-class GradeRow:
-    exercise: str
-    status: str  # "passed", "failed", "not attempted"
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class GradeReport:
-    notebook: str
-    rows: tuple[GradeRow, ...]
-    unit: int | None = None
-
-    @property
-    def passed(self) -> int:
-        return sum(r.status == "passed" for r in self.rows)
-
-    @property
-    def all_passed(self) -> bool:
-        return bool(self.rows) and self.passed == len(self.rows)
-
-    def table(self) -> str:
-        """Exercise and result in a table; the reason for each failure on its own line below it."""
-        body = [(r.exercise, r.status + (f" [{i}]" if r.detail else "")) for i, r in enumerate(self.rows, 1)]
-        notes = [f"[{i}] {r.detail}" for i, r in enumerate(self.rows, 1) if r.detail]
-        return "\n".join([self.notebook, table(body, ["exercise", "result"]), *notes,
-                          f"score: {self.passed}/{len(self.rows)}"])
-
-    def as_json(self) -> dict:
-        """``teraflops grade --json``: ``{"notebook", "unit", "checks": [{"name", "passed", "message"}],
-        "passed", "total"}``; ``message`` is the failure's reason, ``"not attempted"``, or ``""``."""
-        checks = [{"name": r.exercise, "passed": r.status == "passed",
-                   "message": r.detail or ("" if r.status == "passed" else r.status)} for r in self.rows]
-        return {"notebook": self.notebook, "unit": self.unit, "checks": checks,
-                "passed": self.passed, "total": len(self.rows)}
+__all__ = ["grade", "unit_of", "cell_error", "GradeReport", "GradeRow"]
 
 
 def _outputs(cell) -> tuple[list[str], list[tuple[str, str]]]:
@@ -199,4 +164,4 @@ def grade(path: str | Path, timeout: int = 600, unit: int | None = None) -> Grad
         raise CourseError(f"{path.name} has no check cells: grade a lab (labs/), not a lecture")
     client = make_client(nb, path, timeout, allow_errors=True)
     execute_cells(client, nb, f"grading {path.name}", stop_on_error=False)
-    return GradeReport(path.name, tuple(_result_for(ex, code) for ex in exercises), unit)
+    return GradeReport(path.name, tuple(_result_for(ex, code) for ex in exercises), unit, current_user())
