@@ -472,7 +472,11 @@ def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
         env = {"HOME": str(home), "USER": user, "LOGNAME": user, "TMPDIR": str(home / "tmp"),
                "PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin", "COMPILERS_LOG": str(home / "compilers.log"),
                "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-               warmup.WARM_ENV: str(warm), **{k: v for k, v in os.environ.items() if k == "CUDA_VISIBLE_DEVICES"}}
+               warmup.WARM_ENV: str(warm),
+               # as the host's: torch reads CI into a default of its functorch config (error_on_custom_op_aliasing
+               # = bool(os.getenv("CI")), torch/_functorch/config.py), and that config is part of AOTAutograd's
+               # cache key; under CI=true (a CI machine) a learner without it missed every AOTAutograd entry
+               **{k: v for k, v in os.environ.items() if k in ("CUDA_VISIBLE_DEVICES", "CI")}}
         learner = subprocess.Popen(_as_user(user, [sys.executable, str(base / "learner.py")], stage), env=env,
                                    cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    start_new_session=True, stdin=subprocess.DEVNULL)
