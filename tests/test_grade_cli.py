@@ -168,14 +168,20 @@ def test_grade_out_writes_the_report_a_host_gathers(suffix, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("out, wrong", [("grades/alice.json", "no folder"), ("alice.txt", "not '.txt'"),
-                                        ("alice", "not 'no suffix'")])
+                                        ("alice", "not 'no suffix'"), ("", "a folder"), ("..", "a folder"),
+                                        ("afile/alice.xml", "is a file, not a folder"),
+                                        ("locked/alice.xml", "you cannot write in")])
 def test_grade_out_that_cannot_be_written_is_refused_before_grading(out, wrong, tmp_path, monkeypatch, capsys):
-    from teraflops.grading import grader
+    from teraflops.grading import grader, report
 
     calls = []
     monkeypatch.setattr(grader, "grade", _fake_grade(calls, _report()))
     nb = tmp_path / "my_try.ipynb"
     nb.write_text("{}")
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "locked").mkdir()
+    real = os.access  # root may write anywhere: the learner's view of a folder of the host's, for "locked"
+    monkeypatch.setattr(report.os, "access", lambda p, mode: real(p, mode) and Path(p).name != "locked")
     assert cli.main(["grade", str(nb), "--out", str(tmp_path / out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert calls == [] and len(err) == 1 and err[0].startswith("error: --out ") and wrong in err[0], err

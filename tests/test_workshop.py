@@ -516,3 +516,24 @@ def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
                     proc.kill()
         subprocess.run(["userdel", user], capture_output=True)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_python_behind_a_folder_others_cannot_enter_is_named():
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from teraflops import warmup
+
+    base = Path(tempfile.mkdtemp(prefix="teraflops-closed-"))  # not under pytest's tmp_path: that is mode 700
+    try:
+        base.chmod(0o755)
+        env = base / "home" / "me" / "venv" / "bin"
+        env.mkdir(parents=True)
+        (base / "home").chmod(0o755)
+        (base / "home" / "me").chmod(0o700)  # a pyenv under a mode-700 /root, say
+        assert warmup.closed_to_others([env / "python"]) == base / "home" / "me"
+        (base / "home" / "me").chmod(0o711)  # others may pass through (not list): learners can run it
+        assert warmup.closed_to_others([env / "python"]) is None
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -359,6 +359,13 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     from .distributed import build_warm_cache
     from .warmup import build_compile_cache, warm_dir
 
+    from .warmup import WARM_ENV, closed_to_others
+
+    closed = closed_to_others()
+    if closed is not None:
+        print(f"warning: other users cannot enter {closed}, on the way to this Python ({sys.executable}): "
+              f"learners' kernels cannot run it. Hint: install the course's environment where every user can "
+              f"read it (e.g. /opt/teraflops)", file=sys.stderr)
     dest = args.dest or warm_dir()
     op = build_warm_cache(dest)
     compiled = build_compile_cache(dest)
@@ -366,6 +373,9 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     for what in compiled:
         print(f"compiled: {what}")
     print(f"all in {dest}, readable by all; learners' runs copy it into their own caches and compile nothing")
+    if Path(dest).resolve() != warm_dir().resolve() or os.environ.get(WARM_ENV):
+        print(f"learners find it only with {WARM_ENV}={dest} in their environment (JupyterHub: "
+              f"c.Spawner.environment = {{{WARM_ENV!r}: {str(dest)!r}}})")
     return 0
 
 

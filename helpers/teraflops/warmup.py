@@ -402,3 +402,18 @@ def build_compile_cache(dest: Path, timeout: float = 1800) -> list[str]:
 def _main() -> None:  # build_compile_cache's process
     for line in compile_course():
         print("compiled:", line, flush=True)
+
+
+def closed_to_others(paths=None) -> Path | None:
+    """The first folder on the way to this Python (its real interpreter and ``sys.prefix``; or ``paths``)
+    that other users cannot enter (no search permission for others), else None: learners' kernels, run
+    as their own users, cannot start this Python then (a pyenv under a mode-700 ``/root``, say)."""
+    import sys
+
+    for target in paths or (os.path.realpath(sys.executable), sys.prefix):
+        target = Path(target)
+        for folder in [*reversed(target.parents), target]:
+            with suppress(OSError):
+                if folder.is_dir() and not folder.stat().st_mode & stat.S_IXOTH:
+                    return folder
+    return None

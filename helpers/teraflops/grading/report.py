@@ -26,14 +26,26 @@ def check_out_path(path: str | Path) -> Path:
     """``path`` as a report file to write, checked before any grading starts.
 
     Raises:
-        CourseError: a suffix other than ``.json`` / ``.xml``, or a folder that does not exist.
+        CourseError: an empty path or a folder, a suffix other than ``.json`` / ``.xml``, a parent that
+            does not exist or is not a folder, or a folder this user cannot write in.
     """
+    text = str(path)
     path = Path(path)
+    if not text.strip() or path.is_dir() or not path.name or path.name in (".", ".."):
+        raise CourseError(f"--out {text!r}: that is a folder, not a report file. "
+                          f"Hint: --out {Path(text or '.') / 'grades.json'}")
     if path.suffix.lower() not in FORMATS:
         raise CourseError(f"--out {path}: a report is .json (JSON) or .xml (JUnit XML), not "
-                          f"'{path.suffix or 'no suffix'}'. Hint: --out {path.with_suffix('.json').name}")
-    if not path.parent.is_dir():
-        raise CourseError(f"--out {path}: no folder {path.parent}. Hint: mkdir -p {path.parent}")
+                          f"'{path.suffix or 'no suffix'}'. Hint: --out {path.with_suffix('.json')}")
+    parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        raise CourseError(f"--out {path}: {parent} is a file, not a folder. Hint: write the report elsewhere, "
+                          f"e.g. --out {path.name}")
+    if not parent.is_dir():
+        raise CourseError(f"--out {path}: no folder {parent}. Hint: mkdir -p {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CourseError(f"--out {path}: you cannot write in {parent}. Hint: write it in a folder of yours "
+                          f"(your home), and have the host copy it from there")
     return path
 
 
