@@ -413,11 +413,12 @@ def _as_user(user: str, argv: list, stage) -> list:
     """``argv`` run as ``user``; where this interpreter lies in a folder others cannot enter (here
     /root/.pyenv), in a mount namespace of its own that shows just the interpreter's folder there,
     as a workshop's shared environment would be (the host's mounts are not touched)."""
-    import stat
     from pathlib import Path
 
+    from teraflops.warmup import closed_to_others
+
     prefix = Path(os.path.realpath(sys.executable)).parents[1]
-    shut = next((p for p in reversed(prefix.parents) if p != Path("/") and not p.stat().st_mode & stat.S_IXOTH), None)
+    shut = closed_to_others([prefix.parent])  # the first folder above the prefix that others cannot enter
     run = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--", *argv]
     if shut is None:
         return run

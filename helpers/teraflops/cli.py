@@ -357,9 +357,7 @@ def _cmd_labs(args: argparse.Namespace) -> int:
 
 def _cmd_warmup(args: argparse.Namespace) -> int:
     from .distributed import build_warm_cache
-    from .warmup import build_compile_cache, warm_dir
-
-    from .warmup import WARM_ENV, closed_to_others
+    from .warmup import WARM_ENV, build_compile_cache, closed_to_others, warm_dir
 
     closed = closed_to_others()
     if closed is not None:
