@@ -27,8 +27,9 @@ def zero_tiny_runs():
     DeepSpeed shared-memory files it left in /dev/shm; shared by test_zero and test_cluster."""
     from pathlib import Path
 
-    from teraflops import zero
-    from teraflops.sizing import PRESETS, data_parallel_plan
+    from teraflops.parallelization import zero
+    from teraflops.sizing import PRESETS
+    from teraflops.launch.placement import data_parallel_plan
 
     def shm():
         return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
@@ -42,8 +43,9 @@ def zero_tiny_runs():
 def remedies_tiny_run():
     """Every remedy setting in one launch of four gloo ranks at the tiny preset; shared by
     test_remedies and test_cluster."""
-    from teraflops import remedies
-    from teraflops.sizing import data_parallel_plan, preset
+    from teraflops.hardware import remedies
+    from teraflops.sizing import preset
+    from teraflops.launch.placement import data_parallel_plan
 
     p = preset("tiny")
     return remedies.run(plan=data_parallel_plan(p, ranks_cpu=p.remedy.ranks_cpu), timeout=240)

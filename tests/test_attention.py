@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from teraflops import attention, sizing
+from teraflops import sizing
+from teraflops.model_definition import attention
 from teraflops.errors import ShapeError
 from teraflops.machine import triton_mode
 

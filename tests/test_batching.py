@@ -1,12 +1,12 @@
-"""Tests for teraflops.batching: the dynamic-batching server on hand-checkable cases."""
+"""Tests for teraflops.compilation.batching: the dynamic-batching server on hand-checkable cases."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from teraflops import batching as bt
-from teraflops.batching import BatchingError, dynamic_batch_policy, simulate_server
+from teraflops.compilation import batching as bt
+from teraflops.compilation.batching import BatchingError, dynamic_batch_policy, simulate_server
 
 
 def const(seconds):

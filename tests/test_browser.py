@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from teraflops import cli
+from teraflops.course import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -39,14 +39,14 @@ pytestmark = [
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 
 WIDGETS = {  # lecture widget -> the code that shows it, as the lectures call them (given inputs, not measured)
-    "attention_memory_widget": "from teraflops.widgets import attention_memory_widget\nattention_memory_widget();",
-    "model_state_widget": "from teraflops.widgets import model_state_widget\nmodel_state_widget();",
-    "batching_widget": ("from teraflops import batching, widgets\n"
+    "attention_memory_widget": "from teraflops.model_definition.attention import attention_memory_widget\nattention_memory_widget();",
+    "model_state_widget": "from teraflops.parallelization.model_states import model_state_widget\nmodel_state_widget();",
+    "batching_widget": ("from teraflops.compilation import batching\n"
                         "latency = batching.BatchLatency((1, 2, 4, 8, 16), (1e-3, 1.1e-3, 1.3e-3, 1.8e-3, 3e-3))\n"
-                        "widgets.batching_widget(latency, 16, 2.0);"),
-    "gradient_sync_widget": ("from teraflops import alpha_beta, widgets\n"
+                        "batching.batching_widget(latency, 16, 2.0);"),
+    "gradient_sync_widget": ("from teraflops.hardware import alpha_beta, comm_budget\n"
                              "fit = alpha_beta.AlphaBeta(5e-3, 0.4e9, 0.99, 0.1, 'all_reduce', 4)\n"
-                             "widgets.gradient_sync_widget(fit);"),
+                             "comm_budget.gradient_sync_widget(fit);"),
 }
 
 

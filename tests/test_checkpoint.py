@@ -1,4 +1,4 @@
-"""teraflops.checkpoint: atomic save (write, fsync, rename), latest, load; a real SIGKILL mid-write."""
+"""teraflops.orchestration.checkpoint: atomic save (write, fsync, rename), latest, load; a real SIGKILL mid-write."""
 
 import os
 import signal
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from teraflops.checkpoint import CheckpointError, checkpoint_path, latest, load, save_atomic
+from teraflops.orchestration.checkpoint import CheckpointError, checkpoint_path, latest, load, save_atomic
 
 DEAD_PID = 2**22 + 1  # above Linux's largest pid_max: no process has it
 
@@ -62,7 +62,7 @@ def test_a_corrupt_file_gives_a_one_line_error(tmp_path, damage):
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from teraflops.checkpoint import checkpoint_path, save_atomic
+    from teraflops.orchestration.checkpoint import checkpoint_path, save_atomic
     directory, n = sys.argv[1], 4 << 20
     for step in range(1, 1000):
         save_atomic({"step": step, "x": torch.full((n,), float(step))}, checkpoint_path(directory, step))
@@ -101,7 +101,7 @@ def test_a_kill_mid_write_leaves_the_last_complete_checkpoint(tmp_path):
 
 
 def test_save_latest_keeps_only_the_newest_checkpoint(tmp_path):
-    from teraflops.checkpoint import save_latest
+    from teraflops.orchestration.checkpoint import save_latest
 
     for step in (3, 6, 9):
         assert save_latest(state(step), tmp_path, step) == checkpoint_path(tmp_path, step)

@@ -10,9 +10,10 @@ import os
 import nbformat
 import pytest
 
-from teraflops import cli, report
+from teraflops import headlines
+from teraflops.course import cli
 from teraflops.errors import CourseError
-from teraflops.runner import format_summary, format_value, run_units
+from teraflops.course.runner import format_summary, format_value, run_units
 
 
 def _write_notebook(path, *sources):
@@ -29,7 +30,7 @@ def tiny_course(tmp_path_factory):
     (root / "notebooks").mkdir()
     _write_notebook(
         root / "notebooks" / "01_tiny.ipynb",
-        'import teraflops.report\nteraflops.report.record("answer", 42, "x", "The answer")\n'
+        'import teraflops.headlines\nteraflops.headlines.record("answer", 42, "x", "The answer")\n'
         'print("recorded")',
     )
     _write_notebook(
@@ -48,7 +49,7 @@ def cli_run(tiny_course, tmp_path_factory):
     stdout = io.StringIO()  # capsys is function-scoped; this fixture runs once for the module
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
         mp.chdir(tiny_course)
-        mp.delenv(report.ENV_VAR, raising=False)
+        mp.delenv(headlines.ENV_VAR, raising=False)
         code = cli.main(["run", "--out", str(out), "--timeout", "120"])
     return code, stdout.getvalue(), out
 
@@ -91,9 +92,9 @@ def test_run_writes_outputs_and_reports_failures(cli_run):
 
 @pytest.mark.slow
 def test_run_units_results_and_env_restored(tiny_course, tmp_path, monkeypatch):
-    monkeypatch.setenv(report.ENV_VAR, "keep-me")
+    monkeypatch.setenv(headlines.ENV_VAR, "keep-me")
     results = run_units([1], out_dir=tmp_path, html=False, timeout_per_cell=120, root=tiny_course)
-    assert os.environ[report.ENV_VAR] == "keep-me"  # restored after the kernel started
+    assert os.environ[headlines.ENV_VAR] == "keep-me"  # restored after the kernel started
     [r] = results
     assert r.ok and r.error is None and r.name == "01_tiny"
     assert r.headline == {"answer": {"value": 42.0, "unit": "x", "label": "The answer"}}
@@ -101,25 +102,25 @@ def test_run_units_results_and_env_restored(tiny_course, tmp_path, monkeypatch):
 
 
 def test_record_without_env_var_is_a_noop(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv(report.ENV_VAR, raising=False)
+    monkeypatch.delenv(headlines.ENV_VAR, raising=False)
     monkeypatch.chdir(tmp_path)
-    report.record("k", 1.0, "s")
+    headlines.record("k", 1.0, "s")
     assert list(tmp_path.iterdir()) == []
     assert capsys.readouterr() == ("", "")
 
 
 def test_record_updates_entries(tmp_path, monkeypatch):
     path = tmp_path / "r.json"
-    monkeypatch.setenv(report.ENV_VAR, str(path))
-    report.record("a", 1, "s")
-    report.record("b", 2.5, label="B")
-    report.record("a", 3, "ms")
-    assert report.read(path) == {
+    monkeypatch.setenv(headlines.ENV_VAR, str(path))
+    headlines.record("a", 1, "s")
+    headlines.record("b", 2.5, label="B")
+    headlines.record("a", 3, "ms")
+    assert headlines.read(path) == {
         "a": {"value": 3.0, "unit": "ms", "label": "a"},
         "b": {"value": 2.5, "unit": "", "label": "B"},
     }
     assert list(json.loads(path.read_text())) == ["a", "b"]
-    assert report.read(tmp_path / "missing.json") == {}
+    assert headlines.read(tmp_path / "missing.json") == {}
 
 
 def test_unknown_unit_is_a_one_line_error(tiny_course, monkeypatch, capsys):
@@ -160,7 +161,7 @@ def test_checked_output_mismatches_compares_check_cells_as_nbval(tmp_path):
     from nbformat.v4 import new_code_cell, new_notebook, new_output
 
     from teraflops.errors import CourseError
-    from teraflops.runner import checked_output_mismatches
+    from teraflops.course.runner import checked_output_mismatches
 
     def nb(check_text, other_text, path):
         cells = [new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(ok)"), new_code_cell("print(time)")]

@@ -1,4 +1,4 @@
-"""Emulated nodes (teraflops.cluster) and multi-node launches on them.
+"""Emulated nodes (teraflops.nodes.cluster) and multi-node launches on them.
 
 The real tests need Linux, root and iproute2 (CI has them) and skip with the reason elsewhere.
 """
@@ -13,8 +13,8 @@ import time
 import psutil
 import pytest
 
-from teraflops import cluster as cl
-from teraflops.cluster import Cluster, ClusterError, Link
+from teraflops.nodes import cluster as cl
+from teraflops.nodes.cluster import Cluster, ClusterError, Link
 
 REASON = cl.unavailable() if sys.platform == "linux" else "needs Linux"
 NEEDS_NODES = pytest.mark.skipif(REASON is not None, reason=f"emulated nodes unavailable: {REASON}")
@@ -85,7 +85,7 @@ def test_down_reports_only_what_it_removed(monkeypatch):
 
 
 def test_the_cli_rate_is_in_mb_per_s(capsys):
-    from teraflops.cli import main
+    from teraflops.course.cli import main
 
     assert main(["cluster", "up", "--rate", "25e6"]) == 2
     assert "MB/s" in capsys.readouterr().err
@@ -102,7 +102,7 @@ def test_unavailable_says_why_in_one_line(monkeypatch):
 
 
 def test_a_multi_node_launch_needs_torchrun_and_a_cluster_that_is_up():
-    from teraflops.distributed import launch
+    from teraflops.launch.launcher import launch
     from teraflops.errors import CourseError
 
     with pytest.raises(CourseError, match="cluster that is up"):
@@ -155,7 +155,7 @@ def test_nodes_see_only_their_subnet_and_go_away():
 @NEEDS_NODES
 @pytest.mark.slow
 def test_the_alpha_beta_fit_recovers_each_link_rate():
-    from teraflops import alpha_beta, collectives
+    from teraflops.hardware import alpha_beta, collectives
 
     sizes = [2 ** k for k in range(12, 22)]  # 4 KiB - 2 MiB
     with Cluster(2, name="t3") as c:
@@ -176,8 +176,10 @@ def test_the_alpha_beta_fit_recovers_each_link_rate():
 @pytest.mark.slow
 def test_two_nodes_train_as_one_node_does(zero_tiny_runs, remedies_tiny_run):
     """The one-node runs are the ones test_zero and test_remedies check (conftest's session fixtures)."""
-    from teraflops import remedies, zero
-    from teraflops.sizing import PRESETS, data_parallel_plan
+    from teraflops.hardware import remedies
+    from teraflops.parallelization import zero
+    from teraflops.sizing import PRESETS
+    from teraflops.launch.placement import data_parallel_plan
 
     zero_plan, tiny = data_parallel_plan(PRESETS["tiny"]), PRESETS["tiny"]
     one_zero = zero_tiny_runs[0][2]  # stages (0, 1, 2, 3): ZeRO-2
@@ -199,8 +201,8 @@ def test_two_nodes_train_as_one_node_does(zero_tiny_runs, remedies_tiny_run):
 def test_cluster_down_after_a_killed_run_leaves_nothing_and_the_next_run_starts(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(
-        "from teraflops.cluster import Cluster, Link\n"
-        "from teraflops.distributed import launch\n"
+        "from teraflops.nodes.cluster import Cluster, Link\n"
+        "from teraflops.launch.launcher import launch\n"
         "c = Cluster(2, Link(rate=25e6), name='t5').up()\n"
         "launch('teraflops.workers.selftest', 1, ['--timeout', '600'], cluster=c, timeout=600,\n"
         "       env={'TERAFLOPS_FAULT': 'hang:rank=1:step=1'})\n")
@@ -222,7 +224,7 @@ def test_cluster_down_after_a_killed_run_leaves_nothing_and_the_next_run_starts(
     assert "port0" not in links and "br0" not in links  # nothing of the cluster in the machine's own namespace
     for leftover in logs:  # the killed run's logs folder (its clean-up never ran)
         shutil.rmtree(leftover, ignore_errors=True)
-    from teraflops.distributed import launch
+    from teraflops.launch.launcher import launch
 
     with Cluster(2, name="t5") as c:
         out = launch("teraflops.workers.selftest", 1, cluster=c, timeout=120)
@@ -230,7 +232,7 @@ def test_cluster_down_after_a_killed_run_leaves_nothing_and_the_next_run_starts(
 
 
 def test_scaled_fabrics_keep_their_ratios_and_tables_read():
-    from teraflops import alpha_beta, fabrics
+    from teraflops.hardware import alpha_beta, fabrics
 
     ib, pcie, eth = (fabrics.scaled_rate(f) for f in fabrics.FABRICS)
     assert ib == 50e6 and abs(pcie - 31.5e6) < 0.1e6 and eth == 3.125e6  # published GB/s become MB/s

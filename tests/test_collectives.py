@@ -9,9 +9,9 @@ import matplotlib
 import numpy as np
 import pytest
 
-from teraflops import alpha_beta as ab
-from teraflops import collectives as co
-from teraflops import comm_budget as cb
+from teraflops.hardware import alpha_beta as ab
+from teraflops.hardware import collectives as co
+from teraflops.hardware import comm_budget as cb
 from teraflops import datasheets as ds
 from teraflops.machine import detect
 from teraflops.errors import CourseError
@@ -223,7 +223,7 @@ def test_cross_node_link_adds_a_nodes_ports_up_to_nvlink():
 
 
 def test_widget_refuses_a_fit_of_another_collective_in_one_line():
-    from teraflops.widgets import gradient_sync_widget
+    from teraflops.hardware.comm_budget import gradient_sync_widget
 
     with pytest.raises(co.CollectiveInputError, match="all-reduce fit"):
         gradient_sync_widget(ab.AlphaBeta(5e-3, 0.4e9, 0.99, 0.1, "all_gather", 4))
@@ -235,7 +235,7 @@ def test_comm_fraction_plot_and_widget_render_headless():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from teraflops.widgets import gradient_sync_widget
+    from teraflops.hardware.comm_budget import gradient_sync_widget
 
     ax = cb.plot_comm_fraction(8, fit=ab.AlphaBeta(5e-3, 0.4e9, 0.99, 0.1, "all_reduce", 4))
     assert len(ax.lines) == len(ds.PUBLISHED_LINKS) + 1
@@ -315,7 +315,7 @@ def test_sweep_refuses_more_ranks_than_gpus(monkeypatch):
 
 
 def test_sweep_warns_about_sizes_it_skipped(monkeypatch):
-    import teraflops.distributed as distributed
+    import teraflops.launch.launcher as distributed
 
     monkeypatch.setenv("TERAFLOPS_PRESET", "cpu")
     row = {"collective": "all_reduce", "size": 4096, "count": 1024, "type": "float", "seconds": 1e-3,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from teraflops import contention as ct
+from teraflops.hardware import contention as ct
 from teraflops.errors import CourseError
 from teraflops.sizing import PRESETS, preset
 
@@ -133,7 +133,7 @@ def test_importing_the_modules_probes_no_hardware():
     code = ("import teraflops.machine as m\n"
             "def probe(): raise SystemExit('detect() called at import')\n"
             "m.detect = probe\n"
-            "import teraflops.contention, teraflops.ceilings")
+            "import teraflops.hardware.contention, teraflops.ceilings")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-500:]
 

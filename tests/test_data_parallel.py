@@ -7,11 +7,12 @@ import matplotlib
 import pytest
 import torch
 
-from teraflops import data_parallel as dp
-from teraflops.sizing import data_parallel_plan, dp_config, preset
-from teraflops.spec import SpecError, from_json, to_json
+from teraflops.parallelization import ddp_sync as dp
+from teraflops.sizing import dp_config, preset
+from teraflops.launch.placement import data_parallel_plan
+from teraflops.launch.wire import SpecError, from_json, to_json
 from teraflops.workers.common import EVAL_BATCHES, held_out, make_data, rank_batch
-from teraflops.workers.data_parallel import DelayedGradients, train_reference
+from teraflops.workers.ddp_sync import DelayedGradients, train_reference
 
 STALENESS_KEYS = {"tau", "step_ms", "samples_per_s", "tokens_per_s", "speedup", "final_loss", "loss_delta",
                   "eval_loss", "eval_delta", "updates", "losses"}

@@ -1,9 +1,9 @@
-"""Unit 4 §1-2: KV-cache decode, launches per token, torch.compile (teraflops.decode)."""
+"""Unit 4 §1-2: KV-cache decode, launches per token, torch.compile (teraflops.compilation.decode)."""
 
 import pytest
 import torch
 
-from teraflops import decode as D
+from teraflops.compilation import decode as D
 from teraflops.errors import CourseError, ShapeError
 from teraflops.models import GPT, Llama
 from teraflops.sizing import PRESETS
@@ -210,7 +210,7 @@ def test_batch_sweep_releases_memory_after_the_except_block(monkeypatch):
     import sys
     import weakref
 
-    from teraflops import attention
+    from teraflops.model_definition import attention
 
     model = D.decode_model(PRESETS["tiny"])
     caches, seen = [], []

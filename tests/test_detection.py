@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from teraflops.detection import detect, detection_rows, detection_table, false_alarm_rate, flag_stragglers, modified_z
+from teraflops.orchestration.detection import (detect, detection_rows, detection_table, false_alarm_rate,
+    flag_stragglers, modified_z)
 
 
 def jittered(steps=20, ranks=4, base=0.04, jitter=0.002, seed=0):

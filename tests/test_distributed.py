@@ -1,4 +1,4 @@
-"""teraflops.distributed on CPU (gloo): launches through torchrun and DeepSpeed, and clean failures.
+"""teraflops.launch.launcher on CPU (gloo): launches through torchrun and DeepSpeed, and clean failures.
 
 Every launch must leave no process and no bound port behind, whether it succeeds, a rank is
 killed or hangs, or the notebook interrupts it. Each launch costs ~10 s on 2 cores (torch imports).
@@ -14,8 +14,10 @@ import time
 import psutil
 import pytest
 
-from teraflops.distributed import (FAULT_ENV, LaunchFailed, fault_point, free_port, launch, parse_fault,
-                                   port_in_use, report_progress, write_result)
+from teraflops.launch.faults import FAULT_ENV, fault_point, parse_fault
+from teraflops.launch.launcher import LaunchFailed, launch
+from teraflops.launch.ports import free_port, port_in_use
+from teraflops.launch.rank import report_progress, write_result
 
 SELFTEST = "teraflops.workers.selftest"
 DONE = [{"rank": r, "world_size": 2, "sum": 4 * (1 + 2.0)} for r in range(2)]  # 4 steps of (1 + 2)
@@ -121,31 +123,31 @@ def test_results_and_progress_files(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_a_stale_build_lock_is_removed_and_a_live_one_kept(monkeypatch, tmp_path):
     # torch's JIT loader waits forever on a lock file a killed rank left (file_baton.py): the launch clears it
-    from teraflops import distributed
+    from teraflops.launch import ops, wire
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = tmp_path / distributed._SHM_OP / "lock"
+    lock = tmp_path / ops.SHM_OP / "lock"
     lock.parent.mkdir()
-    assert not distributed.clear_stale_build_lock()  # no lock: nothing to do
+    assert not ops.clear_stale_build_lock()  # no lock: nothing to do
     lock.touch()
-    rank = psutil.Popen(["sleep", "30"], env={**os.environ, distributed.RESULTS_ENV: str(tmp_path)})
+    rank = psutil.Popen(["sleep", "30"], env={**os.environ, wire.RESULTS_ENV: str(tmp_path)})
     try:
         started = rank.create_time()
         # /proc/PID/environ reads empty until the kernel has set up the new image, a moment after Popen returns
         # (vfork resumes the parent first): under CI's load the check below once ran inside that window
         deadline = time.monotonic() + 10
-        while distributed.RESULTS_ENV not in rank.environ() and time.monotonic() < deadline:
+        while wire.RESULTS_ENV not in rank.environ() and time.monotonic() < deadline:
             time.sleep(0.01)
         os.utime(lock, (started + 5, started + 5))  # made after the rank started: the rank may hold it
-        assert not distributed.clear_stale_build_lock() and lock.exists()
+        assert not ops.clear_stale_build_lock() and lock.exists()
         os.utime(lock, (started - 60, started - 60))  # made before it started: the rank can only be waiting
-        assert distributed.clear_stale_build_lock() and not lock.exists()
+        assert ops.clear_stale_build_lock() and not lock.exists()
         lock.touch()
         os.utime(lock, (started + 5, started + 5))
     finally:
         rank.kill()
         rank.wait()
-    assert distributed.clear_stale_build_lock() and not lock.exists()  # no rank alive at all
+    assert ops.clear_stale_build_lock() and not lock.exists()  # no rank alive at all
 
 
 WATCHDOG_LOG = """[rank1]:[E1201 12:00:00.000000 123 ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective \
@@ -160,14 +162,14 @@ Thread 0x00007f (most recent call first):
 
 
 def test_an_nccl_watchdog_timeout_is_a_timeout_naming_the_rank_not_faulthandlers_last_line(tmp_path):
-    from teraflops.distributed import _diagnose, nccl_timeout
+    from teraflops.launch.diagnosis import diagnose, nccl_timeout
 
     for r in range(3):
         (tmp_path / f"rank{r}.err").write_text(WATCHDOG_LOG if r in (0, 1) else "")
         (tmp_path / f"rank{r}.exit").write_text(json.dumps({"rank": r, "returncode": -6 if r < 2 else -15,
                                                              "time": 1.0 + r}))
     assert "allreduce (collective #5)" in nccl_timeout(tmp_path / "rank1.err")
-    rank, line = _diagnose(tmp_path, 3, 1, 60, "torchrun", None)
+    rank, line = diagnose(tmp_path, 3, 1, 60, "torchrun", None)
     assert rank == 0 and "\n" not in line
     assert "allreduce" in line and "5.012 s against a 5 s timeout" in line and "rank(s) [2] never reached it" in line
     assert "Aborted" not in line

@@ -9,10 +9,12 @@ import matplotlib
 import psutil
 import pytest
 
-import teraflops.distributed as distributed
-from teraflops import elastic
-from teraflops.distributed import LaunchFailed, port_in_use
-from teraflops.sizing import data_parallel_plan, preset
+import teraflops.launch.launcher as distributed
+from teraflops.orchestration import elastic
+from teraflops.launch.launcher import LaunchFailed
+from teraflops.launch.ports import port_in_use
+from teraflops.sizing import preset
+from teraflops.launch.placement import data_parallel_plan
 
 TINY = preset("tiny")  # elastic: steps=8, checkpoint_every=3, kill_step=5
 

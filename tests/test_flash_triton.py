@@ -1,4 +1,4 @@
-"""Tests for teraflops.flash_triton: the FlashAttention forward kernel against PyTorch's SDPA.
+"""Tests for teraflops.model_definition.flash_triton: the FlashAttention forward kernel against PyTorch's SDPA.
 
 On a CPU-only machine the kernel runs in Triton's interpreter (fp32 only); the test marked
 ``gpu`` checks fp16 and bf16 on CUDA and is skipped elsewhere.
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import teraflops  # noqa: F401  (configures Triton before the kernel module is imported)
-from teraflops import flash_triton as ft
+from teraflops.model_definition import flash_triton as ft
 from teraflops import machine
 from teraflops.errors import DTypeError, ShapeError
 
@@ -198,7 +198,7 @@ def test_tile_choice_fits_the_shared_memory_of_each_gpu_class():
     # Stand-in device properties: shared memory per block of a T4 (sm75), an L4 / RTX 4090, an H100.
     from types import SimpleNamespace as Cfg
 
-    from teraflops import flash_triton as ft
+    from teraflops.model_definition import flash_triton as ft
 
     configs = [Cfg(kwargs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in ft._GPU_CONFIGS]
     for smem, head_dim in ((64 * 1024, 64), (64 * 1024, 128), (99 * 1024, 128), (227 * 1024, 128)):
@@ -211,7 +211,7 @@ def test_tile_choice_fits_the_shared_memory_of_each_gpu_class():
 
 
 def test_dtype_from_capability_and_length_buckets():
-    from teraflops import flash_triton as ft
+    from teraflops.model_definition import flash_triton as ft
     from teraflops.errors import DTypeError
 
     assert ft.tensor_core_dtype((7, 5)) == torch.float16 and ft.tensor_core_dtype((8, 0)) == torch.bfloat16

@@ -1,4 +1,4 @@
-"""Tests for teraflops.fused: the fused RMSNorm Triton kernel against the eager chain.
+"""Tests for teraflops.compilation.fused: the fused RMSNorm Triton kernel against the eager chain.
 
 On a CPU-only machine the kernel runs in Triton's interpreter (fp32 only); the ``gpu`` test checks
 fp16 and bf16 on CUDA and is skipped elsewhere.
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import teraflops  # noqa: F401  (configures Triton before the kernel module is imported)
-from teraflops import fused, machine
+from teraflops import machine
+from teraflops.compilation import fused
 from teraflops.errors import DTypeError, ShapeError
 
 INTERPRETER = machine.triton_mode() == "interpreter"

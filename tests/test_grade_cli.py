@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
-from teraflops import cli
+from teraflops.course import cli
 from teraflops.errors import CourseError
 from teraflops.grading.grader import cell_error, unit_of
 
@@ -99,8 +99,8 @@ def test_cell_error_is_one_line_with_the_cells_line():
 @pytest.mark.slow
 def test_a_long_cell_shows_its_elapsed_time_while_it_runs(tmp_path, capsys, monkeypatch):
     """During DeepSpeed's one-off compile a terminal showed nothing for minutes: the bar now ticks."""
-    from teraflops import runner
-    from teraflops.runner import execute_cells, make_client
+    from teraflops.course import runner
+    from teraflops.course.runner import execute_cells, make_client
 
     monkeypatch.setattr(runner, "TICK_SECONDS_LOG", 1.0)  # captured stderr is not a terminal
 
@@ -114,7 +114,7 @@ def test_a_long_cell_shows_its_elapsed_time_while_it_runs(tmp_path, capsys, monk
 
 
 def _report(learner="alice"):
-    from teraflops.grading.report import GradeReport, GradeRow
+    from teraflops.grading.grade_report import GradeReport, GradeRow
 
     return GradeReport("my_try.ipynb", (GradeRow("Exercise 1 (a)", "passed"),
                                         GradeRow("Exercise 2 (b)", "failed", "expected shape (4,), got (3,)"),
@@ -172,7 +172,7 @@ def test_grade_out_writes_the_report_a_host_gathers(suffix, tmp_path, monkeypatc
                                         ("afile/alice.xml", "is a file, not a folder"),
                                         ("locked/alice.xml", "you cannot write in")])
 def test_grade_out_that_cannot_be_written_is_refused_before_grading(out, wrong, tmp_path, monkeypatch, capsys):
-    from teraflops.grading import grader, report
+    from teraflops.grading import grader, grade_report
 
     calls = []
     monkeypatch.setattr(grader, "grade", _fake_grade(calls, _report()))
@@ -181,7 +181,7 @@ def test_grade_out_that_cannot_be_written_is_refused_before_grading(out, wrong, 
     (tmp_path / "afile").write_text("")
     (tmp_path / "locked").mkdir()
     real = os.access  # root may write anywhere: the learner's view of a folder of the host's, for "locked"
-    monkeypatch.setattr(report.os, "access", lambda p, mode: real(p, mode) and Path(p).name != "locked")
+    monkeypatch.setattr(grade_report.os, "access", lambda p, mode: real(p, mode) and Path(p).name != "locked")
     assert cli.main(["grade", str(nb), "--out", str(tmp_path / out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert calls == [] and len(err) == 1 and err[0].startswith("error: --out ") and wrong in err[0], err
@@ -189,7 +189,7 @@ def test_grade_out_that_cannot_be_written_is_refused_before_grading(out, wrong, 
 
 
 def test_the_learner_is_the_unix_user_not_the_environment(monkeypatch):
-    from teraflops.grading.report import current_user
+    from teraflops.grading.grade_report import current_user
 
     monkeypatch.setenv("USER", "somebody-else")
     monkeypatch.setenv("LOGNAME", "somebody-else")

@@ -7,10 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from teraflops import profiling, roofline
-from teraflops.attention import naive_attention
+from teraflops.model_definition import profiling, roofline
+from teraflops.model_definition.attention import naive_attention
 from teraflops.errors import ExerciseFailed, NotAttempted
-from teraflops.flash_triton import flash_attention
+from teraflops.model_definition.flash_triton import flash_attention
 from teraflops.grading import unit01 as check
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from teraflops import detection, scheduling, stragglers
+from teraflops.orchestration import detection, queue_sim, stragglers
 from teraflops.errors import ExerciseFailed, NotAttempted
 from teraflops.grading import unit03 as check
 
@@ -12,7 +12,7 @@ def test_references_pass(capsys):
     check.idle_fraction(stragglers.idle_fraction)
     check.straggler_detector(detection.flag_stragglers)
     check.rebalance(stragglers.rebalance)
-    check.backfill_policy(scheduling.backfill)
+    check.backfill_policy(queue_sim.backfill)
     assert capsys.readouterr().out.count("passed") == 4
 
 
@@ -80,9 +80,9 @@ def test_policy_mistakes():
     with pytest.raises(ExerciseFailed, match="together with the jobs you already chose"):
         check.backfill_policy(_candidates_tested_alone)
     with pytest.raises(ExerciseFailed, match="not above FIFO"):
-        check.backfill_policy(scheduling.fifo)
+        check.backfill_policy(queue_sim.fifo)
     with pytest.raises(ExerciseFailed, match="pushed the head job"):
-        check.backfill_policy(scheduling.greedy)
+        check.backfill_policy(queue_sim.greedy)
 
 
 def test_placeholder_is_not_attempted():
@@ -130,17 +130,17 @@ STATIC_MISTAKES = [
 
 @pytest.mark.parametrize("wrong, hint", STATIC_MISTAKES)
 def test_batch_script_mistakes_read_from_the_text(wrong, hint, monkeypatch):
-    import teraflops.cluster
+    import teraflops.nodes.cluster
 
-    monkeypatch.setattr(teraflops.cluster, "unavailable", lambda: "no Slurm in this test")
+    monkeypatch.setattr(teraflops.nodes.cluster, "unavailable", lambda: "no Slurm in this test")
     with pytest.raises(ExerciseFailed, match=hint):
         check.batch_script(wrong)
 
 
 def test_batch_script_read_only_where_slurm_cannot_run(monkeypatch, capsys):
-    import teraflops.cluster
+    import teraflops.nodes.cluster
 
-    monkeypatch.setattr(teraflops.cluster, "unavailable", lambda: "no Slurm in this test")
+    monkeypatch.setattr(teraflops.nodes.cluster, "unavailable", lambda: "no Slurm in this test")
     check.batch_script(_script)
     check.batch_script(lambda c: f"#!/bin/sh\n#SBATCH -N 2 -t 0:01:00\n#SBATCH --gpus-per-node=1\nsrun {c}\n")
     out = capsys.readouterr().out
@@ -151,7 +151,7 @@ def test_batch_script_read_only_where_slurm_cannot_run(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_batch_script_is_submitted_to_a_real_cluster(capsys):
-    from teraflops import cluster, slurm
+    from teraflops.nodes import cluster, slurm
 
     why = cluster.unavailable() or slurm.unavailable()
     if why:

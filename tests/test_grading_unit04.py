@@ -8,10 +8,10 @@ import teraflops  # noqa: F401 - sets up Triton (interpreter on CPU) before trit
 import triton
 import triton.language as tl
 
-from teraflops import batching, decode, quantization
+from teraflops.compilation import batching, decode, quantization
 from teraflops.errors import ExerciseFailed, NotAttempted
 from teraflops.grading import unit04 as check
-from teraflops.labs import PLACEHOLDER_MESSAGE
+from teraflops.course.labs import PLACEHOLDER_MESSAGE
 
 
 def test_references_pass(capsys):

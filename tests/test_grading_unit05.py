@@ -5,11 +5,11 @@ import math
 import numpy as np
 import pytest
 
-from teraflops import alpha_beta, collectives, comm_budget
+from teraflops.hardware import alpha_beta, collectives, comm_budget
 from teraflops.errors import ExerciseFailed, NotAttempted
 from teraflops.grading import unit05 as check
 from teraflops.grading.core import REGISTRY
-from teraflops.labs import PLACEHOLDER_MESSAGE
+from teraflops.course.labs import PLACEHOLDER_MESSAGE
 
 
 # --- the solutions as a learner writes them (the solution notebook's) -----------------------------

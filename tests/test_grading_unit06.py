@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from teraflops import triage as tr
-from teraflops import workloads
+from teraflops.triage import verdict as tr
+from teraflops.triage import workloads
 from teraflops.ceilings import Ceilings
 from teraflops.errors import ExerciseFailed, NotAttempted
 from teraflops.grading import unit06 as check
 from teraflops.grading.core import REGISTRY
-from teraflops.labs import PLACEHOLDER_MESSAGE
+from teraflops.course.labs import PLACEHOLDER_MESSAGE
 
 NOMINAL = Ceilings(1e11, 1e10, torch.float32, "cpu", 0, 0)  # ridge 10 FLOP/byte
 FLOOR = 5e-6
@@ -232,7 +232,7 @@ def test_waited_garbage(wrong, message):
     (np.tile([0.5, 0.52, 0.49, 0.02], (5, 1)) + np.linspace(0, 0.01, 5)[:, None], 1, 3),
 ])
 def test_waited_reference_is_the_triage_split(waits, rank, late):
-    """The check's reference is what :func:`teraflops.triage.triage` moves to waiting (one rank stands out)."""
+    """The check's reference is what :func:`teraflops.triage.verdict.triage` moves to waiting (one rank stands out)."""
     shares = dict.fromkeys(tr.CATEGORIES, 0.0)
     shares["communication"] = 1.0
     flagged, _, waited = tr._straggler_split(waits, shares, rank)

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from teraflops import cli
+from teraflops.course import cli
 
 
 def test_lab_command_is_loopback_and_allow_root_only_as_root(tmp_path):

@@ -6,7 +6,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from teraflops import labs
+from teraflops.course import labs
 from teraflops.errors import CourseError
 from teraflops.grading.core import REGISTRY
 from teraflops.grading.grader import grade

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from teraflops import link_probe as lp
-from teraflops import stragglers as st
-from teraflops.detection import TRANSFER_RATIO, Attribution, TimingError, attribute
+from teraflops.orchestration import link_probe as lp
+from teraflops.orchestration import stragglers as st
+from teraflops.orchestration.detection import TRANSFER_RATIO, Attribution, TimingError, attribute
 
 
 

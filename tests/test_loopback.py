@@ -22,9 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from teraflops import cluster, loopback, slurm as slurm_mod
-from teraflops.cluster import Cluster
-from teraflops.distributed import RESULTS_ENV, free_port, launch
+from teraflops.launch import loopback
+from teraflops.nodes import cluster, slurm as slurm_mod
+from teraflops.nodes.cluster import Cluster
+from teraflops.launch.launcher import launch
+from teraflops.launch.ports import free_port
+from teraflops.launch.wire import RESULTS_ENV
 
 SELFTEST = "teraflops.workers.selftest"
 STEPS = ["--steps", "10"]  # ~1 s of all-reduces: every store and pair is up while they run

@@ -2,8 +2,8 @@ import importlib.util
 
 import pytest
 
-from teraflops import model_states as ms
-from teraflops.model_states import FP32_ADAM, FP32_ADAM_MASTER, GB, MIXED_ADAM
+from teraflops.parallelization import model_states as ms
+from teraflops.parallelization.model_states import FP32_ADAM, FP32_ADAM_MASTER, GB, MIXED_ADAM
 
 PSI, ND = 7.5e9, 64  # ZeRO, Figure 1
 EMBEDDING = 50_304 * 4_096  # a GPT-style embedding (vocab × hidden): the largest layer of a 7.5B model
@@ -102,7 +102,7 @@ def test_plot_and_widget_render_headless():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from teraflops.widgets import model_state_widget
+    from teraflops.parallelization.model_states import model_state_widget
 
     assert ms.memory_capacities() == [("A100 / H100 80 GB", 80.0), ("H200 141 GB", 141.0)]
     ax = ms.plot_model_states(ms.figure1(), highlight=2)
@@ -117,7 +117,7 @@ def test_plot_and_widget_render_headless():
 def test_zero3_expected_volume_counts_the_tied_embedding_per_use_on_both_presets():
     # Unit 2's check: measured / expected within 10 %. The paper's 3Ψ misses two gathers of the tied
     # 32768 × 1024 embedding on the GPU preset (paper ratio ≈ 1.165); the per-use count does not.
-    from teraflops import zero
+    from teraflops.parallelization import zero
     from teraflops.sizing import PRESETS
 
     for name, paper_ratio in (("cpu", 1.05), ("gpu", 1.165)):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from teraflops import datasheets as ds
-from teraflops import offload as off
+from teraflops.hardware import offload as off
 from teraflops.datasheets import PUBLISHED_LINKS
 from teraflops.errors import CourseError
 from teraflops.sizing import preset
@@ -113,7 +113,7 @@ def test_bandwidth_is_measured_once_per_call(monkeypatch):
 @NEEDS_DS
 @pytest.mark.parametrize("psi, nd, layer, nodes", [(7_000_000_000, 8, LAYER, 1), (70_000_000_000, 16, None, 2)])
 def test_deepspeed_rows_are_what_its_estimators_return(psi, nd, layer, nodes):
-    from teraflops.model_states import _deepspeed_estimators
+    from teraflops.parallelization.model_states import _deepspeed_estimators
 
     zero2, zero3 = _deepspeed_estimators()
     rows = off.deepspeed_offload_check(psi, nd, layer, nodes)

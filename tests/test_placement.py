@@ -2,7 +2,7 @@
 
 Stand-in machines (``Machine`` with ``GPU`` entries) reach every GPU branch of the decision on the
 CPU machine; the launch commands and the environment each rank gets are read from what
-``distributed.launch`` builds, and two real DeepSpeed-launcher runs show the placement's GPU
+``launcher.launch`` builds, and two real DeepSpeed-launcher runs show the placement's GPU
 visibility surviving the launcher's own ``CUDA_VISIBLE_DEVICES``.
 """
 
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 import teraflops
-from teraflops import distributed, placement as pl
+from teraflops.launch import launcher, placement as pl
 from teraflops.machine import GPU, Machine
-from teraflops.sizing import PRESETS, data_parallel_plan
+from teraflops.sizing import PRESETS
+from teraflops.launch.placement import data_parallel_plan
 
 PACKAGE = Path(teraflops.__file__).parent
 
@@ -120,15 +121,15 @@ def test_rank_side_reads_the_placement_not_the_gpu_count():
 
 def test_launch_commands_per_launcher_and_node():
     where = pl.place(2, machine=machine(0), environ={})
-    torchrun, = distributed.launch_commands(where, "m", ["--x"], port=1234)
-    assert torchrun[1:6] == ["-m", "teraflops.loopback", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun, = launcher.launch_commands(where, "m", ["--x"], port=1234)
+    assert torchrun[1:6] == ["-m", "teraflops.launch.loopback", "torch.distributed.run", "--nproc-per-node", "2"]
     assert torchrun[torchrun.index("--master-addr") + 1] == "127.0.0.1"  # its stores on loopback only
-    c10d, = distributed.launch_commands(where, "m", port=1234, launcher_args=["--rdzv-backend", "c10d"])
+    c10d, = launcher.launch_commands(where, "m", port=1234, launcher_args=["--rdzv-backend", "c10d"])
     assert "127.0.0.1:1234" in c10d and c10d[c10d.index("--local-addr") + 1] == "127.0.0.1"
-    ds, = distributed.launch_commands(where, "m", launcher="deepspeed", port=1234)
+    ds, = launcher.launch_commands(where, "m", launcher="deepspeed", port=1234)
     assert ds[2] == "deepspeed.launcher.runner" and ds[ds.index("--num_gpus") + 1] == "2"
     spread = pl.place(4, cluster=FakeCluster(2), machine=machine(0), environ={})
-    nodes = distributed.launch_commands(spread, "m", cluster=FakeCluster(2), port=1234)
+    nodes = launcher.launch_commands(spread, "m", cluster=FakeCluster(2), port=1234)
     assert len(nodes) == 2 and all(c[c.index("--nproc-per-node") + 1] == "2" for c in nodes)
     assert nodes[1][:4] == ["ip", "netns", "exec", "teraflops-fake-node1"] and "is_host=0" in nodes[1]
 
@@ -155,7 +156,7 @@ def test_gpu_visibility_survives_deepspeeds_launcher():
     base = pl.place(2, machine=machine(0), environ={})
     where = pl.Placement(2, 1, "gloo", ((),), base.env,
                          ({**base.node_env[0], "CUDA_VISIBLE_DEVICES": visible, pl.VISIBLE_ENV: visible},), "test")
-    results = distributed.launch("teraflops.workers.selftest", where, ["--steps", "1"], launcher="deepspeed",
+    results = launcher.launch("teraflops.workers.selftest", where, ["--steps", "1"], launcher="deepspeed",
                                  timeout=240)
     assert [r["cuda_visible_devices"] for r in results] == [visible, visible]
     assert {r["backend"] for r in results} == {"gloo"} and {r["triton_interpret"] for r in results} == {"1"}

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from teraflops import preflight, report_card
+from teraflops.course import preflight, report_card
 from teraflops.machine import GPU, Machine
 
 CHEAP = ["device", "triton-flash", "ceilings", "profiler-verdicts", "ladder-contention", "triage"]
@@ -52,7 +52,7 @@ def test_results_json_is_a_reference_the_report_card_reads(tmp_path):
 def _preflight(tmp_path, *args, env=None):
     import os
 
-    return subprocess.run([sys.executable, "-m", "teraflops.cli", "preflight", "--out", str(tmp_path), *args],
+    return subprocess.run([sys.executable, "-m", "teraflops.course.cli", "preflight", "--out", str(tmp_path), *args],
                           capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from teraflops import launch_overhead, profiling
+from teraflops.model_definition import launch_overhead, profiling
 from teraflops.ceilings import Ceilings
 from teraflops.errors import ShapeError
 from teraflops.models import TransformerBlock

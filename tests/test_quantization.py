@@ -11,9 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from teraflops.grading.unit04 import _badly_scaled
-from teraflops.quantization import (Int8Linear, accuracy, compare,
-                                    dequantize, quantization_table, quantize_model, quantize_per_channel,
-                                    quantize_per_tensor, torchao_status, train_small_gpt, weight_bytes)
+from teraflops.compilation.quantization import (Int8Linear, accuracy, compare, dequantize, quantization_table,
+    quantize_model, quantize_per_channel, quantize_per_tensor, torchao_status, train_small_gpt, weight_bytes)
 
 
 @pytest.fixture(scope="module")

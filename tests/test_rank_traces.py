@@ -1,7 +1,7 @@
-"""teraflops.rank_traces: real multi-rank traces get the triage verdict their workload is built for.
+"""teraflops.triage.rank_traces: real multi-rank traces get the triage verdict their workload is built for.
 
 One launch (4 gloo ranks on the CPU machine) runs the three workloads; rank 0's trace of each, with
-the waits of all ranks, goes through :func:`teraflops.triage.triage` at this machine's measured
+the waits of all ranks, goes through :func:`teraflops.triage.verdict.triage` at this machine's measured
 ceilings and launch floor (its defaults). Argument errors are checked without launching.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from teraflops import rank_traces, triage
-from teraflops.rank_traces import RankTraceError, profile_ranks
+from teraflops.triage import rank_traces, verdict
+from teraflops.triage.rank_traces import RankTraceError, profile_ranks
 
 
 def deepspeed_shm_files():
@@ -32,7 +32,7 @@ def launched(tmp_path_factory):
 @pytest.fixture(scope="module")
 def verdicts(launched):
     """The triage of each workload's rank-0 trace with its waits, at this machine's ceilings."""
-    found = {name: triage.triage(rt.trace, waits=rt.waits) for name, rt in launched[0].items()}
+    found = {name: verdict.triage(rt.trace, waits=rt.waits) for name, rt in launched[0].items()}
     for name, r in found.items():  # shown with -s: what each verdict rests on
         print(f"\n{name}: {r.summary()}\n{r.table()}")
     return found
@@ -85,7 +85,7 @@ def test_a_late_rank_makes_rank_0_wait(launched, verdicts):
     ({"steps": 0}, "steps must be an int >= 1"),
 ])
 def test_bad_arguments_are_one_line_errors_before_any_launch(monkeypatch, kwargs, words):
-    import teraflops.distributed as distributed
+    import teraflops.launch.launcher as distributed
 
     monkeypatch.setattr(distributed, "launch", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(RankTraceError) as e:

@@ -13,10 +13,11 @@ import matplotlib
 import pytest
 import torch
 
-from teraflops import data_parallel as dp
-from teraflops import remedies as rm
-from teraflops.sizing import data_parallel_plan, dp_config, preset
-from teraflops.spec import SpecError, from_json, to_json
+from teraflops.parallelization import ddp_sync as dp
+from teraflops.hardware import remedies as rm
+from teraflops.sizing import dp_config, preset
+from teraflops.launch.placement import data_parallel_plan
+from teraflops.launch.wire import SpecError, from_json, to_json
 from teraflops.workers import remedies as wr
 
 

@@ -5,9 +5,9 @@ import json
 
 import nbformat
 
-from teraflops import report_card
+from teraflops.course import report_card
 from teraflops.machine import detect
-from teraflops.runner import CellFailure, NotebookResult
+from teraflops.course.runner import CellFailure, NotebookResult
 
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\nfake").decode()
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from teraflops import ceilings, datasheets, roofline
+from teraflops import ceilings, datasheets
+from teraflops.model_definition import roofline
 from teraflops.ceilings import Ceilings
 
 
@@ -58,7 +59,7 @@ def test_roofline_labels_do_not_overlap_and_stay_inside():
 
     from figure_checks import assert_texts_inside_and_apart
     from teraflops.ceilings import Ceilings
-    from teraflops.roofline import RooflinePoint, plot_roofline
+    from teraflops.model_definition.roofline import RooflinePoint, plot_roofline
 
     c = Ceilings(2e11, 1e10, torch.float32, "cpu", 512, 2**26)
     points = [RooflinePoint("matmul 16×16", 2 * 16**3, 3 * 16 * 16 * 4, 2 * 16**3 / 6e9),

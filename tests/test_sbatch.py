@@ -1,4 +1,4 @@
-"""The course's multi-node runs as Slurm batch jobs (teraflops.sbatch, launch on a Slurm cluster).
+"""The course's multi-node runs as Slurm batch jobs (teraflops.launch.sbatch, launch on a Slurm cluster).
 
 The script's text is checked without Slurm. The real tests need root, Linux, iproute2 and Slurm
 (CI installs it; they skip with the reason elsewhere) and share one 2-node Slurm cluster; their
@@ -18,12 +18,15 @@ import sys
 import psutil
 import pytest
 
-from teraflops import sbatch, slurm as slurm_mod
-from teraflops.distributed import FAULT_ENV, RESULTS_ENV, LaunchFailed, launch
+from teraflops.launch import sbatch
+from teraflops.nodes import slurm as slurm_mod
+from teraflops.launch.faults import FAULT_ENV
+from teraflops.launch.launcher import LaunchFailed, launch
+from teraflops.launch.wire import RESULTS_ENV
 from teraflops.errors import CourseError
 from teraflops.machine import GPU, Machine
-from teraflops.placement import place
-from teraflops.sbatch import BatchJob, BatchJobError, Follower, JobState, parse_job
+from teraflops.launch.placement import place
+from teraflops.launch.sbatch import BatchJob, BatchJobError, Follower, JobState, parse_job
 
 SELFTEST = "teraflops.workers.selftest"
 
@@ -41,7 +44,7 @@ def machine(gpus: int, cores: int = 2) -> Machine:
                    cpu_cores=cores)
 
 
-def job(gpus: int = 0, ranks: int = 4, program=("/w/_rank.py", "teraflops.workers.selftest"), **kw) -> BatchJob:
+def job(gpus: int = 0, ranks: int = 4, program=("/w/rank_wrapper.py", "teraflops.workers.selftest"), **kw) -> BatchJob:
     where = place(ranks, cluster=FakeCluster(2), machine=machine(gpus), environ={})
     return BatchJob.of(where, program, torchrun=["/venv/bin/torchrun"], port=29400, time_s=kw.pop("time_s", 120),
                        output="/tmp/r/slurm-%j.out", name="teraflops.workers.selftest",
@@ -66,8 +69,8 @@ def test_the_script_allocates_k_nodes_and_sruns_one_torchrun_each_meeting_on_the
     assert "exec /venv/bin/torchrun" in step and "--nnodes 2 --nproc-per-node 2" in step
     assert '--rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:29400" --rdzv-id "$SLURM_JOB_ID"' in step
     assert 'addr=$(getent hosts "$(hostname)")' in step and '--local-addr "$addr"' in step  # the node's own address
-    assert 'export TERAFLOPS_LISTEN_ADDRS="$addr"' in step  # where its stores listen (teraflops.loopback)
-    assert step.rstrip().endswith("/w/_rank.py teraflops.workers.selftest'")
+    assert 'export TERAFLOPS_LISTEN_ADDRS="$addr"' in step  # where its stores listen (teraflops.launch.loopback)
+    assert step.rstrip().endswith("/w/rank_wrapper.py teraflops.workers.selftest'")
     assert 'export TERAFLOPS_NODE="$SLURM_NODEID" NCCL_HOSTID="$SLURMD_NODENAME"' in step
     # the course's environment, once for all nodes, before srun (which passes it on)
     for var in ("export GLOO_SOCKET_IFNAME=eth0", "export TERAFLOPS_BACKEND=gloo", "export OMP_NUM_THREADS=1",
@@ -90,7 +93,7 @@ def test_cpus_threads_time_and_quoting():
     assert job(time_s=61).time_limit == "0:02:00" and job(time_s=7200).time_limit == "2:00:00"
     assert job(time_s=5).time_limit == "0:01:00"  # Slurm's unit is the minute
     odd = "/tmp/it's a file.json"
-    text = job(program=("/w/_rank.py", "m", "--spec", odd), env={"X": "a b"}).script()
+    text = job(program=("/w/rank_wrapper.py", "m", "--spec", odd), env={"X": "a b"}).script()
     assert "export X='a b'" in text
     step = text[text.index("bash -c "):]
     body = shlex.split(step[len("bash -c "):])[0]  # what bash -c runs on each node
@@ -146,7 +149,7 @@ def test_submit_needs_a_slurm_cluster():
 def _unavailable() -> str | None:
     if sys.platform != "linux":
         return "needs Linux"
-    from teraflops import cluster
+    from teraflops.nodes import cluster
 
     return cluster.unavailable() or slurm_mod.unavailable()
 
@@ -157,7 +160,7 @@ NEEDS_SLURM = pytest.mark.skipif(REASON is not None, reason=f"Slurm on emulated 
 
 @pytest.fixture(scope="module")
 def slurm_cluster():
-    from teraflops.cluster import Cluster
+    from teraflops.nodes.cluster import Cluster
 
     with Cluster(2, name="sbt", slurm=True) as c:
         yield c
@@ -165,7 +168,7 @@ def slurm_cluster():
 
 def _left_in_nodes(c) -> list[str]:
     """Processes in the cluster's node namespaces that are not its Slurm daemons."""
-    from teraflops import cluster
+    from teraflops.nodes import cluster
 
     out = []
     for i in range(c.nodes):
@@ -196,8 +199,9 @@ def _last_job(c) -> tuple[str, JobState]:
 @pytest.mark.slow
 def test_ddp_through_sbatch_trains_as_the_torchrun_path(slurm_cluster, remedies_tiny_run):
     """2-node DDP submitted with sbatch: the losses of the torchrun launch (conftest) within 1e-4."""
-    from teraflops import remedies
-    from teraflops.sizing import PRESETS, data_parallel_plan
+    from teraflops.hardware import remedies
+    from teraflops.sizing import PRESETS
+    from teraflops.launch.placement import data_parallel_plan
 
     tiny = PRESETS["tiny"]
     one = next(r for r in remedies_tiny_run.rows if r["setting"] == "baseline")
@@ -216,8 +220,9 @@ def test_ddp_through_sbatch_trains_as_the_torchrun_path(slurm_cluster, remedies_
 @NEEDS_SLURM
 @pytest.mark.slow
 def test_zero2_through_sbatch_trains_as_the_torchrun_path(slurm_cluster, zero_tiny_runs):
-    from teraflops import zero
-    from teraflops.sizing import PRESETS, data_parallel_plan
+    from teraflops.parallelization import zero
+    from teraflops.sizing import PRESETS
+    from teraflops.launch.placement import data_parallel_plan
 
     one = zero_tiny_runs[0][2]  # stages (0, 1, 2, 3): ZeRO-2, one node
     two = zero.run_zero(stages=(2,), plan=data_parallel_plan(PRESETS["tiny"]), steps=3, cluster=slurm_cluster)[0]

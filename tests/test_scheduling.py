@@ -5,8 +5,8 @@ import time
 import pytest
 
 from teraflops.errors import CourseError
-from teraflops.scheduling import (ClusterView, Job, backfill, compare, fair_share, fifo, greedy, make_trace,
-                                  plot_timeline, policy_table, simulate, user_table)
+from teraflops.orchestration.queue_sim import (ClusterView, Job, backfill, compare, fair_share, fifo, greedy,
+    make_trace, plot_timeline, policy_table, simulate, user_table)
 
 
 def starts(result):

@@ -1,8 +1,8 @@
-"""Slurm on the emulated nodes (teraflops.slurm) and its commands (`teraflops cluster up --slurm`,
+"""Slurm on the emulated nodes (teraflops.nodes.slurm) and its commands (`teraflops cluster up --slurm`,
 `exec`, `status`, `down`).
 
 The real tests need Linux, root, iproute2 and Slurm's packages (CI installs them with
-``teraflops.slurm.INSTALL``) and skip with the reason elsewhere.
+``teraflops.nodes.slurm.INSTALL``) and skip with the reason elsewhere.
 """
 
 import os
@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from teraflops import cluster as cl
-from teraflops import ownership, slurm
-from teraflops.cli import build_parser, main
-from teraflops.slurm import SlurmConfig, SlurmError
+from teraflops.nodes import cluster as cl
+from teraflops import ownership
+from teraflops.nodes import slurm
+from teraflops.course.cli import build_parser, main
+from teraflops.nodes.slurm import SlurmConfig, SlurmError
 
 REASON = (cl.unavailable() if sys.platform == "linux" else "needs Linux") or slurm.unavailable(accounting=True)
 NEEDS_SLURM = pytest.mark.skipif(REASON is not None, reason=f"Slurm on emulated nodes unavailable: {REASON}")
@@ -80,7 +81,7 @@ def test_the_config_is_saved_for_another_process(tmp_path, monkeypatch):
     assert slurm.saved("saved") == (4, config) and slurm.state_names() == ["saved"]
     assert slurm.saved("other") is None
     with pytest.raises(SlurmError, match="no Slurm cluster named 'other'.*cluster up --slurm"):
-        __import__("teraflops.cluster").cluster.attach("other")
+        cl.attach("other")
     assert config.describe() == ("fifo (sched/builtin), 3 CPUs and 3 fake GPUs per node, "
                                  "accounting (slurmdbd) for ml, nlp")
 
@@ -232,8 +233,8 @@ def test_cli_up_slurm_exec_status_down(tmp_path):
 
 VICTIM = """
 import sys, time
-from teraflops.cluster import Cluster
-from teraflops.slurm import SlurmConfig
+from teraflops.nodes.cluster import Cluster
+from teraflops.nodes.slurm import SlurmConfig
 s = Cluster(2, name=sys.argv[1], slurm=SlurmConfig(accounting=True)).up().slurm_
 s.exec(["sbatch", "-o", "/dev/null", "--wrap", "sleep 3001"], check=True)
 s.exec(["sbatch", "-o", "/dev/null", "--wrap", "(setsid sleep 3002 &)"], check=True)  # outlives its job

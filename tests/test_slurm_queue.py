@@ -6,8 +6,8 @@ The real runs (FIFO, backfill and fair share on Slurm) are checked once, from th
 
 import pytest
 
-from teraflops import scheduling
-from teraflops import slurm_queue as q
+from teraflops.orchestration import queue_sim
+from teraflops.orchestration import slurm_queue as q
 
 RUNNING = ("JobId=7 JobName=j3-bob UserId=root(0) JobState=RUNNING Reason=None SubmitTime=2026-12-02T06:00:00 "
            "StartTime=2026-12-02T06:00:01 EndTime=2026-12-02T06:01:01 NodeList=node[0-1] NumNodes=2 "
@@ -40,7 +40,7 @@ def test_the_lecture_mix_separates_the_policies_in_the_simulation():
     """What the lecture claims of its mix, on the simulation alone: backfill runs small jobs ahead of
     the blocked 3-node head without delaying it; FIFO runs none and strands GPUs by fragmentation."""
     jobs = [j.job() for j in q.LECTURE_MIX]
-    fifo, bf = (scheduling.simulate(jobs, p, 3, 2) for p in (scheduling.fifo, scheduling.backfill))
+    fifo, bf = (queue_sim.simulate(jobs, p, 3, 2) for p in (queue_sim.fifo, queue_sim.backfill))
     assert q.head_job(fifo).id == q.head_job(bf).id == 2
     assert q.jumped_head(fifo) == [] and q.jumped_head(bf) == [3, 4, 6]
     assert q.head_delay(fifo) == q.head_delay(bf) == 0
@@ -50,27 +50,27 @@ def test_the_lecture_mix_separates_the_policies_in_the_simulation():
 
 def test_differences_name_the_lag_and_a_changed_order():
     jobs = [j.job() for j in q.LECTURE_MIX]
-    sim = scheduling.simulate(jobs, scheduling.fifo, 3, 2)
-    late = [scheduling.JobRun(r.job, r.start + (1.0 if r.start else 0.4), r.end + (1.0 if r.start else 0.4),
+    sim = queue_sim.simulate(jobs, queue_sim.fifo, 3, 2)
+    late = [queue_sim.JobRun(r.job, r.start + (1.0 if r.start else 0.4), r.end + (1.0 if r.start else 0.4),
                               r.nodes, r.gpus_held) for r in sim.runs]
-    real = scheduling.measure(late, 3, 2, "Slurm FIFO")
+    real = queue_sim.measure(late, 3, 2, "Slurm FIFO")
     run = q.QueueRun("fifo", real, sim, {})
     lines = q.differences(run)
     assert len(lines) == 1 and "first pass came 0.4 s" in lines[0] and "hand-overs" in lines[0]
-    swapped = [scheduling.JobRun(r.job, r.start + (30 if r.job.id == 2 else 0), r.end + (30 if r.job.id == 2 else 0),
+    swapped = [queue_sim.JobRun(r.job, r.start + (30 if r.job.id == 2 else 0), r.end + (30 if r.job.id == 2 else 0),
                                  r.nodes, r.gpus_held) for r in sim.runs]
-    lines = q.differences(q.QueueRun("fifo", scheduling.measure(swapped, 3, 2, "x"), sim, {}))
+    lines = q.differences(q.QueueRun("fifo", queue_sim.measure(swapped, 3, 2, "x"), sim, {}))
     assert any(line.startswith("start order differs") for line in lines)
 
 
 def test_measure_reads_a_hand_made_schedule():
     """2 nodes × 2 GPUs; job 1 holds GPUs 0 and 2 (one per node) for 2 s, job 2 (2 GPUs, one node)
     waits for it though 2 GPUs are free: stranded 2 GPUs for 2 of 3 s."""
-    j1, j2 = scheduling.Job(1, "a", 1, 0.0, 2.0), scheduling.Job(2, "b", 2, 0.0, 1.0)
-    k = scheduling.Job(3, "a", 1, 0.0, 2.0)
-    runs = [scheduling.JobRun(j1, 0.0, 2.0, (0,), (0,)), scheduling.JobRun(k, 0.0, 2.0, (1,), (2,)),
-            scheduling.JobRun(j2, 2.0, 3.0, (0,), (0, 1))]
-    r = scheduling.measure(runs, 2, 2, "hand")
+    j1, j2 = queue_sim.Job(1, "a", 1, 0.0, 2.0), queue_sim.Job(2, "b", 2, 0.0, 1.0)
+    k = queue_sim.Job(3, "a", 1, 0.0, 2.0)
+    runs = [queue_sim.JobRun(j1, 0.0, 2.0, (0,), (0,)), queue_sim.JobRun(k, 0.0, 2.0, (1,), (2,)),
+            queue_sim.JobRun(j2, 2.0, 3.0, (0,), (0, 1))]
+    r = queue_sim.measure(runs, 2, 2, "hand")
     assert r.makespan_h == 3.0 and r.utilisation == pytest.approx((2 + 2 + 2) / (4 * 3))
     assert r.stranded_gpus == pytest.approx(2 * 2 / 3) and r.mean_wait_h == pytest.approx(2 / 3)
 

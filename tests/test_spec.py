@@ -1,4 +1,4 @@
-"""teraflops.spec: the one dataclass ⇄ JSON round trip of every Spec and Result, checked at the boundary."""
+"""teraflops.launch.wire: the one dataclass ⇄ JSON round trip of every Spec and Result, checked at the boundary."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from teraflops.distributed import read_spec
+from teraflops.launch.rank import read_spec
 from teraflops.sizing import PRESETS, TrainConfig, dp_config
-from teraflops.spec import SpecError, from_json, read, to_json, write
+from teraflops.launch.wire import SpecError, from_json, read, to_json, write
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def test_to_json_refuses_what_json_cannot_carry():
 
 
 def test_launch_reads_each_ranks_result_as_the_dataclass_and_names_the_rank_of_a_bad_one():
-    from teraflops.distributed import _typed
+    from teraflops.launch.launcher import typed_results
 
     @dataclass(frozen=True)
     class WithNode:
@@ -97,7 +97,7 @@ def test_launch_reads_each_ranks_result_as_the_dataclass_and_names_the_rank_of_a
         rank: int
 
     got = [{"rank": 0, "node": 1}, {"rank": 1, "node": 0}]
-    assert _typed(got, WithNode) == [WithNode(0, 1), WithNode(1, 0)]
-    assert _typed(got, Plain) == [Plain(0), Plain(1)]  # a multi-node launch's "node" only where declared
+    assert typed_results(got, WithNode) == [WithNode(0, 1), WithNode(1, 0)]
+    assert typed_results(got, Plain) == [Plain(0), Plain(1)]  # a multi-node launch's "node" only where declared
     with pytest.raises(SpecError, match=r"^Plain of rank 1\.rank: expected int, got str"):
-        _typed([{"rank": 0}, {"rank": "1"}], Plain)
+        typed_results([{"rank": 0}, {"rank": "1"}], Plain)

@@ -21,7 +21,7 @@ def _python(code: str) -> str:
 
 
 def test_import_teraflops_imports_neither_torch_nor_triton():
-    out = _python("import sys, teraflops, teraflops.cli; print(sorted(m for m in ('torch', 'triton', 'IPython', "
+    out = _python("import sys, teraflops, teraflops.course.cli; print(sorted(m for m in ('torch', 'triton', 'IPython', "
                   "'numpy', 'matplotlib') if m in sys.modules))")
     assert out == "[]", f"`import teraflops` imported {out}"
 
@@ -54,10 +54,10 @@ def test_help_answers_in_under_a_second_median_of_five():
 
 def test_grade_answers_within_a_second_before_it_imports_the_grader(tmp_path):
     """Issue 18: `teraflops grade`'s first line came after torch's import (35 s on a busy machine)."""
-    out = subprocess.run([sys.executable, "-m", "teraflops.cli", "grade", str(tmp_path / "missing.ipynb")],
+    out = subprocess.run([sys.executable, "-m", "teraflops.course.cli", "grade", str(tmp_path / "missing.ipynb")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no such notebook" in out.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "teraflops.cli", "grade", __file__], stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "teraflops.course.cli", "grade", __file__], stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True)
     start = time.perf_counter()
     first = proc.stderr.readline()

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from teraflops import stragglers as st
-from teraflops.sizing import data_parallel_plan, gpt_config, preset
-from teraflops.spec import from_json, to_json
+from teraflops.orchestration import stragglers as st
+from teraflops.sizing import gpt_config, preset
+from teraflops.launch.placement import data_parallel_plan
+from teraflops.launch.wire import from_json, to_json
 from teraflops.workers.common import build_model, make_data
 from teraflops.workers.straggler import rank_rows, weighted_loss
 
@@ -260,7 +261,7 @@ def test_jitter_cost_matches_a_simulation_and_shrinks_with_k():
 
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_run_with_one_line(monkeypatch):
-    from teraflops.distributed import LaunchFailed
+    from teraflops.launch.launcher import LaunchFailed
 
     monkeypatch.setenv("TERAFLOPS_FAULT", "kill:rank=1:step=2")
     plan = data_parallel_plan(preset("tiny"), ranks_cpu=4)
@@ -274,7 +275,7 @@ def test_timeline_title_says_the_injection_once():
     """Issue 18: Unit 3's timeline was titled "200 ms: constant 200 ms"."""
     from types import SimpleNamespace
 
-    from teraflops.stragglers import timeline_title
+    from teraflops.orchestration.stragglers import timeline_title
 
     constant = SimpleNamespace(kind="constant", label="constant 200 ms")
     assert timeline_title(SimpleNamespace(name="200 ms", injection=constant)) == "injected: constant 200 ms"

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from teraflops.tail import expected_max, hiccup_step, hours_between_interruptions, tail_rows, tail_table
+from teraflops.orchestration.tail import expected_max, hiccup_step, hours_between_interruptions, tail_rows, tail_table
 
 
 def test_expected_max_matches_closed_forms_and_a_simulation():

@@ -1,4 +1,4 @@
-"""teraflops.triage: each unit's workload gets its unit's verdict; bad traces are one-line errors.
+"""teraflops.triage.verdict: each unit's workload gets its unit's verdict; bad traces are one-line errors.
 
 Units 1 and 4 run for real on this machine (small sizes, measured ceilings). Units 3 and 5 need
 several ranks, which these tests do not launch: their traces are synthetic, built as torch 2.x
@@ -15,9 +15,11 @@ import json
 import pytest
 import torch
 
-from teraflops import attention, cli, triage as tr
+from teraflops.course import cli
+from teraflops.model_definition import attention
+from teraflops.triage import verdict as tr
 from teraflops.ceilings import Ceilings, measure_ceilings
-from teraflops.launch_overhead import launch_floor, op_time_vs_size
+from teraflops.model_definition.launch_overhead import launch_floor, op_time_vs_size
 from teraflops.models import Llama
 
 MiB = 2**20
@@ -76,7 +78,7 @@ def test_unit1_naive_attention_is_memory_bound(here, tmp_path):
 
 def test_unit4_small_batch_decode_is_overhead_bound(here, tmp_path):
     """Unit 4's decode loop (the course's Llama, batch 1) at a size whose every op moves a few KB."""
-    from teraflops.decode import generate
+    from teraflops.compilation.decode import generate
 
     model = Llama(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_seq_len=32).eval()
     prompt = torch.randint(0, 32, (1, 4))

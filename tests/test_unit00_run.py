@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.utils import benchmark
 
-from teraflops import ceilings, runner
+from teraflops import ceilings
+from teraflops.course import runner
 from teraflops.sizing import preset
 
 

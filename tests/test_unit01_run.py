@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from teraflops.runner import checked_output_mismatches, format_summary, run_units
+from teraflops.course.runner import checked_output_mismatches, format_summary, run_units
 from teraflops import detect
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,9 +6,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from teraflops import detect, slurm
-from teraflops.cluster import unavailable
-from teraflops.runner import checked_output_mismatches, format_summary, run_units
+from teraflops import detect
+from teraflops.nodes import slurm
+from teraflops.nodes.cluster import unavailable
+from teraflops.course.runner import checked_output_mismatches, format_summary, run_units
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from teraflops import detect
-from teraflops.runner import checked_output_mismatches, format_summary, run_units
+from teraflops.course.runner import checked_output_mismatches, format_summary, run_units
 
 ROOT = Path(__file__).resolve().parents[1]
 

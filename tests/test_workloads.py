@@ -1,11 +1,11 @@
-"""teraflops.workloads: the in-process unit workloads get their unit's verdict on this machine, a
+"""teraflops.triage.workloads: the in-process unit workloads get their unit's verdict on this machine, a
 fix moves it, and the mysteries' key is seeded (the multi-rank workloads: tests/test_rank_traces.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from teraflops import triage, workloads
+from teraflops.triage import verdict, workloads
 from teraflops.errors import CourseError
 
 
@@ -34,7 +34,7 @@ def test_table_and_plot_show_every_workload(rows):
     text = workloads.verdict_table(rs)
     assert all(r["name"] in text and r["result"].verdict in text for r in rs)
     ax = workloads.plot_shares(rs)
-    assert len(ax.patches) == len(rs) * len(triage.CATEGORIES)
+    assert len(ax.patches) == len(rs) * len(verdict.CATEGORIES)
     import matplotlib.pyplot as plt
 
     plt.close("all")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from teraflops import cluster as cl
+from teraflops.nodes import cluster as cl
 from teraflops import ownership
 
 REASON = cl.unavailable() if sys.platform == "linux" else "needs Linux"
@@ -116,19 +116,19 @@ def test_a_killed_notebook_takes_its_run_with_it(tmp_path, launcher):
     """SIGKILL of the notebook-side process: within 10 s no launcher or rank runs, its files are gone."""
     import glob
 
-    from teraflops import distributed, stale
+    from teraflops.launch import launcher, leftovers
 
     if launcher == "deepspeed":
-        distributed.prepare_deepspeed_ops(cpu=True)
+        ops.prepare_deepspeed_ops(cpu=True)
     script = tmp_path / "notebook.py"
     args = ["--timeout", "600"] + (["--deepspeed"] if launcher == "deepspeed" else [])
     script.write_text(
-        "from teraflops.distributed import launch\n"
+        "from teraflops.launch.launcher import launch\n"
         f"launch('teraflops.workers.selftest', 2, {args!r}, launcher={launcher!r}, timeout=600,"
         " env={'TERAFLOPS_FAULT': 'hang:rank=1:step=1', 'CUDA_VISIBLE_DEVICES': ''})\n")
     before = set(glob.glob("/tmp/teraflops-launch-*"))
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # another learner's run's owner
-    other = f"/dev/shm/{stale.SHM_PREFIX}_{os.getuid()}_127.0.0.1_1_0"
+    other = f"/dev/shm/{leftovers.SHM_PREFIX}_{os.getuid()}_127.0.0.1_1_0"
     with open(other, "wb"):
         pass  # a buffer no launch of a dead owner made: it is left alone while mapped... or owned
     victim = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -137,8 +137,8 @@ def test_a_killed_notebook_takes_its_run_with_it(tmp_path, launcher):
         while True:
             folders = set(glob.glob("/tmp/teraflops-launch-*")) - before
             members = [p for f in folders for p in _members(f)]
-            ranks = [p for p in members if "selftest" in " ".join(p.cmdline()) and "_rank.py" not in " ".join(p.cmdline())]
-            shm = stale.shm_files() if launcher == "deepspeed" else ["-"]
+            ranks = [p for p in members if "selftest" in " ".join(p.cmdline()) and "rank_wrapper.py" not in " ".join(p.cmdline())]
+            shm = leftovers.shm_files() if launcher == "deepspeed" else ["-"]
             if len(ranks) >= 2 and [s for s in shm if str(s) != other]:
                 break
             assert time.monotonic() < deadline and victim.poll() is None, "the run did not start"
@@ -153,7 +153,7 @@ def test_a_killed_notebook_takes_its_run_with_it(tmp_path, launcher):
             time.sleep(0.2)
         assert _members(folder) == [], f"still running 10 s after the kill: {[p.cmdline() for p in _members(folder)]}"
         assert not os.path.exists(folder)
-        assert stale.shm_files(port) == []
+        assert leftovers.shm_files(port) == []
         assert glob.glob(f"{folder}/torchelastic*") == []
     finally:
         victim.kill()
@@ -168,10 +168,10 @@ def test_the_sweep_removes_a_dead_owners_leftovers_and_never_a_live_ones(tmp_pat
     import json
     import tempfile
 
-    from teraflops import stale
+    from teraflops.launch import leftovers
 
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
-    monkeypatch.setattr(stale, "SHM", tmp_path / "shm")
+    monkeypatch.setattr(leftovers, "SHM", tmp_path / "shm")
     (tmp_path / "shm").mkdir()
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -183,37 +183,37 @@ def test_the_sweep_removes_a_dead_owners_leftovers_and_never_a_live_ones(tmp_pat
         if pid != os.getpid():
             record["start"] = 1.0
         (folder / "owner.json").write_text(json.dumps(record))
-        (tmp_path / "shm" / f"{stale.SHM_PREFIX}_{uid}_127.0.0.1_{port}_0").write_bytes(b"x")
-    removed = {p.name for p in stale.sweep()}
-    assert "teraflops-launch-dead" in removed and f"{stale.SHM_PREFIX}_{uid}_127.0.0.1_41001_0" in removed
+        (tmp_path / "shm" / f"{leftovers.SHM_PREFIX}_{uid}_127.0.0.1_{port}_0").write_bytes(b"x")
+    removed = {p.name for p in leftovers.sweep()}
+    assert "teraflops-launch-dead" in removed and f"{leftovers.SHM_PREFIX}_{uid}_127.0.0.1_41001_0" in removed
     assert (tmp_path / "teraflops-launch-live").exists()
-    assert (tmp_path / "shm" / f"{stale.SHM_PREFIX}_{uid}_127.0.0.1_41002_0").exists()
+    assert (tmp_path / "shm" / f"{leftovers.SHM_PREFIX}_{uid}_127.0.0.1_41002_0").exists()
 
 
 def test_a_learner_copies_the_warm_op_without_its_lock(tmp_path, monkeypatch):
-    from teraflops import warmup
+    from teraflops import caches
 
-    monkeypatch.setenv(warmup.WARM_ENV, str(tmp_path / "warm"))
-    monkeypatch.setattr(warmup, "ninja_version", lambda: "1.13.2")
+    monkeypatch.setenv(caches.WARM_ENV, str(tmp_path / "warm"))
+    monkeypatch.setattr(caches, "ninja_version", lambda: "1.13.2")
     ext = tmp_path / "mine" / "torch_extensions" / "py311-abc"
-    source = warmup.warm_op_dir(ext)
+    source = caches.warm_op_dir(ext)
     source.mkdir(parents=True)
-    (source / warmup.op_stamp()).touch()
+    (source / caches.op_stamp()).touch()
     (source / "deepspeed_shm_comm.so").write_bytes(b"\x7fELF")
     (source / "lock").touch()
     os.utime(source / "deepspeed_shm_comm.so", (1e9, 1e9))
-    assert warmup.seed_op(ext)
-    copied = ext / warmup.OP
+    assert caches.seed_op(ext)
+    copied = ext / caches.OP
     assert (copied / "deepspeed_shm_comm.so").stat().st_mtime == 1e9  # ninja sees it up to date
-    assert not (copied / "lock").exists() and not warmup.seed_op(ext)  # once
+    assert not (copied / "lock").exists() and not caches.seed_op(ext)  # once
 
 
 def test_a_cache_of_another_user_says_why_in_one_line(tmp_path, monkeypatch):
-    from teraflops import warmup
+    from teraflops import caches
 
-    (tmp_path / warmup.OP).mkdir()
-    monkeypatch.setattr(warmup.os, "access", lambda path, mode: False)
-    why = warmup.unwritable_reason(tmp_path)
+    (tmp_path / caches.OP).mkdir()
+    monkeypatch.setattr(caches.os, "access", lambda path, mode: False)
+    why = caches.unwritable_reason(tmp_path)
     assert "lock" in why and "TERAFLOPS_CACHE" in why and "\n" not in why
 
 
@@ -224,20 +224,22 @@ def test_a_build_killed_elsewhere_says_so_and_no_compiler_hint_when_one_is_there
                                                                                  not_words):
     import shutil
 
-    from teraflops import distributed, warmup
+    from teraflops import caches
+    from teraflops.launch import ops
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(distributed, "_build_once", lambda ext, log, timeout: (code, 10.0))
-    monkeypatch.setattr(distributed, "_builds", lambda ext: [])
-    monkeypatch.setattr(warmup, "seed_op", lambda ext: False)
+    monkeypatch.setattr(ops, "_build_once", lambda ext, log, timeout: (code, 10.0))
+    monkeypatch.setattr(ops, "_builds", lambda ext: [])
+    monkeypatch.setattr(caches, "seed_op", lambda ext: False)
     monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/bin/{tool}")
-    with pytest.raises(distributed.OpBuildFailed) as err:
-        distributed.prepare_deepspeed_ops(cpu=True)
+    with pytest.raises(ops.OpBuildFailed) as err:
+        ops.prepare_deepspeed_ops(cpu=True)
     assert words in str(err.value) and not_words not in str(err.value) and "g++" not in str(err.value)
 
 
 def test_a_waiter_whose_other_build_died_builds_it_itself(tmp_path, monkeypatch):
-    from teraflops import distributed, warmup
+    from teraflops import caches
+    from teraflops.launch import ops
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     calls = []
@@ -247,10 +249,10 @@ def test_a_waiter_whose_other_build_died_builds_it_itself(tmp_path, monkeypatch)
         log.write_text("ImportError: deepspeed_shm_comm.so: cannot open shared object file\n")
         return (1 if len(calls) == 1 else 0), 1.0
 
-    monkeypatch.setattr(distributed, "_build_once", build)
-    monkeypatch.setattr(distributed, "_builds", lambda ext: [4242] if not calls else [])
-    monkeypatch.setattr(warmup, "seed_op", lambda ext: False)
-    distributed.prepare_deepspeed_ops(cpu=True)
+    monkeypatch.setattr(ops, "_build_once", build)
+    monkeypatch.setattr(ops, "_builds", lambda ext: [4242] if not calls else [])
+    monkeypatch.setattr(caches, "seed_op", lambda ext: False)
+    ops.prepare_deepspeed_ops(cpu=True)
     assert len(calls) == 2
 
 
@@ -259,21 +261,21 @@ def test_builds_and_ranks_run_the_environments_ninja_and_the_op_stamp_names_it(m
 
     import ninja
 
-    from teraflops import warmup
+    from teraflops import caches
 
-    env = warmup.with_ninja({"PATH": "/usr/bin:/bin"})
+    env = caches.with_ninja({"PATH": "/usr/bin:/bin"})
     assert shutil.which("ninja", path=env["PATH"]) == f"{ninja.BIN_DIR}/ninja"  # not Debian's /usr/bin/ninja
     assert env["PATH"].endswith(":/usr/bin:/bin")
-    monkeypatch.setattr(warmup, "ninja_version", lambda: "1.11.1")
-    assert warmup.op_stamp().endswith("-ninja1.11.1")  # an op another ninja built is not taken as ours
+    monkeypatch.setattr(caches, "ninja_version", lambda: "1.11.1")
+    assert caches.op_stamp().endswith("-ninja1.11.1")  # an op another ninja built is not taken as ours
 
 
 def test_the_header_folder_is_torchs():
     from torch._inductor import codecache
 
-    from teraflops import warmup
+    from teraflops import caches
 
-    assert str(warmup.header_dir()) == codecache._HEADER_DIR
+    assert str(caches.header_dir()) == codecache._HEADER_DIR
 
 
 def _fake_warm_cache(root, versions, at=1):
@@ -295,9 +297,9 @@ def _fake_warm_cache(root, versions, at=1):
 def learner(tmp_path, monkeypatch):
     import tempfile
 
-    from teraflops import warmup
+    from teraflops import caches
 
-    monkeypatch.setenv(warmup.WARM_ENV, str(tmp_path / "warm"))
+    monkeypatch.setenv(caches.WARM_ENV, str(tmp_path / "warm"))
     monkeypatch.setenv("TERAFLOPS_CACHE", str(tmp_path / "mine"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
@@ -306,46 +308,46 @@ def learner(tmp_path, monkeypatch):
 
 
 def test_a_learners_import_seeds_the_compile_caches_once_per_warmup(learner):
-    from teraflops import warmup
+    from teraflops import caches
 
-    warm = _fake_warm_cache(learner, warmup._versions())
-    assert warmup.seed_compile_caches()
+    warm = _fake_warm_cache(learner, caches.versions())
+    assert caches.seed_compile_caches()
     inductor, triton = learner / "mine" / "inductor", learner / "mine" / "triton"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(inductor) and os.environ["TRITON_CACHE_DIR"] == str(triton)
     assert (inductor / "ab/cabc.so").read_bytes() == b"\x7fELF" and (inductor / "ab/cabc.so").stat().st_mtime == 1e9
     assert (inductor / "fxgraph/x/entry").exists() and (triton / "k1/kernel.cubin").exists()
     assert not (inductor / "locks").exists()  # torch's locks are the learner's own to make
-    headers = warmup.header_dir()
+    headers = caches.header_dir()
     assert str(headers).startswith(str(learner / "tmp" / "torchinductor_"))
     assert os.readlink(headers / "cp.h.gch") == str(warm / "precompiled_headers/cp.h.gch")
     assert not (headers / "locks").exists()
     (inductor / "ab/cabc.so").write_bytes(b"mine")
-    assert not warmup.seed_compile_caches()  # seeded: nothing copied again
-    _fake_warm_cache(learner, warmup._versions(), at=2)  # the host warmed again
-    assert warmup.seed_compile_caches()
+    assert not caches.seed_compile_caches()  # seeded: nothing copied again
+    _fake_warm_cache(learner, caches.versions(), at=2)  # the host warmed again
+    assert caches.seed_compile_caches()
     assert (inductor / "ab/cabc.so").read_bytes() == b"mine"  # what the learner has is kept
 
 
 def test_without_a_warm_cache_for_this_environment_nothing_changes(learner):
-    from teraflops import warmup
+    from teraflops import caches
 
-    assert not warmup.seed_compile_caches()  # no warm cache at all
-    _fake_warm_cache(learner, {**warmup._versions(), "torch": "0.0"})  # another torch's kernels
-    assert not warmup.seed_compile_caches()
+    assert not caches.seed_compile_caches()  # no warm cache at all
+    _fake_warm_cache(learner, {**caches.versions(), "torch": "0.0"})  # another torch's kernels
+    assert not caches.seed_compile_caches()
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and not (learner / "mine" / "inductor").exists()
 
 
 def test_a_compile_cache_it_cannot_write_says_why_in_one_line_and_torch_compiles_as_usual(learner, monkeypatch):
-    from teraflops import warmup
+    from teraflops import caches
 
-    _fake_warm_cache(learner, warmup._versions())
+    _fake_warm_cache(learner, caches.versions())
 
     def refuse(source, target):
         raise PermissionError(13, "Permission denied", str(target))
 
-    monkeypatch.setattr(warmup, "_merge", refuse)
+    monkeypatch.setattr(caches, "_merge", refuse)
     with pytest.warns(UserWarning) as caught:
-        assert not warmup.seed_compile_caches()
+        assert not caches.seed_compile_caches()
     (why,) = [str(w.message) for w in caught]
     assert "Permission denied" in why and "TERAFLOPS_CACHE" in why and "\n" not in why
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
@@ -363,13 +365,15 @@ def test_the_unit4_lecture_compiles_as_warmup_does():
                  "cache = model.new_cache(1)", "decode.compile_decode(model, cache)",
                  "for dynamic in (False, None, True):\n"
                  "    r = decode.recompile_demo(seq_lens=(8, 9, 10), dynamic=dynamic)"):
-        assert call in code, f"the Unit 4 lecture no longer does {call!r}: update teraflops.warmup.compile_course"
+        assert call in code, f"the Unit 4 lecture no longer does {call!r}: update teraflops.course.warmup.compile_course"
 
 
 _LEARNER = r'''
 import json, os, time
 import teraflops  # seeds the compile caches from the host's
-from teraflops import decode, sizing, warmup, zero
+from teraflops import caches, sizing
+from teraflops.compilation import decode
+from teraflops.parallelization import zero
 from teraflops.sizing import PRESETS, data_parallel_plan
 
 t0 = time.perf_counter()
@@ -392,7 +396,7 @@ for dynamic in (False, None, True):
     decode.recompile_demo(seq_lens=(8, 9, 10), dynamic=dynamic)  # clears the counters first
     add()
 print(json.dumps({"stages": [r.stage for r in runs], "inductor": seen, "zero_s": zero_s, "compile_s": compile_s,
-                  "headers": str(warmup.header_dir()),
+                  "headers": str(caches.header_dir()),
                   "dirs": [os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get("TRITON_CACHE_DIR")]}))
 '''
 
@@ -415,7 +419,7 @@ def _as_user(user: str, argv: list, stage) -> list:
     as a workshop's shared environment would be (the host's mounts are not touched)."""
     from pathlib import Path
 
-    from teraflops.warmup import closed_to_others
+    from teraflops.course.warmup import closed_to_others
 
     prefix = Path(os.path.realpath(sys.executable)).parents[1]
     shut = closed_to_others([prefix.parent])  # the first folder above the prefix that others cannot enter
@@ -444,7 +448,7 @@ def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
 
     import psutil
 
-    from teraflops import warmup
+    from teraflops import caches
 
     base = Path(tempfile.mkdtemp(prefix="teraflops-warm-test-"))
     base.chmod(0o755)
@@ -473,7 +477,7 @@ def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
         env = {"HOME": str(home), "USER": user, "LOGNAME": user, "TMPDIR": str(home / "tmp"),
                "PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin", "COMPILERS_LOG": str(home / "compilers.log"),
                "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-               warmup.WARM_ENV: str(warm),
+               caches.WARM_ENV: str(warm),
                # as the host's: torch reads CI into a default of its functorch config (error_on_custom_op_aliasing
                # = bool(os.getenv("CI")), torch/_functorch/config.py), and that config is part of AOTAutograd's
                # cache key; under CI=true (a CI machine) a learner without it missed every AOTAutograd entry
@@ -501,7 +505,7 @@ def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
         theirs = {p.relative_to(warm / "compile" / "inductor") for p in (warm / "compile" / "inductor").rglob("*")
                   if p.is_file()}
         new = {p.relative_to(inductor) for p in inductor.rglob("*") if p.is_file()} - theirs
-        assert {p for p in new if p.parts[0] != "locks"} == {Path(warmup.SEEDED)}, sorted(new)[:5]
+        assert {p for p in new if p.parts[0] != "locks"} == {Path(caches.SEEDED)}, sorted(new)[:5]
         headers = Path(got["headers"])
         assert headers.is_relative_to(home / "tmp")
         assert all(p.is_symlink() for p in headers.iterdir() if p.name != "locks")  # no header built
@@ -524,7 +528,7 @@ def test_a_python_behind_a_folder_others_cannot_enter_is_named():
     import tempfile
     from pathlib import Path
 
-    from teraflops import warmup
+    from teraflops.course import warmup
 
     base = Path(tempfile.mkdtemp(prefix="teraflops-closed-"))  # not under pytest's tmp_path: that is mode 700
     try:

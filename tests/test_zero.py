@@ -6,9 +6,13 @@ import time
 import psutil
 import pytest
 
-from teraflops import distributed, model_states, zero
-from teraflops.distributed import LaunchFailed, port_in_use, shm_buffers
-from teraflops.sizing import PRESETS, data_parallel_plan
+from teraflops.launch import launcher
+from teraflops.parallelization import model_states, zero
+from teraflops.launch.launcher import LaunchFailed
+from teraflops.launch.ops import shm_buffers
+from teraflops.launch.ports import port_in_use
+from teraflops.sizing import PRESETS
+from teraflops.launch.placement import data_parallel_plan
 
 
 def log(entries):
@@ -78,7 +82,7 @@ def test_a_rank_killed_mid_run_fails_cleanly_and_the_next_run_starts():
     assert not port_in_use(info.value.port)
     assert not shm_buffers(info.value.port)
     shutil.rmtree(info.value.logs)  # kept for the learner on a failure; the test has read what it needs
-    lock = distributed._extensions_dir() / distributed._SHM_OP / "lock"
+    lock = caches.extensions_dir() / ops.SHM_OP / "lock"
     assert not lock.exists()
     lock.touch()  # as a rank killed inside torch's JIT loader leaves it: the next run must not wait on it forever
     (again,) = zero.run_zero(stages=(0,), plan=plan, steps=2)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from teraflops.errors import ExerciseFailed, NotAttempted
 from teraflops.grading import unit02 as check
-from teraflops.labs import BEGIN, END, PLACEHOLDER, strip_solution
+from teraflops.course.labs import BEGIN, END, PLACEHOLDER, strip_solution
 
 
 # The reference solution (the solution notebook holds it, with its method bodies between solution markers).
@@ -182,9 +182,9 @@ def test_class_without_source_fails(no_launch):
 
 def reports(n: int = 2, **change) -> list:
     """The ranks' reports for a correct class, with ``change`` applied (keys of the report), read
-    as the check reads them (:class:`teraflops.zero.Zero1CheckResult`)."""
-    from teraflops.spec import from_json
-    from teraflops.zero import Zero1CheckResult
+    as the check reads them (:class:`teraflops.parallelization.zero.Zero1CheckResult`)."""
+    from teraflops.launch.wire import from_json
+    from teraflops.parallelization.zero import Zero1CheckResult
 
     from teraflops.workers.zero1_check import HYPER, PSI
 

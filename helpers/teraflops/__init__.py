@@ -6,7 +6,7 @@ GPU, the interpreter on CPU, :func:`teraflops.machine.configure_triton`) is deci
 first imported, by an import hook, so ``TRITON_INTERPRET`` is set before any ``@triton.jit``
 decorator runs. If torch or Triton is already imported, it is decided at once. Where a workshop
 host ran ``teraflops warmup``, the import also seeds this user's torch.compile caches from the
-host's (:func:`teraflops.warmup.seed_compile_caches`; without one it costs one failed ``open``).
+host's (:func:`teraflops.caches.seed_compile_caches`; without one it costs one failed ``open``).
 """
 
 import importlib.abc as _abc
@@ -29,7 +29,7 @@ class _ConfigureTritonFirst(_abc.MetaPathFinder):
         if fullname == "triton" and not type(self).busy:
             type(self).busy = True
             try:
-                from .machine import configure_triton
+                from teraflops.machine import configure_triton
 
                 configure_triton()
             finally:
@@ -41,17 +41,17 @@ class _ConfigureTritonFirst(_abc.MetaPathFinder):
 
 if "TRITON_INTERPRET" not in _os.environ:
     if "triton" in _sys.modules or "torch" in _sys.modules:  # cheap now, or too late to wait
-        from .machine import configure_triton as _configure_triton
+        from teraflops.machine import configure_triton as _configure_triton
 
         _configure_triton()
     elif not any(isinstance(f, _ConfigureTritonFirst) for f in _sys.meta_path):
         _sys.meta_path.insert(0, _ConfigureTritonFirst())
 
-from .errors import install_notebook_hooks as _install_notebook_hooks  # noqa: E402
+from teraflops.errors import install_notebook_hooks as _install_notebook_hooks  # noqa: E402
 
 _install_notebook_hooks()  # an unfinished lab exercise reads as one line in a notebook
 
-from .warmup import seed_compile_caches as _seed_compile_caches  # noqa: E402
+from teraflops.caches import seed_compile_caches as _seed_compile_caches  # noqa: E402
 
 _seed_compile_caches()  # a workshop host's `teraflops warmup`: torch.compile finds its kernels built
 
@@ -61,7 +61,7 @@ __all__ = ["Machine", "detect", "__version__"]
 
 def __getattr__(name):  # PEP 562: teraflops.detect without importing machine (and torch) up front
     if name in ("Machine", "detect"):
-        from . import machine
+        from teraflops import machine
 
         return getattr(machine, name)
     raise AttributeError(f"module 'teraflops' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """``python -m teraflops ...``: the same as the ``teraflops`` command."""
 
-from .cli import main
+from teraflops.course.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from .datasheets import pcie_link, published_for
-from .errors import CourseError
-from .machine import detect
-from .sizing import preset
-from .tables import GB
-from .timing import benchmark
+from teraflops.datasheets import pcie_link, published_for
+from teraflops.errors import CourseError
+from teraflops.machine import detect
+from teraflops.sizing import preset
+from teraflops.tables import GB
+from teraflops.timing import benchmark
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Ceilings:
         An empirical roofline's ceilings are the best rates observed on the machine (the convention
         of the Empirical Roofline Toolkit, Lo et al., "Roofline Model Toolkit", PMBS 2014): a probe
         that landed on a busy moment must not leave measured points above the roof.
-        ``points`` are :class:`teraflops.roofline.RooflinePoint`.
+        ``points`` are :class:`teraflops.model_definition.roofline.RooflinePoint`.
         """
         peak = max([self.peak_flops] + [p.achieved_flops for p in points if p.flops > 0])
         bandwidth = max([self.bandwidth] + [p.achieved_bandwidth for p in points])
@@ -290,7 +290,7 @@ def bandwidth_ladder(nbytes: int | None = None, min_run_time: float = 0.3) -> li
 def ladder_table(rows: list[dict]) -> str:
     """:func:`bandwidth_ladder` rows as a table: measured and published GB/s (GB = 1e9 bytes), the
     fraction of the published figure reached, how bytes are counted and a note; sources numbered below."""
-    from .tables import table
+    from teraflops.tables import table
 
     sources = list(dict.fromkeys(r["source"] for r in rows if r["source"]))
     body = table([(r["what"], "skipped" if r["bandwidth"] is None else r["bandwidth"] / GB,

@@ -11,8 +11,8 @@ those numbers; nothing in it is measured:
 * **Links** (:data:`PUBLISHED_LINKS`, :func:`cross_node_link`, :data:`ETHERNET_25G`): bytes/s **per
   direction**, the figure a collective's busbw is compared with (nccl-tests, ``doc/PERFORMANCE.md``),
   derived from the printed figure (often both directions, before line encoding) as each entry's
-  ``note`` says. Measured against them: :mod:`teraflops.collectives` and :mod:`teraflops.fabrics`
-  (Unit 5); priced with them: :mod:`teraflops.comm_budget`.
+  ``note`` says. Measured against them: :mod:`teraflops.hardware.collectives` and :mod:`teraflops.hardware.fabrics`
+  (Unit 5); priced with them: :mod:`teraflops.hardware.comm_budget`.
 
 Units: TFLOP/s = 1e12 FLOP/s; GB/s with GB = 1e9 bytes; Gb/s = 1e9 bits/s; GT/s = 1e9 transfers/s.
 """
@@ -23,8 +23,8 @@ import numbers
 import re
 from dataclasses import dataclass
 
-from .errors import CourseError
-from .tables import GB, table
+from teraflops.errors import CourseError
+from teraflops.tables import GB, table
 
 
 # ---- GPUs -------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ PUBLISHED_LINKS: tuple[PublishedLink, ...] = (
 )
 
 
-# a commodity cluster's port, emulated beside the others in Unit 5 §6 (teraflops.fabrics); not a row of the tables
+# a commodity cluster's port, emulated beside the others in Unit 5 §6 (teraflops.hardware.fabrics); not a row of the tables
 ETHERNET_25G = PublishedLink(
     "Ethernet 25GBASE-R", 25e9 / 8, "25 Gb/s",
     "one 25 Gb/s port: 3.125 GB/s of data per direction (64b/66b encoding is on top of it)",
@@ -180,7 +180,7 @@ def cross_node_link(nics_per_node: int = 8, nic: PublishedLink = PUBLISHED_LINKS
                     intra: PublishedLink = PUBLISHED_LINKS[0]) -> PublishedLink:
     """The per-rank bandwidth of a ring all-reduce that crosses nodes with ``nics_per_node`` network
     ports per node: ``min(nics_per_node × nic, intra)``, as a :class:`PublishedLink` for
-    :func:`teraflops.comm_budget.gradient_sync_rows`.
+    :func:`teraflops.hardware.comm_budget.gradient_sync_rows`.
 
     NCCL builds one ring (channel) per port; each ring carries its share of the buffer and enters and
     leaves every node once, through its own port, while the hops inside a node use NVLink. So a node's

@@ -44,7 +44,7 @@ def expect_shape(name: str, tensor, shape: tuple, hint: str = "") -> None:
         raise ShapeError(msg + (f". Hint: {hint}" if hint else ""))
 
 
-# The lab placeholder's message (teraflops.labs.PLACEHOLDER writes it); kept here so that importing
+# The lab placeholder's message (teraflops.course.labs.PLACEHOLDER writes it); kept here so that importing
 # the package does not import the lab builder.
 PLACEHOLDER_MESSAGE = "Exercise: replace this line with your code"
 

@@ -21,7 +21,7 @@ Memory models (bytes on one GPU, the largest point of each workload; GB = 1e9, G
   in Large Transformer Models", eq. 1: ``s·b·h·34`` bytes in 16-bit without the ``5·a·s/h`` score
   term, which fused attention does not store; twice that in fp32), plus the logits and their
   gradient (``3 · b · s · V · 4`` bytes: logits, softmax and its gradient).
-* **Stale gradients** (``workers/data_parallel.py``): every τ of the sweep keeps its own model and
+* **Stale gradients** (``workers/ddp_sync.py``): every τ of the sweep keeps its own model and
   Adam states (16 B/parameter each) and up to ``τ + 1`` flat fp32 gradients in flight.
 * **Decode** (``decode.py``): the weights (``2`` B/parameter in 16-bit) and the static KV cache,
   ``2 · layers · batch · positions · d_model`` elements (keys and values, every head), plus the
@@ -45,7 +45,7 @@ def gpt_params(vocab: int, d_model: int, layers: int, heads: int, seq_len: int) 
     device: the real module's count, no memory)."""
     import torch
 
-    from .models import GPT
+    from teraflops.models import GPT
 
     with torch.device("meta"):
         return GPT(vocab, d_model, layers, heads, seq_len).num_params()

@@ -39,7 +39,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CourseError
+from teraflops.errors import CourseError
 
 __all__ = ["Listing", "MechanismError", "listing", "show", "START", "END"]
 
@@ -63,7 +63,7 @@ class Listing:
     Attributes:
         code: the lines, dedented, joined with newlines (no trailing newline).
         path: the source file, relative to the folder above the ``teraflops`` package
-            (``"teraflops/flash_triton.py"``), or absolute for a file outside it.
+            (``"teraflops/model_definition/flash_triton.py"``), or absolute for a file outside it.
         first, last: 1-based line numbers of the first and last line shown, in that file.
         qualname: the object's qualified name (``"Int8Linear.forward"``); the module's name for a module.
         region: the marker's name, ``"start…stop"`` for a selector, ``""`` for the whole object.
@@ -80,7 +80,7 @@ class Listing:
 
     @property
     def where(self) -> str:
-        """``"teraflops/fused.py, lines 48–62, in _rmsnorm_kernel (docstring left out)"``."""
+        """``"teraflops/compilation/fused.py, lines 48–62, in _rmsnorm_kernel (docstring left out)"``."""
         lines = f"line {self.first}" if self.first == self.last else f"lines {self.first}–{self.last}"
         return f"{self.path}, {lines}, in {self.qualname}" + (" (docstring left out)" if self.docstring_left_out else "")
 
@@ -141,7 +141,7 @@ def _name(obj) -> str:
 
 
 def _relative(path: str) -> str:
-    """``.../helpers/teraflops/fused.py`` → ``teraflops/fused.py`` (paths outside the package stay whole)."""
+    """``.../helpers/teraflops/compilation/fused.py`` → ``teraflops/compilation/fused.py`` (paths outside the package stay whole)."""
     package = Path(__file__).resolve().parent
     try:
         return str(Path(path).resolve().relative_to(package.parent))

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .errors import CourseError
+from teraflops.errors import CourseError
 
 
 def _cpu_peak(fn: Callable[[], object]) -> tuple[int, object]:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ShapeError
+from teraflops.errors import ShapeError
 
 
 def _numel(p: torch.Tensor) -> int:
@@ -39,16 +39,22 @@ class TransformerBlock(nn.Module):
     Args:
         d_model: width; must be divisible by ``n_heads``.
         n_heads: attention heads.
-        attention: ``"sdpa"`` (``F.scaled_dot_product_attention``) or ``"naive"`` (materialises
-            the ``seq_len × seq_len`` scores).
+        attention: ``"sdpa"`` (``F.scaled_dot_product_attention``), or a function
+            ``(q, k, v, causal=True) -> out`` on ``[batch, heads, seq_len, head_dim]`` tensors, e.g.
+            Unit 1's :func:`teraflops.model_definition.attention.naive_attention` (materialises the
+            ``seq_len × seq_len`` scores).
+
+    Raises:
+        ShapeError: ``d_model`` not divisible by ``n_heads``.
+        ValueError: ``attention`` neither ``"sdpa"`` nor callable.
     """
 
-    def __init__(self, d_model: int, n_heads: int, attention: str = "sdpa"):
+    def __init__(self, d_model: int, n_heads: int, attention="sdpa"):
         super().__init__()
         if d_model % n_heads:
             raise ShapeError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
-        if attention not in ("sdpa", "naive"):
-            raise ValueError(f"attention must be 'sdpa' or 'naive', got {attention!r}")
+        if attention != "sdpa" and not callable(attention):
+            raise ValueError(f"attention must be 'sdpa' or a function (q, k, v, causal=True), got {attention!r}")
         self.n_heads, self.attention = n_heads, attention
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
@@ -68,9 +74,7 @@ class TransformerBlock(nn.Module):
         elif self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            from .attention import naive_attention
-
-            y = naive_attention(q, k, v, causal=True)
+            y = self.attention(q, k, v, causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, n, d))
 
     def forward(self, x: torch.Tensor, cache: "LayerKV | None" = None, input_pos: torch.Tensor | None = None,

@@ -19,8 +19,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from .machine import detect
-from .placement import Placement, place
+from teraflops.machine import detect
 
 MiB = 2**20
 
@@ -40,8 +39,8 @@ class ProbeSizes:
 
 @dataclass(frozen=True, kw_only=True)
 class RooflineSizes:
-    """Unit 1's roofline (:func:`teraflops.roofline.measure_roofline`) and launch-overhead sweeps
-    (:mod:`teraflops.launch_overhead`).
+    """Unit 1's roofline (:func:`teraflops.model_definition.roofline.measure_roofline`) and launch-overhead sweeps
+    (:mod:`teraflops.model_definition.launch_overhead`).
 
     Attributes:
         matmul_sizes: sides of the square matmuls on the roofline (elements).
@@ -56,7 +55,7 @@ class RooflineSizes:
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSizes:
-    """Unit 1's attention sweep (:func:`teraflops.attention.attention_sweep`): q, k, v of shape
+    """Unit 1's attention sweep (:func:`teraflops.model_definition.attention.attention_sweep`): q, k, v of shape
     ``(batch, heads, N, head_dim)`` for each ``N`` of ``seq_lens``.
 
     Attributes:
@@ -111,9 +110,9 @@ class GPTSizes:
 
 @dataclass(frozen=True, kw_only=True)
 class DataParallelSizes:
-    """Unit 2's data-parallel runs: the ranks and batch shared by ZeRO (:mod:`teraflops.zero`), stale
-    updates and overlapped all-reduce (:mod:`teraflops.data_parallel`) and Unit 5's remedies
-    (:mod:`teraflops.remedies`), and the staleness and overlap experiments' own sizes.
+    """Unit 2's data-parallel runs: the ranks and batch shared by ZeRO (:mod:`teraflops.parallelization.zero`), stale
+    updates and overlapped all-reduce (:mod:`teraflops.parallelization.ddp_sync`) and Unit 5's remedies
+    (:mod:`teraflops.hardware.remedies`), and the staleness and overlap experiments' own sizes.
 
     Attributes:
         ranks_cpu: ranks on a CPU machine (with GPUs, one rank per GPU).
@@ -134,7 +133,7 @@ class DataParallelSizes:
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroSizes:
-    """Unit 2's ZeRO stages (:mod:`teraflops.zero`), on :attr:`Preset.gpt` with
+    """Unit 2's ZeRO stages (:mod:`teraflops.parallelization.zero`), on :attr:`Preset.gpt` with
     :attr:`DataParallelSizes.micro_batch` sequences per rank.
 
     Attributes:
@@ -146,7 +145,7 @@ class ZeroSizes:
 
 @dataclass(frozen=True, kw_only=True)
 class StragglerSizes:
-    """Unit 3's synchronous data parallelism with an injected straggler (:mod:`teraflops.stragglers`),
+    """Unit 3's synchronous data parallelism with an injected straggler (:mod:`teraflops.orchestration.stragglers`),
     on :attr:`Preset.gpt`; its ranks and micro-batch are also the elastic demo's and the rank traces'.
 
     Attributes:
@@ -166,7 +165,7 @@ class StragglerSizes:
 
 @dataclass(frozen=True, kw_only=True)
 class ElasticSizes:
-    """Unit 3's elastic recovery (:mod:`teraflops.elastic`), on :attr:`Preset.gpt` with
+    """Unit 3's elastic recovery (:mod:`teraflops.orchestration.elastic`), on :attr:`Preset.gpt` with
     :attr:`StragglerSizes.micro_batch` sequences per rank and :attr:`DataParallelSizes.lr`.
 
     Attributes:
@@ -182,8 +181,8 @@ class ElasticSizes:
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeSizes:
-    """Unit 4's token-by-token decode with a static KV cache (:mod:`teraflops.decode`) on a
-    :class:`teraflops.models.Llama` of these sizes (:func:`teraflops.decode.decode_model`).
+    """Unit 4's token-by-token decode with a static KV cache (:mod:`teraflops.compilation.decode`) on a
+    :class:`teraflops.models.Llama` of these sizes (:func:`teraflops.compilation.decode.decode_model`).
 
     Attributes:
         vocab, d_model, layers, heads: the Llama's tokens, channels, blocks and attention heads.
@@ -208,7 +207,7 @@ class DecodeSizes:
 
 @dataclass(frozen=True, kw_only=True)
 class CollectiveSizes:
-    """Unit 5 §1's collective bandwidth sweep (:mod:`teraflops.collectives`): float32 messages of
+    """Unit 5 §1's collective bandwidth sweep (:mod:`teraflops.hardware.collectives`): float32 messages of
     powers of two from ``min_bytes`` to ``max_bytes`` (capped by the memory free at run time), each
     timed over ``volume_bytes / size`` iterations clamped to ``[min_iters, iters]``, after ``warmup``
     untimed ones.
@@ -232,7 +231,7 @@ class CollectiveSizes:
 
 @dataclass(frozen=True, kw_only=True)
 class RemedySizes:
-    """Unit 5 §2's remedies for communication (:mod:`teraflops.remedies`): DDP with gradient
+    """Unit 5 §2's remedies for communication (:mod:`teraflops.hardware.remedies`): DDP with gradient
     accumulation and compression hooks, on :attr:`Preset.comm_gpt` (``bucket_cap_mb``
     :attr:`DataParallelSizes.bucket_mb`); each setting trains on the same ``micro_batches``
     micro-batches of :attr:`DataParallelSizes.micro_batch` sequences per rank.
@@ -255,7 +254,7 @@ class RemedySizes:
 @dataclass(frozen=True, kw_only=True)
 class CopySizes:
     """Unit 5's copy probes: the bandwidth ladder (:func:`teraflops.ceilings.bandwidth_ladder`) and k
-    streams sharing one link (:func:`teraflops.contention.sweep`). Buffers far beyond the last-level
+    streams sharing one link (:func:`teraflops.hardware.contention.sweep`). Buffers far beyond the last-level
     cache (32 MiB of L3 on the course's CPU machine; 50-60 MB of L2 on an H100 / H200), so that the
     copies measure memory and links, not caches (tiny's buffers fit in that cache: they only run the
     code paths).
@@ -446,48 +445,7 @@ def preset(name: str | None = None) -> Preset:
         gpus = detect().gpus
         if not gpus:
             raise ValueError(f"preset {name!r} needs a CUDA GPU and none is visible")
-        from .gpu_fit import fit_preset
+        from teraflops.gpu_fit import fit_preset
 
         p = fit_preset(p, min(gpus, key=lambda g: g.memory_bytes))  # sized for the smallest GPU a rank may get
     return p
-
-
-
-@dataclass(frozen=True)
-class DataParallelPlan:
-    """How a data-parallel run is laid out on this machine: a :class:`~teraflops.placement.Placement`
-    (ranks, backend, each rank's device and environment) and the preset whose sizes the ranks use
-    (the CPU preset's for CPU ranks on a GPU machine)."""
-
-    placement: Placement
-    preset: Preset
-
-    @property
-    def ranks(self) -> int:
-        return self.placement.world_size
-
-    @property
-    def env(self) -> dict:
-        """What every rank's environment gets (:attr:`Placement.env`)."""
-        return self.placement.env
-
-    @property
-    def note(self) -> str:
-        return self.placement.note
-
-
-def data_parallel_plan(p: Preset | None = None, ranks_cpu: int | None = None, *, min_ranks: int = 2,
-                       cluster=None, machine=None) -> DataParallelPlan:
-    """One rank per GPU with NCCL when there are at least two GPUs (and at least ``min_ranks``);
-    otherwise ``ranks_cpu`` (default the preset's ``dp.ranks_cpu``) CPU ranks with gloo, the GPUs
-    hidden, and the CPU preset's sizes (:func:`teraflops.placement.place` decides; ``cluster``
-    spreads the ranks over emulated nodes). A preset for the CPU asks for CPU ranks.
-
-    Raises:
-        PlacementError: the ranks cannot be placed (too few, not a multiple of the nodes).
-    """
-    p = p or preset()
-    cpu = p if p.device == "cpu" else PRESETS["cpu"]
-    where = place(None, cpu_ranks=ranks_cpu or cpu.dp.ranks_cpu, min_ranks=min_ranks, cluster=cluster,
-                  gpus=p.device == "cuda", machine=machine)
-    return DataParallelPlan(where, p if where.on_gpus else cpu)

@@ -6,8 +6,8 @@ holding a port, or emulated nodes behind). Python delivers SIGINT as :class:`Key
 the main thread between bytecodes (Python docs, ``signal`` module, "Execution of Python signal
 handlers", https://docs.python.org/3/library/signal.html), so a teardown that is safe to run again
 can simply be restarted after each interrupt and the interrupt re-raised once it is done. Used by
-:func:`teraflops.distributed.launch` (stopping a launch's processes) and
-:mod:`teraflops.cluster` (removing emulated nodes).
+:func:`teraflops.launch.launcher.launch` (stopping a launch's processes) and
+:mod:`teraflops.nodes.cluster` (removing emulated nodes).
 """
 
 from __future__ import annotations

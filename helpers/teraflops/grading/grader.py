@@ -8,7 +8,7 @@ executed cells' outputs (nbformat's output types ``stream`` and ``error``,
 https://nbformat.readthedocs.io/en/latest/format_description.html#code-cell-outputs). When a
 check cell could not run the learner's code, the learner's own failed cell above it is named
 instead (:func:`cell_error`). Every exercise registered for the lab's unit gets a row.
-What it returns, and writes for a workshop host, is a :class:`~teraflops.grading.report.GradeReport`.
+What it returns, and writes for a workshop host, is a :class:`~teraflops.grading.grade_report.GradeReport`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import CourseError
-from . import unit01, unit02, unit03, unit04, unit05, unit06  # noqa: F401 - registers the units' exercises
-from .core import PASS_MARK, REGISTRY, Exercise
-from .report import GradeReport, GradeRow, current_user
+from teraflops.errors import CourseError
+from teraflops.grading import unit01, unit02, unit03, unit04, unit05, unit06  # noqa: F401 - registers the units' exercises
+from teraflops.grading.core import PASS_MARK, REGISTRY, Exercise
+from teraflops.grading.grade_report import GradeReport, GradeRow, current_user
 
 __all__ = ["grade", "unit_of", "cell_error", "GradeReport", "GradeRow"]
 
@@ -145,7 +145,7 @@ def grade(path: str | Path, timeout: int = 600, unit: int | None = None) -> Grad
     """
     import nbformat
 
-    from ..runner import execute_cells, make_client
+    from teraflops.course.runner import execute_cells, make_client
 
     path = Path(path)
     if not path.is_file():

@@ -1,7 +1,7 @@
 """Checks for Unit 1 (Model definition). Each takes the learner's function and nothing else.
 
-References: :mod:`teraflops.roofline` (intensities), :mod:`teraflops.attention` (SDPA as the
-reference attention), :mod:`teraflops.profiling` (the verdict rule).
+References: :mod:`teraflops.model_definition.roofline` (intensities), :mod:`teraflops.model_definition.attention` (SDPA as the
+reference attention), :mod:`teraflops.model_definition.profiling` (the verdict rule).
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import roofline
-from ..profiling import classify, count_ops
-from .core import check_cases, close, exercise, expect_tensor, fail, kernel_setting, max_error, reveal
+from teraflops.model_definition import roofline
+from teraflops.model_definition.profiling import classify, count_ops
+from teraflops.grading.core import (check_cases, close, exercise, expect_tensor, fail, kernel_setting, max_error,
+    reveal)
 
 def _size(dtype) -> int:
     return roofline.bytes_per_element(dtype)

@@ -1,8 +1,8 @@
 """Checks for Unit 2 (Parallelization). Each takes the learner's function or class and nothing else.
 
 A distributed exercise runs the learner's code in a real process group: the check ships the code
-(its source, see :func:`class_source`) to ranks started by :func:`teraflops.distributed.launch`
-(gloo on CPU, NCCL with GPUs; the layout is :func:`teraflops.sizing.data_parallel_plan`), where a
+(its source, see :func:`class_source`) to ranks started by :func:`teraflops.launch.launcher.launch`
+(gloo on CPU, NCCL with GPUs; the layout is :func:`teraflops.launch.placement.data_parallel_plan`), where a
 worker of :mod:`teraflops.workers` runs it next to a reference built from torch's own parallel
 classes and reports what it saw; the check turns the reports into one line.
 """
@@ -19,12 +19,13 @@ import types
 
 import torch
 
-from ..distributed import LaunchFailed, launch
-from ..labs import PLACEHOLDER_MESSAGE
-from ..model_states import Precision, comm_volume, model_states
-from ..zero import ALL_GATHERS, PAPER_FACTOR, Zero1CheckResult, Zero1CheckSpec, comm_bytes_per_step
-from ..sizing import data_parallel_plan
-from .core import check_cases, close, exercise, fail
+from teraflops.launch.launcher import LaunchFailed, launch
+from teraflops.errors import PLACEHOLDER_MESSAGE
+from teraflops.parallelization.model_states import Precision, comm_volume, model_states
+from teraflops.parallelization.zero import (ALL_GATHERS, PAPER_FACTOR, Zero1CheckResult, Zero1CheckSpec,
+    comm_bytes_per_step)
+from teraflops.launch.placement import data_parallel_plan
+from teraflops.grading.core import check_cases, close, exercise, fail
 
 # --- exercises 1 and 2: model-state bytes and communication per stage --------------------------
 
@@ -324,7 +325,7 @@ def _log(entries: dict) -> dict:
 def comms_log_bytes(fn) -> None:
     """``fn(comms, world_size, steps) -> float``: bytes per rank per step from DeepSpeed's comms
     logger data ``{op: {msg_size: [count, latencies, algbws, busbws]}}``, counted as
-    :func:`teraflops.zero.comm_bytes_per_step` does."""
+    :func:`teraflops.parallelization.zero.comm_bytes_per_step` does."""
     cases = [  # shaped like the logs of stages 0, 2 and 3 on 2, 4 and 8 ranks
         (_log({"all_reduce": {4_000_000: 3, 4: 3}}), 2, 3),
         (_log({"reduce": {1_000_000: 8, 600_000: 4}, "all_gather_into_tensor": {700_000: 4}, "all_reduce": {4: 4}}), 4, 4),

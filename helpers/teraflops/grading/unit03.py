@@ -1,7 +1,7 @@
 """Checks for Unit 3 (Runtime orchestration). Each takes the learner's function and nothing else.
 
 Every check runs the learner's function on cases whose answer the package's reference gives
-(:mod:`teraflops.stragglers`, :mod:`teraflops.detection`, :mod:`teraflops.scheduling`), and, on a
+(:mod:`teraflops.orchestration.stragglers`, :mod:`teraflops.orchestration.detection`, :mod:`teraflops.orchestration.queue_sim`), and, on a
 wrong answer, runs the plausible wrong versions too: a mistake is named only when it reproduces
 every answer the learner gave.
 """
@@ -16,10 +16,10 @@ import shutil
 
 import numpy as np
 
-from ..detection import flag_stragglers as reference_flags
-from ..scheduling import Job, fifo, make_trace, simulate
-from ..stragglers import idle_fraction as reference_idle
-from .core import exercise, fail, reveal
+from teraflops.orchestration.detection import flag_stragglers as reference_flags
+from teraflops.orchestration.queue_sim import Job, fifo, make_trace, simulate
+from teraflops.orchestration.stragglers import idle_fraction as reference_idle
+from teraflops.grading.core import exercise, fail, reveal
 
 
 def _array(what: str, got, shape: tuple) -> np.ndarray:
@@ -363,7 +363,7 @@ def _static(script: str, opts: dict[str, str], command: str) -> None:
 def batch_script(fn) -> None:
     """``fn(command) -> str``: an sbatch script that runs ``command`` once on each of 2 nodes with one
     GPU per node and a 1-minute limit. Read first, then submitted to a real 2-node Slurm cluster on
-    emulated nodes (:mod:`teraflops.slurm`) where this machine can host one; where it cannot, the
+    emulated nodes (:mod:`teraflops.nodes.slurm`) where this machine can host one; where it cannot, the
     check says why and grades the script's text only."""
     import tempfile
     from pathlib import Path
@@ -378,9 +378,9 @@ def batch_script(fn) -> None:
 def _submit_and_check(fn, work) -> None:
     import time
 
-    from .. import cluster as cl
-    from .. import slurm
-    from ..slurm_queue import parse_jobs
+    from teraflops.nodes import cluster as cl
+    from teraflops.nodes import slurm
+    from teraflops.orchestration.slurm_queue import parse_jobs
 
     report = work / "report.sh"
     report.write_text(_REPORT)

@@ -1,7 +1,7 @@
 """Checks for Unit 4 (Compilation & optimization). Each takes the learner's function(s) and nothing else.
 
 Every check compares the learner's answer with the package's reference on cases built here
-(:mod:`teraflops.decode`, :mod:`teraflops.quantization`, :mod:`teraflops.batching`) and, on a wrong
+(:mod:`teraflops.compilation.decode`, :mod:`teraflops.compilation.quantization`, :mod:`teraflops.compilation.batching`) and, on a wrong
 answer, tries the plausible wrong versions: a mistake is named only when it reproduces every answer
 the learner gave.
 """
@@ -15,13 +15,15 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from ..batching import BatchingError, dynamic_batch_policy, simulate_server
-from ..decode import (VIEW_OPS, count_launches as reference_launches, decode_model, decode_step, inside_aten_op,
-                      profile_step)
-from ..profiling import count_ops
-from ..quantization import QMAX, dequantize as reference_dequantize, quantize_per_channel as reference_quantize
-from ..sizing import PRESETS
-from .core import check_cases, exercise, expect_number, expect_tensor, fail, kernel_setting, max_error, reveal
+from teraflops.compilation.batching import BatchingError, dynamic_batch_policy, simulate_server
+from teraflops.compilation.decode import (VIEW_OPS, count_launches as reference_launches, decode_model, decode_step,
+    inside_aten_op, profile_step)
+from teraflops.model_definition.profiling import count_ops
+from teraflops.compilation.quantization import (QMAX, dequantize as reference_dequantize,
+    quantize_per_channel as reference_quantize)
+from teraflops.sizing import PRESETS
+from teraflops.grading.core import (check_cases, exercise, expect_number, expect_tensor, fail, kernel_setting,
+    max_error, reveal)
 
 
 # --- exercise 1: launches per token from a profile ------------------------------------------------
@@ -111,7 +113,7 @@ _LAUNCH_MISTAKES = [
 @exercise(1, "launches per token from a profile")
 def count_launches(fn) -> None:
     """``fn(events) -> int``: launches in one step's CPU profiler events (see
-    :func:`teraflops.decode.count_launches`)."""
+    :func:`teraflops.compilation.decode.count_launches`)."""
     cases = [("an eager-like event list", _eager_like_events()), ("a compiled-like event list", _compiled_like_events()),
              ("a real eager decode step of the tiny Llama", _real_events())]
     answers = []
@@ -447,7 +449,7 @@ _POLICY_MISTAKES = [
 @exercise(6, "a dynamic-batching policy")
 def batch_policy(fn) -> None:
     """``fn(waiting, now, max_batch, max_wait) -> int``: requests to start now (see
-    :func:`teraflops.batching.dynamic_batch_policy`)."""
+    :func:`teraflops.compilation.batching.dynamic_batch_policy`)."""
     answers = []
     for case in _POLICY_CASES:
         got = fn(list(case[0]), *case[1:])

@@ -1,9 +1,9 @@
 """Checks for Unit 5 (Hardware). Each takes the learner's function and nothing else (exercise 2 also
 takes the notebook's own measured sweep).
 
-Every check compares the learner's answer with the package's reference (:mod:`teraflops.collectives`)
+Every check compares the learner's answer with the package's reference (:mod:`teraflops.hardware.collectives`)
 on cases built here and, on a wrong answer, tries the plausible wrong versions: a mistake is named
-only when it reproduces every answer the learner gave. Units as in :mod:`teraflops.collectives`:
+only when it reproduces every answer the learner gave. Units as in :mod:`teraflops.hardware.collectives`:
 bytes, seconds, bytes/s.
 """
 
@@ -15,12 +15,12 @@ from fractions import Fraction
 
 import numpy as np
 
-from ..alpha_beta import fit_alpha_beta as reference_fit, ring_allreduce_seconds
-from ..collectives import bus_factor
-from ..comm_budget import accumulation_for_fraction
-from ..datasheets import PUBLISHED_LINKS
-from ..errors import CourseError
-from .core import check_cases, close, exercise, expect_number, fail, finite_answer, holds, reveal
+from teraflops.hardware.alpha_beta import fit_alpha_beta as reference_fit, ring_allreduce_seconds
+from teraflops.hardware.collectives import bus_factor
+from teraflops.hardware.comm_budget import accumulation_for_fraction
+from teraflops.datasheets import PUBLISHED_LINKS
+from teraflops.errors import CourseError
+from teraflops.grading.core import check_cases, close, exercise, expect_number, fail, finite_answer, holds, reveal
 
 
 # --- exercise 1: bus bandwidth from algorithm bandwidth --------------------------------------------
@@ -344,7 +344,7 @@ def _describe_ring(case) -> str:
 @exercise(3, "predict an all-reduce on a fabric")
 def predict_allreduce(fn) -> None:
     """``fn(size_bytes, n, bandwidth, alpha) -> seconds`` of a ring all-reduce (see
-    :func:`teraflops.alpha_beta.ring_allreduce_seconds`), on 2 – 64 ranks and the published links."""
+    :func:`teraflops.hardware.alpha_beta.ring_allreduce_seconds`), on 2 – 64 ranks and the published links."""
     check_cases(finite_answer(fn, "predict_allreduce", "seconds", _describe_ring), "predict_allreduce", "seconds",
                 _RING_CASES, ring_allreduce_seconds, [(holds(f), h) for f, h in _RING_MISTAKES],
                 "a ring all-reduce takes T = 2(n-1)/n · size_bytes / bandwidth + 2(n-1) · alpha "
@@ -396,7 +396,7 @@ _ACCUM_MISTAKES = [
 def accumulation_steps(fn) -> None:
     """``fn(sync_seconds, micro_batch_seconds, target) -> int``: the fewest micro-batches ``k >= 1`` per
     all-reduce with ``sync / (k·micro + sync) <= target`` (see
-    :func:`teraflops.comm_budget.accumulation_for_fraction`)."""
+    :func:`teraflops.hardware.comm_budget.accumulation_for_fraction`)."""
     answers = []
     for case in _ACCUM_CASES:
         got = fn(*case)

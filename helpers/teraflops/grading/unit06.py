@@ -1,9 +1,9 @@
 """Checks for Unit 6 (Triage, the capstone). Exercises 1 and 2 take the learner's function and
 nothing else; exercises 3 and 4 take the learner's answers about the lab's five mysteries
-(:func:`teraflops.workloads.mysteries`) and what the lab needs to judge them (its seed, its
+(:func:`teraflops.triage.workloads.mysteries`) and what the lab needs to judge them (its seed, its
 profiles).
 
-Every check compares with the package's reference (:mod:`teraflops.triage`, whose module docstring
+Every check compares with the package's reference (:mod:`teraflops.triage.verdict`, whose module docstring
 defines the categories) on cases built here or on the lab's own profiles and, on a wrong answer,
 tries the plausible wrong versions: a mistake is named only when it reproduces every answer the
 learner gave. Units: seconds; intensity in FLOP/byte.
@@ -15,10 +15,10 @@ import math
 
 import numpy as np
 
-from .. import triage as tr
-from ..errors import PLACEHOLDER_MESSAGE
-from ..workloads import mystery_key
-from .core import check_cases, close, exercise, expect_number, fail, finite_answer, holds
+from teraflops.triage import verdict as tr
+from teraflops.errors import PLACEHOLDER_MESSAGE
+from teraflops.triage.workloads import mystery_key
+from teraflops.grading.core import check_cases, close, exercise, expect_number, fail, finite_answer, holds
 
 
 def _not_attempted():
@@ -58,7 +58,7 @@ def _exposed_seconds(ops, collectives) -> float:
 
 def exposed_reference(ops, collectives, step) -> float:
     """The fraction of ``step = (start, end)`` in which at least one collective runs and no op runs
-    (the ``communication`` share of :func:`teraflops.triage.triage` before waits split it)."""
+    (the ``communication`` share of :func:`teraflops.triage.verdict.triage` before waits split it)."""
     clip = lambda xs: [(max(s, step[0]), min(e, step[1])) for s, e in xs]  # noqa: E731 - inside the step
     return _exposed_seconds(clip(ops), clip(collectives)) / (step[1] - step[0])
 
@@ -132,7 +132,7 @@ def exposed_communication(fn) -> None:
     """``fn(ops, collectives, step) -> fraction``: ``ops`` and ``collectives`` are lists of ``(start_s,
     end_s)`` intervals inside the step (from several threads: they may overlap each other), ``step =
     (start_s, end_s)``; the answer is the fraction of the step in which at least one collective runs
-    and no op runs: exposed communication, as :func:`teraflops.triage.triage` counts it (Holistic
+    and no op runs: exposed communication, as :func:`teraflops.triage.verdict.triage` counts it (Holistic
     Trace Analysis, facebookresearch/HolisticTraceAnalysis, reports the complement, the overlapped
     share of communication)."""
     call = finite_answer(lambda o, c, s: fn(list(o), list(c), s), "exposed_communication", "a fraction of the step",
@@ -159,7 +159,7 @@ def waited_reference(waits, rank: int) -> float:
     """Rank ``rank``'s fraction of its time in collectives spent waiting for the last rank to arrive:
     per step, the last to arrive waits least (the minimum over ranks), so the rest of a rank's wait
     is waiting for it; mean over steps of ``w[s, rank] - min(w[s, :])`` over the mean of
-    ``w[:, rank]`` (as :func:`teraflops.triage.triage` splits communication from waiting; Unit 3)."""
+    ``w[:, rank]`` (as :func:`teraflops.triage.verdict.triage` splits communication from waiting; Unit 3)."""
     w = np.asarray(waits, dtype=np.float64)
     excess = w - w.min(axis=1, keepdims=True)
     return float(excess[:, rank].mean() / max(w[:, rank].mean(), 1e-12))
@@ -238,7 +238,7 @@ def waited_fraction(fn) -> None:
     ``[steps, ranks]`` (a NumPy array or nested lists). Per step the last rank to arrive waits least;
     the rest of a rank's wait is waiting for it. The answer: rank ``rank``'s mean over the steps of
     ``w[s, rank] - min over ranks of w[s, :]``, over its mean wait (the split of
-    :func:`teraflops.triage.triage`, ``_straggler_split``; Unit 3's straggler)."""
+    :func:`teraflops.triage.verdict.triage`, ``_straggler_split``; Unit 3's straggler)."""
     check_cases(finite_answer(fn, "waited_fraction", "a fraction of the rank's time in collectives", _describe_wait),
                 "waited_fraction", "a fraction", [(w, r) for _, w, r in _WAIT_CASES], waited_reference,
                 [(holds(f), h) for f, h in _WAIT_MISTAKES],
@@ -297,10 +297,10 @@ def _answers_dict(answers, labels, what: str) -> dict:
 
 @exercise(3, "the verdicts")
 def verdicts(answers, seed: int, found: dict | None = None) -> None:
-    """``answers``: label -> verdict of each mystery of :func:`teraflops.workloads.mysteries` profiled with
-    ``seed``: a string of :data:`teraflops.triage.VERDICTS` (``"memory-bound"``, ``"waiting (straggler)"``
+    """``answers``: label -> verdict of each mystery of :func:`teraflops.triage.workloads.mysteries` profiled with
+    ``seed``: a string of :data:`teraflops.triage.verdict.VERDICTS` (``"memory-bound"``, ``"waiting (straggler)"``
     …) or a category name (``"memory"``, ``"waiting"``); compared with
-    :func:`teraflops.workloads.mystery_key`, what each mystery was built as. With ``found`` (the
+    :func:`teraflops.triage.workloads.mystery_key`, what each mystery was built as. With ``found`` (the
     mysteries), a wrong answer that is what the tool itself says of that trace is told so: the
     measurement, not the learner, disagrees with the key (a busy machine can do that)."""
     key = mystery_key(seed)
@@ -394,7 +394,7 @@ def _words(x: float) -> str:
 @exercise(4, "the evidence")
 def evidence(answers, found) -> None:
     """``answers``: label -> ``(operator name, arithmetic intensity FLOP/byte)`` of the top contributor
-    (``evidence[0]``) of each mystery in ``found`` (the dict :func:`teraflops.workloads.mysteries`
+    (``evidence[0]``) of each mystery in ``found`` (the dict :func:`teraflops.triage.workloads.mysteries`
     returned), as ``triage.triage(m.trace, waits=m.waits)`` gives it on this machine. The name must
     match exactly and the intensity to 1e-6 relative; a collective's or idle time's intensity is NaN
     and must be answered as NaN."""

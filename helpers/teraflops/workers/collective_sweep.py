@@ -1,7 +1,7 @@
 """Rank side of Unit 5 §1: time all-reduce, all-gather and reduce-scatter over message sizes.
 
 ``python -m teraflops.workers.collective_sweep --collectives all_reduce,all_gather --sizes 1024,2048 ...``,
-started by :func:`teraflops.collectives.sweep` through :func:`~teraflops.distributed.launch`
+started by :func:`teraflops.hardware.collectives.sweep` through :func:`~teraflops.launch.launcher.launch`
 (gloo on CPU, NCCL with one rank per GPU). Buffers are float32; a size is the bytes of the
 *whole* buffer, as in nccl-tests (https://github.com/NVIDIA/nccl-tests, ``doc/PERFORMANCE.md``):
 all-reduce reduces ``size`` bytes on every rank; all-gather gathers ``n`` chunks of ``size / n``
@@ -32,8 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from teraflops.collectives import COLLECTIVES
-from teraflops.distributed import finish, init_worker, report_progress, write_result
+from teraflops.hardware.collectives import COLLECTIVES
+from teraflops.launch.rank import finish, init_worker, report_progress, write_result
 from teraflops.workers.common import sync_device
 
 PERIOD = 8  # the check pattern repeats every 8 elements

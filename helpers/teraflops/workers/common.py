@@ -26,7 +26,7 @@ def build_model(cfg: TrainConfig, device="cpu") -> GPT:
 
 def trained_rank(w, cfg: TrainConfig) -> dict:
     """The :class:`~teraflops.sizing.TrainedRank` fields of worker ``w``'s result (``w`` from
-    :func:`teraflops.distributed.init_worker`), as keywords of the rank program's Result."""
+    :func:`teraflops.launch.rank.init_worker`), as keywords of the rank program's Result."""
     return dict(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
                 params=build_model(cfg).num_params(), config=cfg)
 

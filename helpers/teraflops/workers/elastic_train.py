@@ -1,7 +1,7 @@
 """Rank side of Unit 3 §4b: synchronous data-parallel training that resumes from its last checkpoint.
 
-``python -m teraflops.workers.elastic_train --spec PATH`` (a :class:`teraflops.elastic.ElasticSpec`),
-started by :func:`teraflops.elastic.run` through :func:`~teraflops.distributed.launch`, under
+``python -m teraflops.workers.elastic_train --spec PATH`` (a :class:`teraflops.orchestration.elastic.ElasticSpec`),
+started by :func:`teraflops.orchestration.elastic.run` through :func:`~teraflops.launch.launcher.launch`, under
 torchrun's elastic agent, which restarts every rank when one fails.
 
 Training: the :class:`~teraflops.models.GPT` of the spec's seed on the Markov token stream
@@ -12,12 +12,12 @@ every gradient and the loss (gloo or NCCL sum, divided by the world size) and ta
 so all ranks keep identical parameters and the logged loss is the global batch's.
 
 Recovery: at start every rank loads the newest checkpoint in the spec's ``checkpoint_dir``
-(:func:`teraflops.checkpoint.latest`; model, optimizer, step, loss history) or starts from
+(:func:`teraflops.orchestration.checkpoint.latest`; model, optimizer, step, loss history) or starts from
 scratch if there is none. After every ``checkpoint_every`` completed steps rank 0 saves
-``step-NNNNNN.pt`` atomically and deletes the older ones (:func:`teraflops.checkpoint.save_latest`:
+``step-NNNNNN.pt`` atomically and deletes the older ones (:func:`teraflops.orchestration.checkpoint.save_latest`:
 one checkpoint on disk per run), then all ranks pass a
 barrier, so a rank that fails later can only lose the steps after a checkpoint that is on disk.
-Each step begins at :func:`~teraflops.distributed.fault_point`, so ``TERAFLOPS_FAULT=kill:rank=1:step=17``
+Each step begins at :func:`~teraflops.launch.faults.fault_point`, so ``TERAFLOPS_FAULT=kill:rank=1:step=17``
 kills rank 1 before step 17 in the first attempt. Rank 0 appends ``{"step", "loss", "attempt",
 "time"}`` (attempt: ``TORCHELASTIC_RESTART_COUNT``; time: Unix seconds when the step finished) to
 ``steps.jsonl`` in the checkpoint directory, one flushed line per step, which outlives the attempt.
@@ -33,16 +33,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from teraflops.checkpoint import latest, load, save_latest
+from teraflops.orchestration.checkpoint import latest, load, save_latest
 from teraflops.data import markov_tokens
-from teraflops.elastic import STEPS_LOG, ElasticResult, ElasticSpec
+from teraflops.orchestration.elastic import STEPS_LOG, ElasticResult, ElasticSpec
 from teraflops.models import lm_loss
 from teraflops.workers.common import build_model, rank_batch, set_grads
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Train the :class:`~teraflops.elastic.ElasticSpec`; write this rank's :class:`~teraflops.elastic.ElasticResult`."""
-    from teraflops.distributed import fault_point, finish, init_worker, read_spec, report_progress, write_result
+    """Train the :class:`~teraflops.orchestration.elastic.ElasticSpec`; write this rank's :class:`~teraflops.orchestration.elastic.ElasticResult`."""
+    from teraflops.launch.faults import fault_point
+    from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 
     a = read_spec(ElasticSpec, argv)
     cfg, folder = a.model, Path(a.checkpoint_dir)

@@ -1,7 +1,7 @@
 """Rank side of the pairwise link test: every pair of ranks exchanges a buffer, one pair at a time.
 
-``python -m teraflops.workers.link_probe --spec PATH`` (a :class:`teraflops.link_probe.LinkProbeSpec`), started by
-:func:`teraflops.link_probe.probe` through :func:`~teraflops.distributed.launch` with one rank per
+``python -m teraflops.workers.link_probe --spec PATH`` (a :class:`teraflops.orchestration.link_probe.LinkProbeSpec`), started by
+:func:`teraflops.orchestration.link_probe.probe` through :func:`~teraflops.launch.launcher.launch` with one rank per
 emulated node, so that rank ``r``'s traffic crosses its node's link and nothing else. This is how
 practitioners find a bad link: a bandwidth test between two hosts at a time (``ib_write_bw``
 between a pair of servers, nccl-tests' ``sendrecv_perf`` on two nodes), so that a slow result
@@ -25,8 +25,8 @@ here, gloo on CPU serialises the two directions of one pair (a bidirectional 1 M
 50 MB/s link took 40 ms on one rank, the time of a ping-pong, and 21 ms on the other), so the time
 would depend on which rank's clock read it.
 
-Result of each rank (:func:`~teraflops.distributed.write_result`): a
-:class:`teraflops.link_probe.LinkProbeResult`, ``times`` ``{peer: [seconds per round trip it
+Result of each rank (:func:`~teraflops.launch.rank.write_result`): a
+:class:`teraflops.orchestration.link_probe.LinkProbeResult`, ``times`` ``{peer: [seconds per round trip it
 initiated, one per repeat]}``.
 """
 
@@ -38,8 +38,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from teraflops.distributed import finish, init_worker, read_spec, report_progress, write_result
-from teraflops.link_probe import LinkProbeResult, LinkProbeSpec
+from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
+from teraflops.orchestration.link_probe import LinkProbeResult, LinkProbeSpec
 
 
 def schedule(world: int) -> list[tuple[int, int]]:

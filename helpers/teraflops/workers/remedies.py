@@ -1,13 +1,13 @@
 """Rank side of Unit 5's communication remedies: gradient accumulation and gradient compression under DDP.
 
-``python -m teraflops.workers.remedies --spec PATH`` (a :class:`teraflops.remedies.RemediesSpec`),
-started by :func:`teraflops.remedies.run` through :func:`~teraflops.distributed.launch`. Every
+``python -m teraflops.workers.remedies --spec PATH`` (a :class:`teraflops.hardware.remedies.RemediesSpec`),
+started by :func:`teraflops.hardware.remedies.run` through :func:`~teraflops.launch.launcher.launch`. Every
 setting trains its own ``DistributedDataParallel`` copy of the same :class:`~teraflops.models.GPT`
 (:func:`~teraflops.workers.common.build_model`, same seed) on the same micro-batches in the
 same order: micro-batch ``i`` of rank ``r`` is :func:`~teraflops.workers.common.rank_batch`
 ``(data, i, r, world, micro_batch)``. Optimizer: Adam, the same learning rate everywhere.
 
-Settings (:data:`teraflops.remedies.SETTINGS`; ``k`` micro-batches per optimizer step, the loss of each scaled by
+Settings (:data:`teraflops.hardware.remedies.SETTINGS`; ``k`` micro-batches per optimizer step, the loss of each scaled by
 ``1/k`` so the step's gradient is the mean over its global batch of ``k × world × micro_batch``
 sequences):
 
@@ -36,7 +36,7 @@ matrices, the last two launched from future callbacks after the hook has returne
 a hook sends is seen, PowerSGD's ``P`` and ``Q`` included. DDP waits for every bucket's future
 before ``backward()`` returns, so the bytes counted between the start and the end of a step are
 that step's. These are the bytes each rank puts into all-reduce (the payload ``S``); a ring moves
-``2(n−1)/n · S`` over each rank's link (:mod:`teraflops.collectives`).
+``2(n−1)/n · S`` over each rank's link (:mod:`teraflops.hardware.collectives`).
 
 Interleaving, against drift in the machine's load: the settings take turns in rounds of
 ``max(k)`` micro-batches (each finishes its communication within its turn). Times are
@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from teraflops.models import lm_loss
-from teraflops.remedies import RemediesResult, RemediesSpec, RemedyResult
+from teraflops.hardware.remedies import RemediesResult, RemediesSpec, RemedyResult
 from teraflops.workers.common import build_model, held_out, make_data, rank_batch, sync_device, trained_rank
 
 ONE_BUCKET_WHY = (
@@ -166,7 +166,7 @@ class RemedyRun:
             self.step_buckets.append(self.tally["buckets"] - self._start[3])
 
     def result(self, trained: int) -> RemedyResult:
-        """This setting's :class:`~teraflops.remedies.RemedyResult`; ``eval_loss``: the loss of the
+        """This setting's :class:`~teraflops.hardware.remedies.RemedyResult`; ``eval_loss``: the loss of the
         held-out rows after the first ``trained`` micro-batches."""
         x, y = (t.to(self.w.device) for t in held_out(self.data, trained, self.w.world_size, self.cfg.micro_batch))
         with torch.no_grad():
@@ -178,9 +178,9 @@ class RemedyRun:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Train every setting of the :class:`~teraflops.remedies.RemediesSpec`; write this rank's
-    :class:`~teraflops.remedies.RemediesResult`."""
-    from teraflops.distributed import finish, init_worker, read_spec, report_progress, write_result
+    """Train every setting of the :class:`~teraflops.hardware.remedies.RemediesSpec`; write this rank's
+    :class:`~teraflops.hardware.remedies.RemediesResult`."""
+    from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 
     spec = read_spec(RemediesSpec, argv)  # its settings were checked where it was built, and again here
     cfg = spec.model

@@ -1,9 +1,9 @@
-"""Self-test worker: a few all-reduces across the ranks; used by the tests of :mod:`teraflops.distributed`.
+"""Self-test worker: a few all-reduces across the ranks; used by the tests of :mod:`teraflops.launch.launcher`.
 
 ``python -m teraflops.workers.selftest [--steps N] [--timeout S] [--deepspeed]``, started by
-:func:`~teraflops.distributed.launch`. At each step every rank contributes ``rank + 1`` to an
+:func:`~teraflops.launch.launcher.launch`. At each step every rank contributes ``rank + 1`` to an
 all-reduce (SUM), so each rank ends with ``sum = steps * world_size * (world_size + 1) / 2``. Each
-step first passes :func:`~teraflops.distributed.fault_point`, so ``TERAFLOPS_FAULT=kill:rank=1:step=2``
+step first passes :func:`~teraflops.launch.faults.fault_point`, so ``TERAFLOPS_FAULT=kill:rank=1:step=2``
 kills rank 1 before its third all-reduce.
 """
 
@@ -15,7 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from teraflops.distributed import fault_point, finish, init_worker, report_progress, write_result
+from teraflops.launch.faults import fault_point
+from teraflops.launch.rank import finish, init_worker, report_progress, write_result
 
 
 def main(argv: list[str] | None = None) -> None:

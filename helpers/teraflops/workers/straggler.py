@@ -1,7 +1,7 @@
 """Rank side of Unit 3 §1 and §4: synchronous data parallelism with an injected straggler.
 
-``python -m teraflops.workers.straggler --spec PATH`` (a :class:`teraflops.stragglers.StragglerSpec`),
-started by :func:`teraflops.stragglers.run` through :func:`~teraflops.distributed.launch`. Every
+``python -m teraflops.workers.straggler --spec PATH`` (a :class:`teraflops.orchestration.stragglers.StragglerSpec`),
+started by :func:`teraflops.orchestration.stragglers.run` through :func:`~teraflops.launch.launcher.launch`. Every
 setting trains a fresh :class:`~teraflops.models.GPT` from the spec's seed with SGD (momentum
 :data:`MOMENTUM`) on the same Markov token stream: at step ``t`` the global batch is rows
 ``t·B ... (t+1)·B`` and rank ``r`` takes ``sizes[r]`` of them after those of the ranks before it
@@ -23,10 +23,10 @@ Experiments: ``sweep`` (a constant delay per ``delays_ms``) and ``kinds`` (inter
 compute on the last rank), all taking turns step by step (:func:`take_turns`), so that drift in
 other processes' load hits them alike; ``rebalance`` (compute ×``factor`` on the last rank: a
 calibration run with equal micro-batches, then, taking turns, the equal split and the sizes that
-:func:`teraflops.stragglers.rebalance` gives for the calibration's speeds); ``localsgd`` (random
+:func:`teraflops.orchestration.stragglers.rebalance` gives for the calibration's speeds); ``localsgd`` (random
 delays on every rank; synchronous, then local SGD per ``local_ks``, one after the other; steps
 rounded up so that the last step is an average). Each setting begins with
-:data:`~teraflops.stragglers.WARMUP` untimed steps and a barrier.
+:data:`~teraflops.orchestration.stragglers.WARMUP` untimed steps and a barrier.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from teraflops.models import lm_loss
 from teraflops.sizing import TrainConfig
-from teraflops.stragglers import (WARMUP, Injection, SettingRecords, SettingResult, StragglerResult, StragglerSpec,
-                                  rebalance)
-from teraflops.workers.common import build_model, flat_grads, held_out, make_data, set_grads, sync_device, trained_rank
+from teraflops.orchestration.stragglers import (WARMUP, Injection, SettingRecords, SettingResult, StragglerResult,
+    StragglerSpec, rebalance)
+from teraflops.workers.common import (build_model, flat_grads, held_out, make_data, set_grads, sync_device,
+    trained_rank)
 
 MOMENTUM = 0.9
 RECORDS = ("start", "compute", "delay", "wait", "update", "step", "batch", "loss")
@@ -145,7 +146,7 @@ class Setting:
         return self.sizes[self.w.rank] / statistics.median(self.rec["compute"])
 
     def result(self, evaluate: bool = False) -> SettingResult:
-        """This setting's :class:`~teraflops.stragglers.SettingResult`: ``records`` holds a list per
+        """This setting's :class:`~teraflops.orchestration.stragglers.SettingResult`: ``records`` holds a list per
         :data:`RECORDS` entry, one value per timed step (times in s, ``start`` in ``time.time()``
         seconds); ``eval_loss`` (held-out rows, nats) if ``evaluate``, else None."""
         eval_loss = None
@@ -193,12 +194,13 @@ def settings(a: StragglerSpec) -> dict[str, list[tuple]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the experiments of the :class:`~teraflops.stragglers.StragglerSpec`; write this rank's
-    :class:`~teraflops.stragglers.StragglerResult`. The sweep and kinds settings take turns
+    """Run the experiments of the :class:`~teraflops.orchestration.stragglers.StragglerSpec`; write this rank's
+    :class:`~teraflops.orchestration.stragglers.StragglerResult`. The sweep and kinds settings take turns
     (:func:`take_turns`); rebalance runs its calibration alone, then the equal split and the
     rebalanced split in turns; the local-SGD runs go one after the other (taking turns step by step
     would synchronise local SGD's ranks at every step)."""
-    from teraflops.distributed import fault_point, finish, init_worker, read_spec, report_progress, write_result
+    from teraflops.launch.faults import fault_point
+    from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 
     spec = read_spec(StragglerSpec, argv)
     cfg = spec.model

@@ -1,22 +1,22 @@
 """Rank side of the triage capstone: distributed workloads, each profiled on every rank.
 
-``python -m teraflops.workers.triage_trace --spec PATH`` (a :class:`teraflops.rank_traces.RankTraceSpec`),
-started by :func:`teraflops.rank_traces.profile_ranks` through :func:`~teraflops.distributed.launch`
+``python -m teraflops.workers.triage_trace --spec PATH`` (a :class:`teraflops.triage.rank_traces.RankTraceSpec`),
+started by :func:`teraflops.triage.rank_traces.profile_ranks` through :func:`~teraflops.launch.launcher.launch`
 (``deepspeed=True`` when ``zero3`` is asked for: only then do the ranks join through
 ``deepspeed.init_distributed``). The workloads run one after the other in the order asked; what
-each one does and which verdict it should get is in :mod:`teraflops.rank_traces`.
+each one does and which verdict it should get is in :mod:`teraflops.triage.rank_traces`.
 
 Per workload, on every rank: :data:`WARMUP` untimed steps, then the spec's ``steps`` steps, each after a
 barrier (so that every step starts together and no rank is late because it wrote its trace
-longer) and each profiled on its own as :func:`teraflops.triage.record` profiles one call
+longer) and each profiled on its own as :func:`teraflops.triage.verdict.record` profiles one call
 (``torch.profiler``, CPU plus CUDA with GPUs, ``record_shapes=True``). The first profiled step's
 Chrome trace stays, as ``<out>/<workload>.rank<r>.json``; from every profiled step the rank keeps
-its seconds inside collectives (:func:`teraflops.rank_traces.collective_seconds`), which the
-caller stacks into the waits ``[steps, ranks]`` of :func:`teraflops.triage.triage`. So the waits
+its seconds inside collectives (:func:`teraflops.triage.rank_traces.collective_seconds`), which the
+caller stacks into the waits ``[steps, ranks]`` of :func:`teraflops.triage.verdict.triage`. So the waits
 come from the same instrument, and the same events, as the communication of the trace they go with.
 
-Hands back (:func:`~teraflops.distributed.write_result`) a :class:`teraflops.rank_traces.RankTraceResult`:
-per workload name a :class:`~teraflops.rank_traces.WorkloadResult` (``waits`` and ``step_s``,
+Hands back (:func:`~teraflops.launch.rank.write_result`) a :class:`teraflops.triage.rank_traces.RankTraceResult`:
+per workload name a :class:`~teraflops.triage.rank_traces.WorkloadResult` (``waits`` and ``step_s``,
 ``[steps]`` s; ``trace``, the kept trace's path; ``delayed_rank``, ``delay_s``, ``params``).
 """
 
@@ -32,15 +32,15 @@ import torch.distributed as dist
 
 from teraflops.data import markov_tokens
 from teraflops.models import lm_loss
-from teraflops.rank_traces import (ALLREDUCE_CALLS, STRAGGLER_FACTOR, WARMUP, RankTraceResult, RankTraceSpec,
-                                   WorkloadResult, collective_seconds)
+from teraflops.triage.rank_traces import (ALLREDUCE_CALLS, STRAGGLER_FACTOR, WARMUP, RankTraceResult,
+    RankTraceSpec, WorkloadResult, collective_seconds)
 from teraflops.sizing import TrainConfig
-from teraflops.triage import record
+from teraflops.triage.verdict import record
 from teraflops.workers.common import build_model, flat_grads, set_grads, sync_device, zero_config
 
 
 def profile_step(step, path: Path) -> float:
-    """Profile one call of ``step()`` with :func:`teraflops.triage.record` (no warm-up: the caller
+    """Profile one call of ``step()`` with :func:`teraflops.triage.verdict.record` (no warm-up: the caller
     warmed up), its Chrome trace to ``path``; return the seconds it spent inside collectives."""
     return collective_seconds(record(step, path, warmup=0))
 
@@ -55,7 +55,7 @@ def _batch(cfg: TrainConfig, rank: int, device):
 def zero3(w, a):
     """One training step of the GPT under DeepSpeed ZeRO stage 3 (fp32, torch's AdamW) with Unit 2's
     :func:`teraflops.workers.common.zero_config` (every parameter partitioned, gathered before its
-    forward and again before its backward: 3Ψ per step) with two changes (why: :mod:`teraflops.rank_traces`):
+    forward and again before its backward: 3Ψ per step) with two changes (why: :mod:`teraflops.triage.rank_traces`):
     no comms logger (its per-call bookkeeping is Python time on every collective) and one reduce
     bucket for all gradients (one reduce-scatter, after backward). Returns ``(step, info, close)``."""
     import deepspeed
@@ -154,9 +154,9 @@ def run(name: str, w, a: RankTraceSpec, tick) -> WorkloadResult:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the workloads of the :class:`~teraflops.rank_traces.RankTraceSpec`; write this rank's
-    :class:`~teraflops.rank_traces.RankTraceResult`."""
-    from teraflops.distributed import finish, init_worker, read_spec, report_progress, write_result
+    """Run the workloads of the :class:`~teraflops.triage.rank_traces.RankTraceSpec`; write this rank's
+    :class:`~teraflops.triage.rank_traces.RankTraceResult`."""
+    from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 
     a = read_spec(RankTraceSpec, argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Rank side of the ZeRO-1 check (Unit 2, exercise 3): the learner's optimizer against DDP + AdamW.
 
-``python -m teraflops.workers.zero1_check --spec PATH`` (a :class:`teraflops.zero.Zero1CheckSpec`), started by
-:func:`teraflops.grading.unit02.zero1_optimizer` through :func:`~teraflops.distributed.launch`.
+``python -m teraflops.workers.zero1_check --spec PATH`` (a :class:`teraflops.parallelization.zero.Zero1CheckSpec`), started by
+:func:`teraflops.grading.unit02.zero1_optimizer` through :func:`~teraflops.launch.launcher.launch`.
 
 The spec's ``source`` is the learner's class block; it runs in a namespace with only ``torch``,
 ``dist`` (``torch.distributed``), ``math``, ``nn`` and ``F``. Every rank builds the same small MLP
@@ -19,7 +19,7 @@ gradient scaled by a constant moves the parameters the same way unless ``eps`` i
 the gradient's size. An exception in the learner's code is caught and reported (where, type,
 first line, time) instead of crashing the rank.
 
-Result per rank (:func:`~teraflops.distributed.write_result`, a :class:`teraflops.zero.Zero1CheckResult`): ``psi``, ``world_size``, ``hyper``,
+Result per rank (:func:`~teraflops.launch.rank.write_result`, a :class:`teraflops.parallelization.zero.Zero1CheckResult`): ``psi``, ``world_size``, ``hyper``,
 ``error``, ``params`` (the learner's final flat parameters), ``grad_left`` (max |grad| seen right
 after the learner's ``zero_grad()``), ``optimizers`` (each ``torch.optim.Optimizer`` found among the
 learner object and its attributes: type, whether torch.optim's own, hyperparameters, elements owned,
@@ -43,8 +43,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from teraflops.distributed import fault_point, finish, init_worker, read_spec, report_progress, write_result
-from teraflops.zero import OptimizerInfo, RankError, Zero1CheckResult, Zero1CheckSpec
+from teraflops.launch.faults import fault_point
+from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
+from teraflops.parallelization.zero import OptimizerInfo, RankError, Zero1CheckResult, Zero1CheckSpec
 
 HYPER = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-3, "weight_decay": 0.1}
 IN, HIDDEN, OUT, BATCH = 8, 32, 5, 16

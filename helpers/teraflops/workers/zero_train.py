@@ -1,12 +1,12 @@
 """Rank side of Unit 2's ZeRO runs: train models.GPT under DeepSpeed at each ZeRO stage in turn.
 
-Started by :func:`teraflops.zero.run_zero` through the DeepSpeed launcher, one process per rank:
-``python -m teraflops.workers.zero_train --spec PATH`` (a :class:`teraflops.zero.ZeroSpec`). For each stage the
+Started by :func:`teraflops.parallelization.zero.run_zero` through the DeepSpeed launcher, one process per rank:
+``python -m teraflops.workers.zero_train --spec PATH`` (a :class:`teraflops.parallelization.zero.ZeroSpec`). For each stage the
 same model (same seed) sees the same global batches: rank ``r`` takes rows ``r·B … (r+1)·B − 1``
 of each step's ``world·B`` sequences, so the global batch, and with it the loss curve, does not
 depend on the stage.
 
-Per stage and rank it hands back a :class:`teraflops.zero.ZeroStageResult` (through :func:`teraflops.distributed.write_result`):
+Per stage and rank it hands back a :class:`teraflops.parallelization.zero.ZeroStageResult` (through :func:`teraflops.launch.rank.write_result`):
 
 * ``held``: elements this rank holds, read from the engine's real tensors (shared storage counted
   once): ``params`` (the module's parameters, or under stage 3 their shards ``p.ds_tensor``),
@@ -32,10 +32,11 @@ import time
 import torch
 
 from teraflops.data import markov_tokens
-from teraflops.distributed import fault_point, finish, init_worker, read_spec, report_progress, write_result
+from teraflops.launch.faults import fault_point
+from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 from teraflops.models import lm_loss
 from teraflops.workers.common import build_model, rank_batch, zero_config
-from teraflops.zero import ZeroResult, ZeroSpec, ZeroStageResult
+from teraflops.parallelization.zero import ZeroResult, ZeroSpec, ZeroStageResult
 
 
 def _spans(tensors) -> list[tuple[int, int]]:
@@ -126,7 +127,7 @@ def run_stage(stage: int, spec: ZeroSpec, world: int, rank: int, step0: int) -> 
     # a master partition that *is* the parameter shard (stage 3 in fp32) is not counted twice
     held["optimizer"] = _elements(_optimizer_states(engine), exclude=param_spans)
     master_copy = _elements(_master_partitions(engine), exclude=param_spans) > 0
-    comms = {op: {int(size): v for size, v in sizes.items()}  # DeepSpeed's raw format, see teraflops.zero
+    comms = {op: {int(size): v for size, v in sizes.items()}  # DeepSpeed's raw format, see teraflops.parallelization.zero
              for op, sizes in ds_comm.comms_logger.comms_dict.items()}
     ds_comm.comms_logger.comms_dict.clear()
     result = ZeroStageResult(stage=stage, psi=psi, held=held, comms=comms, logged_steps=steps - 1, losses=losses,

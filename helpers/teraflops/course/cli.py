@@ -1,0 +1,554 @@
+"""The ``teraflops`` command (also ``python -m teraflops``).
+
+Subcommands::
+
+    teraflops run [UNIT ...] [--out build] [--no-html] [--timeout S]
+                                        execute lecture notebooks, print the summary table, write
+                                        the report card (build/report_card.html)
+    teraflops doctor                    versions, devices, compilers and what is skipped here
+    teraflops preflight [--only CHECK]  every GPU path at small sizes, before a session (exit 0 if all pass)
+    teraflops lab [--port P] [--ip A]   start JupyterLab on the course folder, on loopback by default,
+                                        and print its URL with the token
+    teraflops grade NOTEBOOK [--unit N] [--json] [--out FILE.json|FILE.xml]
+                                        check a lab notebook's exercises (any file name); --out writes
+                                        the report (JSON or JUnit XML, naming the learner) for a host
+    teraflops bench attention [...]     Triton FlashAttention vs SDPA on this machine, as ratios
+    teraflops labs build|check|refresh  generate labs/ from solutions/, check they agree, or
+                                        (maintainers) re-execute notebooks keeping nbval-checked outputs
+    teraflops cluster up|down|status [--nodes K] [--rate MB/s] [--slurm [--scheduler fifo|backfill]
+                                        [--accounting] [--gpus-per-node N]]
+                                        emulated nodes on this machine (root, Linux), optionally with a
+                                        Slurm cluster on them: make them, remove every leftover (also
+                                        after a crash), or list them with their Slurm daemons
+    teraflops cluster exec [--name N] [--node I] -- CMD ...
+                                        run CMD as on node I (default 0, Slurm's login node) with the
+                                        cluster's SLURM_CONF: sinfo, squeue, sbatch, srun, sacct
+    teraflops triage TRACE [--waits WAITS.json] [--peak-flops F --bandwidth B] [--launch-floor S]
+                                        compute-, memory-, overhead- or communication-bound, or
+                                        waiting on a straggler? from a torch.profiler trace
+
+Exit codes: 0 success; 1 a notebook failed, a check failed or labs are out of sync;
+2 a usage or course error, printed as one line ``error: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from teraflops.errors import CourseError
+
+__all__ = ["main", "build_parser", "lab_command"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from teraflops.nodes.slurm import INSTALL, SCHEDULERS  # the standard library only
+
+    parser = argparse.ArgumentParser(
+        prog="teraflops",
+        description="Tensors to Teraflops: run, check and grade the course on this machine.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="execute lecture notebooks headless and summarise them")
+    run.add_argument("units", nargs="*", type=int, metavar="UNIT",
+                     help="unit numbers to run, e.g. 1 3 (default: all)")
+    run.add_argument("--out", default="build",
+                     help="folder for executed notebooks and HTML (default: build)")
+    run.add_argument("--no-html", action="store_true", help="do not write HTML renderings")
+    run.add_argument("--timeout", type=int, default=600, metavar="S",
+                     help="seconds a single cell may run (default: 600)")
+
+    sub.add_parser("doctor", help="report versions, devices and what is skipped on this machine")
+
+    preflight = sub.add_parser("preflight", help="exercise every GPU path at small sizes before a session "
+                                                 "(a table of checks; exit 0 only if all pass)")
+    preflight.add_argument("--out", default="build/preflight", help="folder for results.json (default: build/preflight)")
+    preflight.add_argument("--only", nargs="+", metavar="CHECK", help="run only these checks (names as in the table)")
+
+    lab = sub.add_parser("lab", help="start JupyterLab on the course folder (loopback only by default)")
+    lab.add_argument("--port", type=int, default=8888, help="port (default: 8888, or the next free one)")
+    lab.add_argument("--ip", default="127.0.0.1",
+                     help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 exposes it)")
+
+    grade = sub.add_parser("grade", help="grade a lab notebook")
+    grade.add_argument("notebook", type=Path, metavar="NOTEBOOK")
+    grade.add_argument("--timeout", type=int, default=120, metavar="S",
+                       help="seconds a single cell may run before it is interrupted (default: 120)")
+    grade.add_argument("--unit", type=int, metavar="N",
+                       help="the lab's unit (default: the notebook's metadata, else its NN_ file-name prefix)")
+    grade.add_argument("--json", action="store_true",
+                       help='print one JSON object {"notebook", "unit", "learner", "checks": [{"name", "passed", '
+                            '"message"}], "passed", "total"} instead of the table')
+    grade.add_argument("--out", type=Path, metavar="FILE",
+                       help="also write the report to FILE: FILE.json (the --json object) or FILE.xml (JUnit XML, "
+                            "one testcase per exercise), for a workshop host to gather")
+
+    bench = sub.add_parser("bench", help="benchmark the course's Triton FlashAttention against SDPA")
+    bench.add_argument("what", choices=["attention"])
+    bench.add_argument("--seq-len", type=int, nargs="+", help="default: the largest of this machine's preset")
+    bench.add_argument("--batch", type=int)
+    bench.add_argument("--heads", type=int)
+    bench.add_argument("--head-dim", type=int)
+    bench.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default: the preset's (fp32 on CPU)")
+    bench.add_argument("--naive", action="store_true", help="include naive attention")
+
+    labs = sub.add_parser("labs", help="build labs from solutions, or check they are in sync")
+    labs.add_argument("action", choices=["build", "check", "refresh"])
+
+    cluster = sub.add_parser("cluster", help="emulated nodes on this machine (optionally running Slurm): "
+                                             "up, down (yours and leftovers), status, exec")
+    actions = cluster.add_subparsers(dest="action", metavar="ACTION", required=True)
+    name_help = "the cluster's name (letters, digits): default cli<pid of your shell>"
+    up = actions.add_parser("up", help="make K nodes (owned by your shell), optionally with Slurm on them",
+                            description="Make K emulated nodes (network namespaces on one bridge), owned by "
+                                        "your shell. With --slurm also start a Slurm cluster on them: munged and "
+                                        "slurmctld on node 0 (the login node), one slurmd per node, and with "
+                                        "--accounting MariaDB and slurmdbd; they keep running after this command "
+                                        "returns, until `teraflops cluster down`.")
+    up.add_argument("--name", help=name_help)
+    up.add_argument("--nodes", type=int, default=2, metavar="K", help="how many nodes (default: 2)")
+    up.add_argument("--rate", type=float, metavar="MB/s",
+                    help="each node's link rate in MB/s (1e6 bytes/s) (default: unshaped)")
+    up.add_argument("--slurm", action="store_true",
+                    help=f"also run Slurm on the nodes (needs its packages: {INSTALL})")
+    up.add_argument("--scheduler", choices=sorted(SCHEDULERS),
+                    help="with --slurm: backfill (sched/backfill, the default) or fifo (sched/builtin)")
+    up.add_argument("--accounting", action="store_true",
+                    help="with --slurm: also MariaDB + slurmdbd (sacct, accounts teama and teamb, fair share)")
+    up.add_argument("--gpus-per-node", type=int, metavar="N",
+                    help="with --slurm: fake GPUs (GRES gpu) per node, 1-8, and as many CPUs (default: 2)")
+    down = actions.add_parser("down", help="remove your clusters and leftovers of owners that are gone",
+                              description="Stop every process on your clusters' nodes (Slurm daemons and job "
+                                          "processes included) and remove the nodes, the switch, the links and "
+                                          "the Slurm files; also what owners that are gone left.")
+    down.add_argument("--name", help="also your cluster of this name (default: those your shell owns)")
+    down.add_argument("--all", action="store_true",
+                      help="every cluster, also other owners' live ones (the host's command)")
+    actions.add_parser("status", help="list each cluster: owner, nodes, jobs, Slurm daemons (name, pid, node)")
+    ex = actions.add_parser("exec", help="run CMD as on a node (default: node 0, Slurm's login node)",
+                            description="Run CMD on node I of a cluster as a user logged in there: in its network "
+                                        "namespace (with Slurm also with its hostname, node<I>, and the cluster's "
+                                        "SLURM_CONF), in your current directory; stdin, stdout and the exit code "
+                                        "pass through. "
+                                        "Example: teraflops cluster exec -- sbatch --wrap 'srun hostname'",
+                            usage="teraflops cluster exec [-h] [--name N] [--node I] -- CMD ...")
+    ex.add_argument("--name", metavar="N",
+                    help="the cluster (default: yours, cli<pid of your shell>, else the only Slurm cluster up)")
+    ex.add_argument("--node", type=int, default=0, metavar="I", help="the node (default: 0, the login node)")
+    ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
+                    help="the command and its arguments, after -- (sinfo, squeue, sbatch, srun, scancel, sacct)")
+
+    warm = sub.add_parser("warmup", help="the workshop host: build DeepSpeed's CPU op and the course's "
+                                         "torch.compile kernels once, into a cache every learner reads")
+    warm.add_argument("--dest", type=Path, help="default: $TERAFLOPS_WARM_CACHE or /var/cache/teraflops")
+
+    triage = sub.add_parser("triage", help="is a profiled step compute-, memory-, overhead- or communication-bound?")
+    triage.add_argument("trace", type=Path, metavar="TRACE",
+                        help="Chrome trace of torch.profiler with record_shapes=True (.json or .json.gz)")
+    triage.add_argument("--waits", type=Path, metavar="WAITS.json",
+                        help="seconds each rank spent in the step's collectives: [ranks] or [steps][ranks]")
+    triage.add_argument("--peak-flops", type=float, metavar="F", help="FLOP/s, with --bandwidth (default: measured here)")
+    triage.add_argument("--bandwidth", type=float, metavar="B", help="bytes/s, with --peak-flops")
+    triage.add_argument("--launch-floor", type=float, metavar="S", help="seconds per op (default: measured here)")
+    return parser
+
+
+def _cmd_triage(args: argparse.Namespace) -> int:
+    """Verdict, evidence and where to act for one profiled step (teraflops.triage.verdict)."""
+    from teraflops.triage.verdict import TriageError, triage
+
+    given = [x for x in (args.peak_flops, args.bandwidth, args.launch_floor) if x is not None]
+    if (args.peak_flops is None) != (args.bandwidth is None) or any(not x > 0 for x in given):
+        raise TriageError("--peak-flops and --bandwidth go together, and they and --launch-floor must be > 0. "
+                          "Hint: e.g. --peak-flops 989.5e12 --bandwidth 3.35e12 for an H100 SXM, or neither")
+    ceilings = None
+    if args.peak_flops is not None:
+        import torch
+
+        from teraflops.ceilings import Ceilings
+
+        ceilings = Ceilings(args.peak_flops, args.bandwidth, torch.float32, "given", 0, 0)
+    result = triage(args.trace, waits=args.waits, ceilings=ceilings, launch_floor=args.launch_floor)
+    print(result.summary())
+    print(result.table())
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from teraflops.machine import detect
+    from teraflops.course.runner import format_summary, run_units
+
+    results = run_units(args.units or None, out_dir=args.out, timeout_per_cell=args.timeout,
+                        html=not args.no_html)
+    print(format_summary(detect(), results))
+    if results:
+        from teraflops.course import report_card
+
+        print(f"report card: {report_card.write(detect(), results, args.out)}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """Ratios in one run, on this machine: Triton kernel vs SDPA (vs naive), plus the measured ceilings."""
+    import torch
+
+    from teraflops import ceilings, sizing
+    from teraflops.model_definition import attention
+    from teraflops.machine import detect
+
+    p, m = sizing.preset(), detect()
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype] if args.dtype else p.attention.dtype
+    b, h, d = args.batch or p.attention.batch, args.heads or p.attention.heads, args.head_dim or p.attention.head_dim
+    seq_lens = tuple(args.seq_len or p.attention.seq_lens[-1:])
+    impls = (("naive",) if args.naive else ()) + ("sdpa", "triton")
+    print(m.summary())
+    print(ceilings.measure_ceilings(dtype=dtype if m.device == "cuda" else None))
+    q = torch.randn(b, h, seq_lens[0], d, device=m.device, dtype=dtype)
+    print(f"(B, H, d) = ({b}, {h}, {d}), {str(dtype).replace('torch.', '')}; SDPA backend: {attention.sdpa_backend(q, q, q)}")
+    results = attention.attention_sweep(seq_lens, b, h, d, dtype, m.device, impls=impls, min_run_time=p.min_run_time)
+    print(attention.sweep_table(results, b, h, d, q.element_size()))
+    by = {(r.impl, r.seq_len): r for r in results}
+    for n in seq_lens:
+        tri, ref = by[("triton", n)], by[("sdpa", n)]
+        if tri.seconds and ref.seconds:
+            print(f"N={n}: Triton/SDPA throughput = {ref.seconds / tri.seconds:.3g}×")
+    return 0
+
+
+def lab_command(root: Path, port: int, token: str, ip: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> list[str]:
+    """The ``jupyter lab`` command line of ``teraflops lab`` (and the browser tests): serve ``root`` on
+    ``ip:port`` with ``token``, no browser opened (on a server there is none; the URL is printed),
+    ``--allow-root`` only when running as root (JupyterLab refuses root without it)."""
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--ServerApp.ip={ip}", f"--ServerApp.port={port}",
+           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
+    return cmd + list(extra)
+
+
+def wait_for_lab(proc, url: str, token: str, timeout: float = 60.0) -> None:
+    """Return once JupyterLab at ``url`` (``http://host:port``) answers its status API, or raise
+    :class:`CourseError` with its last line of output if it exits or does not answer in ``timeout`` s."""
+    import time
+    import urllib.request
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise CourseError(f"JupyterLab exited with code {proc.returncode} before it answered. "
+                              "Hint: its own message is printed above")
+        try:
+            with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise CourseError(f"JupyterLab did not answer at {url} within {timeout:g} s")
+
+
+def _cmd_lab(args: argparse.Namespace) -> int:
+    """Run JupyterLab on the course folder until Ctrl-C (or SIGTERM), then stop it and return."""
+    import secrets
+    import signal
+    import subprocess
+
+    from teraflops.course.runner import course_root
+    from teraflops.launch.ports import free_port
+
+    root, token = course_root(), secrets.token_hex(24)
+    port = free_port(args.port, args.ip)
+    host = "127.0.0.1" if args.ip in ("0.0.0.0", "") else args.ip
+    # its own session: Ctrl-C reaches this process only, which stops JupyterLab without its y/n prompt
+    proc = subprocess.Popen(lab_command(root, port, token, args.ip), stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        wait_for_lab(proc, f"http://{host}:{port}", token)
+        print(f"JupyterLab serves {root} at:\n    http://{host}:{port}/lab?token={token}\n"
+              "open the lecture in notebooks/, then the lab in labs/; stop with Ctrl-C", flush=True)
+        proc.wait()
+        return 0 if proc.returncode in (0, -signal.SIGTERM) else 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            proc.terminate()  # JupyterLab shuts its kernels down on SIGTERM
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        print("JupyterLab stopped", flush=True)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from teraflops.course.doctor import doctor
+
+    print(doctor())
+    return 0
+
+
+def _cmd_preflight(args: argparse.Namespace) -> int:
+    from teraflops.course import preflight
+
+    return preflight.main(args.out, only=args.only)
+
+
+def _cmd_grade(args: argparse.Namespace) -> int:
+    if not args.notebook.is_file():  # at once: the grader imports torch (seconds on a busy machine)
+        raise CourseError(f"no such notebook: {args.notebook}")
+    if args.out is not None:  # at once too, not after minutes of grading
+        from teraflops.grading.grade_report import check_out_path
+
+        check_out_path(args.out)
+    print(f"grading {args.notebook} (starting a kernel) ...", file=sys.stderr, flush=True)
+    from teraflops.grading.grader import grade
+
+    report = grade(args.notebook, timeout=args.timeout, unit=args.unit)
+    if args.json:
+        import json
+
+        print(json.dumps(report.as_json(), ensure_ascii=False))
+    else:
+        print(report.table())
+    if args.out is not None:
+        print(f"wrote {report.write(args.out)}", file=sys.stderr)
+    return 0 if report.all_passed else 1
+
+
+def _cmd_labs(args: argparse.Namespace) -> int:
+    from teraflops.course.runner import course_root
+
+    from teraflops.course.labs import build_labs, check_labs
+
+    root = course_root()
+    if args.action == "refresh":
+        from teraflops.course.labs import refresh_all
+
+        for path in refresh_all(root):
+            print(f"wrote {path}")
+        return 0
+    if args.action == "build":
+        written = build_labs(root)
+        for path in written:
+            print(f"wrote {path}")
+        print(f"{len(written)} lab notebook(s) written")
+        return 0
+    problems = check_labs(root)
+    for problem in problems:
+        print(problem)
+    if problems:
+        return 1
+    print("labs in sync with solutions")
+    return 0
+
+
+def _cmd_warmup(args: argparse.Namespace) -> int:
+    from teraflops.course.warmup import build_warm_cache
+    from teraflops.caches import WARM_ENV, build_compile_cache, closed_to_others, warm_dir
+
+    closed = closed_to_others()
+    if closed is not None:
+        print(f"warning: other users cannot enter {closed}, on the way to this Python ({sys.executable}): "
+              f"learners' kernels cannot run it. Hint: install the course's environment where every user can "
+              f"read it (e.g. /opt/teraflops)", file=sys.stderr)
+    dest = args.dest or warm_dir()
+    op = build_warm_cache(dest)
+    compiled = build_compile_cache(dest)
+    print(f"built DeepSpeed's CPU op: {op}")
+    for what in compiled:
+        print(f"compiled: {what}")
+    print(f"all in {dest}, readable by all; learners' runs copy it into their own caches and compile nothing")
+    if Path(dest).resolve() != warm_dir().resolve() or os.environ.get(WARM_ENV):
+        print(f"learners find it only with {WARM_ENV}={dest} in their environment (JupyterHub: "
+              f"c.Spawner.environment = {{{WARM_ENV!r}: {str(dest)!r}}})")
+    return 0
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from teraflops.nodes import cluster as cl
+    from teraflops import ownership
+    from teraflops.nodes import slurm as slurm_mod
+
+    caller = os.getppid()  # the shell: it owns what `up` makes, and `down` there removes it
+    if args.action == "exec":
+        return _cluster_exec(args, caller)
+    if args.action == "down":
+        groups, mine, skipped = cl.by_cluster(), [], []
+        left = cl.leftovers()
+        for name, found in groups.items():
+            held = ownership.read(name) if name else None
+            if name in left or (held and held.get("pid") == caller) or (args.name and name == args.name and held
+                                                                          and held.get("uid") in (os.getuid(), None)):
+                mine.append(name)
+            elif args.all:
+                ownership.mark_taken_down(name, ownership.owner())
+                mine.append(name)
+            else:
+                skipped.append(f"{name} of {ownership.describe(held)}")
+        found = [ns for name in mine for ns in groups[name]]
+        daemons = slurm_mod.daemons(found)
+        procs = sum(len(cl.pids(ns)) for ns in found)
+        removed = cl.down(only=found) if found else []
+        for name in mine:
+            if name and not any(ns in groups[name] for ns in set(found) - set(removed)):
+                ownership.release(name)
+        for name, held in ownership.records().items():  # records of dead owners whose namespaces are gone
+            if name not in groups and not ownership.alive(held):
+                ownership.release(name)
+        for name in slurm_mod.state_names():  # Slurm files of a cluster whose nodes and owner are gone
+            if name not in groups and not ownership.alive(ownership.read(name)):
+                slurm_mod.remove_state(name)
+        print(f"removed {len(removed)} namespace(s)" + (": " + ", ".join(removed) if removed else ""))
+        if procs:
+            print(f"stopped {procs} process(es) on them" +
+                  (f", {len(daemons)} of them Slurm daemons ({', '.join(sorted({d['name'] for d in daemons}))})"
+                   if daemons else ""))
+        if skipped:
+            print("left running (other owners'; --all removes them): " + ", ".join(skipped))
+        failed = [ns for ns in found if ns not in removed]
+        if failed:
+            raise cl.ClusterError(f"could not remove {', '.join(failed)}. Hint: removing namespaces needs root (sudo).")
+        return 0
+    if args.action == "status":
+        groups = cl.by_cluster()
+        rows = []
+        for name, found in sorted(groups.items()):
+            held = ownership.read(name) if name else None
+            n_jobs, n_procs = cl.jobs(found)
+            nodes = sum(1 for ns in found if "-node" in ns)
+            daemons = sorted(slurm_mod.daemons(found), key=lambda d: (_node_index(d["namespace"]),
+                                                                      slurm_mod.DAEMONS.index(d["name"])))
+            others = f", {len(daemons)} of them Slurm daemons" if daemons else ""
+            rows.append(f"{name or '(leftover)':<20}  owner: {ownership.describe(held):<28}  nodes: {nodes}  "
+                        f"running jobs: {n_jobs} ({n_procs} processes{others})")
+            saved = slurm_mod.saved(name) if name else None
+            if saved:
+                rows.append(f"  slurm: {saved[1].describe()}; teraflops cluster exec --name {name} -- sinfo")
+            for d in daemons:
+                rows.append(f"    {d['name']:<10} pid {d['pid']:<8} {slurm_mod.host(_node_index(d['namespace']))}")
+        print("\n".join(rows) or "no emulated nodes")
+        return 0
+    slurm_options = [flag for flag, given in (("--scheduler", args.scheduler is not None),
+                                              ("--accounting", args.accounting),
+                                              ("--gpus-per-node", args.gpus_per_node is not None)) if given]
+    if slurm_options and not args.slurm:
+        raise cl.ClusterError(f"{' and '.join(slurm_options)} set up Slurm, which --slurm starts. "
+                              f"Hint: teraflops cluster up --slurm {' '.join(slurm_options)} ...")
+    if args.gpus_per_node is not None and not 1 <= args.gpus_per_node <= 8:
+        raise cl.ClusterError(f"--gpus-per-node is the fake GPUs each node declares, 1 to 8; got {args.gpus_per_node}. "
+                              "Hint: --gpus-per-node 2 (each node also gets that many CPUs).")
+    config = slurm_mod.SlurmConfig(scheduler=args.scheduler or "backfill", accounting=args.accounting,
+                                   gpus_per_node=2 if args.gpus_per_node is None else args.gpus_per_node) \
+        if args.slurm else False
+    if args.rate is not None and not 0.01 <= args.rate <= cl.MAX_RATE / 1e6:
+        raise cl.ClusterError(f"--rate is in MB/s (1e6 bytes/s), between 0.01 and {cl.MAX_RATE / 1e6:g}; got {args.rate:g}. "
+                              "Hint: --rate 25 makes 25 MB/s = 200 Mbit/s links.")
+    made = cl.Cluster(args.nodes, cl.Link(rate=None if args.rate is None else args.rate * 1e6),
+                      name=args.name or f"cli{caller}", owner_pid=caller, slurm=config)
+    held = ownership.read(made.name)
+    if held and ownership.alive(held) and held.get("pid") == caller and made.namespaces():
+        raise cl.ClusterError(f"your cluster {made.name!r} is already up. Hint: `teraflops cluster down` first, "
+                              "or --name another.")
+    made.up()
+    print(made.describe())
+    print(f"cluster {made.name!r}, owner {ownership.describe(ownership.read(made.name))}; run a command on node i "
+          f"with: teraflops cluster exec --node i -- <command>; remove with: teraflops cluster down")
+    if made.slurm_ is not None:
+        print(f"slurm: {made.slurm_.config.describe()}; daemons: " +
+              ", ".join(f"{d['name']} ({slurm_mod.host(_node_index(d['namespace']))})" for d in made.slurm_.daemons()))
+        print("try: teraflops cluster exec -- sinfo   (squeue, sbatch --wrap 'srun hostname', scancel, sacct)")
+    return 0
+
+
+def _node_index(namespace: str) -> int:
+    """``teraflops-<name>-node<i>`` -> ``i``."""
+    return int(namespace.rsplit("-node", 1)[1])
+
+
+def _exec_target(name: str | None, caller: int) -> str:
+    """The cluster ``exec`` runs on: ``name``; else the caller's own (``cli<caller>``), else the only one up
+    with Slurm (else the only one up)."""
+    from teraflops.nodes import cluster as cl
+    from teraflops.nodes import slurm as slurm_mod
+
+    groups = {n: found for n, found in cl.by_cluster().items() if n}
+    if name is not None:
+        if name not in groups:
+            raise cl.ClusterError(f"no cluster named {name!r} is up (up now: {', '.join(sorted(groups)) or 'none'}). "
+                                  "Hint: `teraflops cluster status` lists them.")
+        return name
+    if f"cli{caller}" in groups:
+        return f"cli{caller}"
+    with_slurm = [n for n in sorted(groups) if slurm_mod.saved(n) is not None]
+    candidates = with_slurm or sorted(groups)
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        raise cl.ClusterError("no cluster is up. Hint: teraflops cluster up --nodes 3 --slurm")
+    raise cl.ClusterError(f"{len(candidates)} clusters are up ({', '.join(candidates)}) and none is your shell's. "
+                          f"Hint: choose one with --name, e.g. teraflops cluster exec --name {candidates[0]} -- sinfo")
+
+
+def _cluster_exec(args: argparse.Namespace, caller: int) -> int:
+    """Run ``args.cmd`` on a node, stdin/stdout/stderr passed through; the command's exit code (128 + N
+    when signal N ended it, as a shell reports)."""
+    import signal
+    import subprocess
+
+    from teraflops.nodes import cluster as cl
+    from teraflops.nodes import slurm as slurm_mod
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
+    if not cmd:
+        raise cl.ClusterError("no command to run. Hint: put it after --, e.g. teraflops cluster exec -- sinfo")
+    if args.node < 0:
+        raise cl.ClusterError(f"--node is a node index from 0 (the login node), got {args.node}.")
+    reason = cl.unavailable()
+    if reason:
+        raise cl.ClusterError(reason + ".")
+    name = _exec_target(args.name, caller)
+    if slurm_mod.saved(name) is not None:
+        attached = cl.attach(name).slurm_
+        nodes, argv = attached.cluster.nodes, lambda i: attached.login(i, os.getcwd())
+    else:  # nodes without Slurm: the node's network namespace
+        nodes = sum(1 for ns in cl.by_cluster().get(name, []) if "-node" in ns)
+        argv = lambda i: ["nsenter", f"--net=/run/netns/{cl.PREFIX}{name}-node{i}"]  # noqa: E731
+    if args.node >= nodes:
+        raise cl.ClusterError(f"cluster {name!r} has nodes 0-{nodes - 1}, got --node {args.node}.")
+    try:
+        proc = subprocess.Popen(argv(args.node) + cmd)
+    except OSError as e:
+        raise cl.ClusterError(f"could not run nsenter ({e}). Hint: it is part of util-linux.") from e
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the command's (srun's own handling)
+    try:
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 128 - code if code < 0 else code
+
+
+_COMMANDS = {"run": _cmd_run, "preflight": _cmd_preflight, "bench": _cmd_bench, "doctor": _cmd_doctor,
+             "lab": _cmd_lab, "grade": _cmd_grade, "labs": _cmd_labs, "cluster": _cmd_cluster, "warmup": _cmd_warmup,
+             "triage": _cmd_triage}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``teraflops`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return _COMMANDS[args.command](args)
+    except CourseError as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

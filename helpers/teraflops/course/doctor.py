@@ -1,0 +1,199 @@
+"""``teraflops doctor``: what this machine offers the course, and what the course will skip here.
+
+Paste its output into a bug report: versions, devices, how Triton runs, which C++ compiler
+``torch.compile`` would use on CPU, the GPU interconnect, and the list of course parts that are
+skipped on this machine with the reason for each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+from teraflops.machine import GiB, Machine, detect, triton_mode
+from teraflops.launch.placement import place
+
+__all__ = ["doctor", "skipped"]
+
+_INDENT = "  "
+
+
+def _first_line(text: str) -> str:
+    for line in str(text).splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _module_version(name: str) -> str:
+    try:
+        module = __import__(name)
+    except Exception as e:  # ImportError, but also broken installs raising anything else
+        return f"not importable: {type(e).__name__}: {_first_line(e)}"
+    return str(getattr(module, "__version__", "unknown version"))
+
+
+def _deepspeed_version() -> str:
+    """Import DeepSpeed without its import-time chatter (e.g. the accelerator warning).
+
+    DeepSpeed's logger writes to the ``sys.stdout`` it finds when first imported; the handler is
+    pointed back at the real stream afterwards, so later DeepSpeed logging is not lost.
+    """
+    if "deepspeed" in sys.modules:
+        return _module_version("deepspeed")
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        version = _module_version("deepspeed")
+    for handler in logging.getLogger("DeepSpeed").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sink:
+            handler.setStream(sys.stdout)
+    return version
+
+
+def _run(cmd: list[str], timeout: float = 20) -> tuple[int, str]:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return -1, f"{type(e).__name__}: {_first_line(e)}"
+    return p.returncode, (p.stdout or "") + (p.stderr or "")
+
+
+def _versions() -> list[str]:
+    import torch
+
+    rows = [
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("torch", torch.__version__),
+        ("triton", _module_version("triton")),
+        ("deepspeed", _deepspeed_version()),
+        ("numpy", _module_version("numpy")),
+        ("CUDA runtime", torch.version.cuda or "none (torch built without CUDA)"),
+    ]
+    if getattr(torch.version, "hip", None):
+        rows.append(("ROCm/HIP", torch.version.hip))
+    rows.append(("NCCL", _nccl_version()))
+    width = max(len(k) for k, _ in rows)
+    return [f"{_INDENT}{k:<{width}}  {v}" for k, v in rows]
+
+
+def _nccl_version() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "not used (no CUDA device; torch.distributed uses gloo)"
+    nccl = getattr(torch.cuda, "nccl", None)
+    if nccl is None or not hasattr(nccl, "version"):
+        return "not available in this torch build"
+    try:
+        v = nccl.version()
+    except Exception as e:
+        return f"unavailable: {type(e).__name__}: {_first_line(e)}"
+    return ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+
+
+def _devices(m: Machine) -> list[str]:
+    lines = [
+        f"{_INDENT}{m.summary()}",
+        f"{_INDENT}kind: {m.kind}; data-parallel runs: {place(None, cpu_ranks=2, min_ranks=2, machine=m).note}",
+    ]
+    for g in m.gpus:
+        lines.append(
+            f"{_INDENT}GPU {g.index}: {g.name}, {g.memory_bytes / GiB:.1f} GiB, "
+            f"compute capability {g.capability[0]}.{g.capability[1]}"
+        )
+    lines.append(f"{_INDENT}torch CPU threads: {m.cpu_threads}")
+    return lines
+
+
+def _triton() -> list[str]:
+    mode = triton_mode()
+    env = os.environ.get("TRITON_INTERPRET", "unset")
+    why = (
+        "kernels run in Triton's interpreter (NumPy on the CPU): right answers, GPU-less speed"
+        if mode == "interpreter"
+        else "kernels are compiled for the GPU"
+    )
+    return [f"{_INDENT}mode: {mode} (TRITON_INTERPRET={env}): {why}"]
+
+
+def _compiler() -> list[str]:
+    lines = []
+    try:
+        from torch._inductor import config as inductor_config
+
+        lines.append(f"{_INDENT}torch._inductor.config.cpp.cxx = {inductor_config.cpp.cxx!r}")
+    except Exception as e:
+        reason = f"{type(e).__name__}: {_first_line(e)}"
+        lines.append(f"{_INDENT}torch._inductor config unavailable: {reason}")
+    found_any = False
+    for name in ("c++", "g++", "clang++"):
+        path = shutil.which(name)
+        if path is None:
+            lines.append(f"{_INDENT}{name}: not found")
+            continue
+        found_any = True
+        rc, out = _run([path, "--version"])
+        version = _first_line(out) or f"--version exit code {rc}"
+        lines.append(f"{_INDENT}{name}: {path} ({version})")
+    if not found_any:
+        lines.append(f"{_INDENT}no C++ compiler: torch.compile cannot generate CPU kernels here")
+    return lines
+
+
+def _links(m: Machine) -> list[str]:
+    lines = [f"{_INDENT}GPUs visible to torch: {m.gpu_count}"]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        lines.append(f"{_INDENT}nvidia-smi: absent, so no interconnect topology to show")
+        return lines
+    rc, out = _run([smi, "topo", "-m"])
+    if rc != 0:
+        lines.append(f"{_INDENT}nvidia-smi topo -m failed (exit {rc}): {_first_line(out)}")
+        return lines
+    lines.append(f"{_INDENT}nvidia-smi topo -m:")
+    lines += [f"{_INDENT * 2}{line.rstrip()}" for line in out.rstrip().splitlines()]
+    return lines
+
+
+def skipped(m: Machine | None = None) -> list[str]:
+    """What the course skips on machine ``m`` (default: this one), one reason per entry."""
+    m = m or detect()
+    items = []
+    if not m.gpus:
+        items += [
+            'CUDA graphs and torch.compile(mode="reduce-overhead"): need a GPU',
+            "naive-attention out-of-memory sweep: runs only on a GPU",
+            "NCCL collectives: need GPUs; the distributed units use gloo on CPU processes instead",
+        ]
+    if triton_mode() == "interpreter":
+        items.append("bf16 Triton kernels: the Triton interpreter has no bf16, so fp32 is used")
+    if not m.gpus:
+        items.append("multi-GPU link (NVLink/PCIe) measurements: need at least 2 GPUs")
+    elif m.gpu_count == 1:
+        items.append("multi-GPU NVLink measurements: need at least 2 GPUs, this machine has 1")
+    return items
+
+
+def doctor() -> str:
+    """A multi-line report on this machine for the course (see module docstring)."""
+    m = detect()
+    sections = [
+        ("Versions", _versions()),
+        ("Devices", _devices(m)),
+        ("Triton", _triton()),
+        ("C++ compiler for torch.compile on CPU", _compiler()),
+        ("GPUs and links", _links(m)),
+    ]
+    skips = skipped(m)
+    nothing = [f"{_INDENT}nothing: every part of the course runs here"]
+    sections.append(("Skipped on this machine", [f"{_INDENT}- {s}" for s in skips] or nothing))
+    out = ["Tensors to Teraflops doctor"]
+    for title, lines in sections:
+        out += ["", title] + lines
+    return "\n".join(out)

@@ -1,0 +1,476 @@
+"""``teraflops preflight``: every GPU path of the course exercised at small sizes, before a session.
+
+The one command a workshop host runs on a GPU box before learners arrive, and a maintainer runs to
+produce reference results. Each check runs the course's own code (the helpers the lectures call)
+at small sizes and compares what it measured with what must hold; it prints one line per check
+(passed, failed with the number that failed, or skipped and why), exits 0 only when none failed,
+and writes ``results.json`` in the report card's reference format
+(:mod:`teraflops.course.report_card`: ``{"gpu", "teraflops", "notebooks": {"preflight": {check: {"value",
+"unit", "label"}}}}``, plus ``"checks"``, one entry per check).
+
+On one GPU it covers what only CUDA reaches: compute capability and bf16 support against the
+preset's dtype, the compiled Triton kernels against their references, the ceilings against the
+GPU's datasheet, an attention sweep that reaches naive attention's out-of-memory point and keeps
+running (memory handed back), profiler verdicts, eager against compiled decode (identical tokens,
+launches counted, a prompt made on the CPU, one out-of-memory step in the batch sweep), the fused
+kernel, the bandwidth ladder and contention, the triage workloads' verdicts on a device trace, and
+a tiny ZeRO run under the placement. With two or more GPUs: NCCL collectives, DDP remedies,
+stragglers with the detector, an elastic restart and ZeRO-3 on NCCL ranks. On a CPU-only machine
+it runs the CPU equivalents (a few minutes) and lists what it skipped and why.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from teraflops.errors import CourseError
+
+
+class CheckFailed(CourseError, AssertionError):
+    """A preflight check measured something that must not be: one line with the number."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One preflight check: ``fn()`` returns ``(value, unit, detail)`` or raises :class:`CheckFailed`.
+
+    ``gpus``: GPUs it needs (0: runs everywhere; on a CPU machine it runs its CPU equivalent).
+    """
+
+    name: str
+    label: str
+    fn: Callable[[], tuple]
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    label: str
+    status: str  # "passed", "failed" or "skipped"
+    detail: str
+    seconds: float
+    value: float | str | None = None
+    unit: str = ""
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise CheckFailed(what)
+
+
+def _device() -> str:
+    from teraflops.machine import detect
+
+    return detect().device
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---- the checks ------------------------------------------------------------------------------------
+
+
+def check_device_facts():
+    """Compute capability and bf16 support against the fitted preset's dtype (bf16 only on sm80+)."""
+    import torch
+
+    from teraflops.gpu_fit import supports_bf16
+    from teraflops.machine import detect
+    from teraflops.sizing import preset
+
+    m = detect()
+    if not m.gpus:
+        return m.cpu_cores, "cores", f"CPU only, {m.cpu_cores} cores, Triton {m.triton}"
+    g = min(m.gpus, key=lambda x: x.memory_bytes)
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    _need(native == supports_bf16(g.capability),
+          f"torch says native bf16 is {native} on sm{g.capability[0]}{g.capability[1]}, the course's rule says "
+          f"{supports_bf16(g.capability)}")
+    want = torch.bfloat16 if native else torch.float16
+    _need(preset().dtype == want, f"the GPU preset's dtype is {preset().dtype}, expected {want}")
+    _need(m.triton == "compiled", f"Triton runs in its {m.triton} on a GPU (TRITON_INTERPRET set?)")
+    return f"sm{g.capability[0]}{g.capability[1]}", "", f"{m.summary()}; preset dtype {preset().dtype}"
+
+
+def check_triton_flash():
+    """The course's Triton FlashAttention forward against SDPA (causal and not)."""
+    import torch
+
+    from teraflops.model_definition.attention import sdpa
+    from teraflops.model_definition.flash_triton import flash_attention
+
+    dev = _device()
+    dtype = torch.float16 if dev == "cuda" else torch.float32  # the interpreter has no 16-bit dot
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 64, device=dev, dtype=dtype, generator=g) for _ in range(3))
+    worst = 0.0
+    for causal in (False, True):
+        err = (flash_attention(q, k, v, causal=causal).float() - sdpa(q, k, v, causal=causal).float()).abs().max().item()
+        worst = max(worst, err)
+    tol = 2e-2 if dtype == torch.float16 else 1e-4
+    _need(worst <= tol, f"max |flash - sdpa| = {worst:.3g} > {tol:g} ({dtype}, N=256, d=64)")
+    return worst, "max abs error", f"N=256, d=64, {str(dtype).removeprefix('torch.')}, causal and not"
+
+
+def check_fused_rmsnorm():
+    """The fused Triton RMSNorm against the eager chain and F.rms_norm, timed side by side."""
+    from teraflops.compilation.fused import compare
+
+    rows = compare(shape=(4096, 1024) if _device() == "cuda" else (64, 256), min_run_time=0.05)
+    worst = max(r["max_err"] or 0.0 for r in rows)
+    _need(worst <= 5e-2, f"fused RMSNorm's max error {worst:.3g} > 5e-2")
+    return worst, "max abs error", ", ".join(f"{r['impl']} {r['gb_per_s']:.3g} GB/s" for r in rows)
+
+
+def check_ceilings():
+    """Peak matmul FLOP/s and copy bandwidth; on a GPU, not above its datasheet (an emulated dtype
+    or a wrong datasheet row would show here)."""
+    from teraflops.ceilings import measure_ceilings
+    from teraflops.datasheets import published_for
+    from teraflops.machine import detect
+
+    dev = _device()
+    c = measure_ceilings(matmul_n=2048 if dev == "cuda" else 256, copy_bytes=(256 if dev == "cuda" else 16) << 20)
+    _need(c.peak_flops > 0 and c.bandwidth > 0, f"ceilings not positive: {c}")
+    note = f"peak {c.peak_flops / 1e12:.3g} TFLOP/s, copy {c.bandwidth / 1e9:.3g} GB/s"
+    sheet = published_for(detect().gpu_name) if dev == "cuda" else None
+    if sheet is not None:  # a measured peak above the datasheet: a wrong row, or the probe's dtype
+        import torch
+
+        peak = 1e12 * (sheet.bf16_tflops if c.dtype == torch.bfloat16 and sheet.bf16_tflops else sheet.fp16_tflops)
+        _need(c.peak_flops <= 1.1 * peak, f"measured {c.peak_flops / 1e12:.3g} TFLOP/s is above {sheet.name}'s "
+                                          f"datasheet {peak / 1e12:.3g} TFLOP/s")
+        note += f" ({c.peak_flops / peak:.0%} of {sheet.name}'s datasheet)"
+    return c.peak_flops / c.bandwidth, "FLOP/byte (ridge)", note
+
+
+def check_attention_sweep():
+    """SDPA, Triton and naive attention; on a GPU the sweep goes past naive attention's
+    out-of-memory point, SDPA runs there, and the memory is handed back."""
+    import torch
+
+    from teraflops.model_definition.attention import attention_sweep
+
+    dev = _device()
+    if dev != "cuda":
+        rows = attention_sweep((64, 128), 1, 2, 32, torch.float32, "cpu", min_run_time=0.01, progress=False)
+        _need(not any(r.oom for r in rows), "an attention point ran out of memory on the CPU")
+        worst = max(r.max_error for r in rows)
+        _need(worst < 1e-3, f"max error against SDPA {worst:.3g} ≥ 1e-3")
+        return worst, "max abs error", f"{len(rows)} points (N = 64, 128), no OOM expected on a CPU"
+    total = torch.cuda.get_device_properties(0).total_memory
+    batch, heads, d = 4, 16, 64
+    n_oom = 1024
+    while 2 * batch * heads * n_oom * n_oom * 2 <= total:  # naive's scores and probabilities, fp16
+        n_oom *= 2
+    before = torch.cuda.memory_allocated()
+    rows = attention_sweep((1024, n_oom), batch, heads, d, torch.float16, "cuda", impls=("naive", "sdpa"),
+                           min_run_time=0.05, progress=False)
+    rows += attention_sweep((1024,), batch, heads, d, torch.float16, "cuda", impls=("triton",), min_run_time=0.05,
+                            progress=False)
+    by = {(r.impl, r.seq_len): r for r in rows}
+    _need(by[("naive", n_oom)].oom, f"naive attention at N={n_oom} did not run out of memory")
+    _need(not by[("sdpa", n_oom)].oom, f"SDPA ran out of memory at N={n_oom} after the naive OOM")
+    _need(not by[("triton", 1024)].oom and by[("triton", 1024)].max_error < 2e-2,
+          f"Triton at N=1024: {by[('triton', 1024)]}")
+    leaked = torch.cuda.memory_allocated() - before
+    _need(leaked < 64 << 20, f"{leaked / 2**20:.0f} MiB still allocated after the sweep")
+    return n_oom, "N of naive's OOM", f"naive OOM at N={n_oom} as a data point, SDPA ran on; {leaked >> 20} MiB left"
+
+
+def check_profiler_verdicts():
+    """A transformer block profiled: every operator gets a verdict (math, memory or framework)."""
+    import torch
+
+    from teraflops.ceilings import measure_ceilings
+    from teraflops.models import TransformerBlock
+    from teraflops.model_definition.profiling import profile_ops
+    from teraflops.triage.verdict import measured_launch_floor
+
+    dev = _device()
+    dtype = torch.bfloat16 if dev == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False) else (
+        torch.float16 if dev == "cuda" else torch.float32)
+    d, heads, seq, batch = (1024, 8, 512, 4) if dev == "cuda" else (64, 2, 32, 2)
+    block = TransformerBlock(d, heads).to(dev, dtype)
+    x = torch.randn(batch, seq, d, device=dev, dtype=dtype, requires_grad=True)
+
+    def step():
+        block.zero_grad(set_to_none=True)
+        block(x).float().square().mean().backward()
+
+    ops = profile_ops(step, dev)
+    c = measure_ceilings(matmul_n=1024 if dev == "cuda" else 256, copy_bytes=(64 if dev == "cuda" else 16) << 20,
+                         dtype=dtype, device=dev)
+    floor = measured_launch_floor(dev)
+    verdicts = {op.name: op.verdict(c, floor) for op in ops}
+    _need(bool(verdicts), "the profiler recorded no operator")
+    kinds = set(verdicts.values())
+    return len(verdicts), "ops", f"{len(verdicts)} ops, verdicts {sorted(kinds)}"
+
+
+def check_decode():
+    """Eager against compiled decode: identical greedy tokens, launches per token counted, a prompt
+    made on the CPU for a model on the GPU; on a GPU, one out-of-memory step in the batch sweep."""
+    import warnings
+
+    import torch
+
+    from teraflops.compilation.decode import batch_sweep, compile_decode, generate, launches_per_token
+    from teraflops.models import Llama
+
+    dev = _device()
+    # fp32: fp16 kernels of eager and Inductor differ by ~1e-3 and can flip a near-tied argmax
+    model = Llama(256, 128, 2, 4, 64, seed=0).to(dev, torch.float32).eval()
+    prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))  # on the CPU, on purpose
+    eager = generate(model, prompt, 16)
+    cache = model.new_cache(1)
+    compiled = compile_decode(model, cache)
+    fast = generate(model, prompt, 16, step_fn=compiled.step, cache=cache)
+    same = torch.equal(eager.tokens.cpu(), fast.tokens.cpu())
+    _need(same, "compiled decode's greedy tokens differ from eager's")
+    launches = launches_per_token(compiled.step, model, cache)
+    _need(launches.total >= 1, f"no launch counted per compiled token ({launches.what})")
+    note = f"tokens identical, {launches.total} launches per compiled token ({launches.what})"
+    if dev == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        per_batch = 2 * 2 * 64 * 128 * 4  # KV cache bytes per sequence: K and V, 2 layers, 64 positions, d=128, fp32
+        b_oom = 1
+        while b_oom * per_batch <= total:
+            b_oom *= 2
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = batch_sweep(model, (1, 2, b_oom), min_run_time=0.05)
+        _need([r.batch for r in rows] == [1, 2], f"batch sweep rows {[r.batch for r in rows]}, expected an OOM at {b_oom}")
+        _need(any("memory" in str(w.message).lower() for w in caught), "the batch sweep's OOM was not reported")
+        note += f"; batch {b_oom} ran out of memory as the sweep's last step"
+    return launches.total, "launches/token", note
+
+
+def check_ladder_and_contention():
+    """The bandwidth ladder and k streams sharing one link: every rung and round measured > 0."""
+    from teraflops.ceilings import bandwidth_ladder
+    from teraflops.hardware.contention import sweep
+
+    dev = _device()
+    rungs = [r for r in bandwidth_ladder(nbytes=(64 if dev == "cuda" else 8) << 20, min_run_time=0.05)
+             if not str(r.get("note", "")).startswith("skipped")]  # a CPU machine has no host-device link
+    empty = [r["what"] for r in rungs if not (r["bandwidth"] or 0) > 0]
+    _need(rungs and not empty, f"ladder rung(s) {empty or 'all'} measured no bandwidth")
+    rows = sweep(ks=(1, 2), nbytes=(64 if dev == "cuda" else 4) << 20, seconds=0.1, repeats=1)
+    _need(len(rows) == 2, f"contention: {len(rows)} rounds, expected 2")
+    return len(rungs), "rungs", f"{len(rungs)} rungs, contention at k = 1, 2"
+
+
+def check_triage_verdicts():
+    """Three in-process workloads profiled on this device and triaged: each gets its unit's verdict."""
+    import tempfile
+
+    from teraflops.triage.verdict import triage
+    from teraflops.triage.workloads import profile
+
+    want = {"matmul": "compute", "naive_attention": "memory", "decode": "overhead"}
+    got = {}
+    with tempfile.TemporaryDirectory(prefix="teraflops-preflight-") as tmp:
+        for name in want:
+            got[name] = triage(profile(name, tmp).trace).verdict
+    wrong = {n: v for n, v in got.items() if want[n] not in v}
+    _need(not wrong, f"triage verdicts {wrong}, expected {({n: want[n] for n in wrong})}")
+    return len(got), "workloads", ", ".join(f"{n}: {v}" for n, v in got.items())
+
+
+def _tiny_plan():
+    """The tiny model on this machine's placement: NCCL ranks with 2 GPUs or more, else CPU ranks."""
+    from teraflops.machine import detect
+    from teraflops.sizing import PRESETS
+    from teraflops.launch.placement import data_parallel_plan
+
+    tiny = PRESETS["tiny"]
+    if detect().gpu_count >= 2:
+        tiny = replace(tiny, name="tiny-gpu", device="cuda")
+    return data_parallel_plan(tiny)
+
+
+def check_zero():
+    """A tiny ZeRO run (stages 0 and 3) under the placement: same losses, stage 3 holds 1/N of the
+    parameters on each rank and sends what the paper's 3Ψ counts per use of each parameter (±10 %)."""
+    from teraflops.parallelization.zero import expected_comm_bytes, max_loss_difference, run_zero, trained_gpt
+
+    plan = _tiny_plan()
+    runs = run_zero(stages=(0, 3), plan=plan, steps=3, timeout=300)
+    diff = max_loss_difference(runs)
+    _need(diff < 1e-3, f"ZeRO-3's losses differ from stage 0's by {diff:.3g}")
+    import math
+
+    z3, model = runs[1], trained_gpt(plan.preset)
+    # DeepSpeed pads each parameter's shard to ceil(numel / N) (Ψ/N is the calculator's, unpadded)
+    held, want = z3.held[0]["params"], sum(math.ceil(p.numel() / z3.world_size) for p in model.parameters())
+    _need(held == want, f"stage 3 holds {held} parameter elements per rank, its padded shards {want}")
+    ratio = z3.comm_bytes / expected_comm_bytes(z3, model)
+    _need(abs(ratio - 1) <= 0.10, f"stage 3 sent {ratio:.3f}× the expected 3Ψ (per use) bytes per step")
+    return diff, "max loss difference", f"{z3.world_size} ranks ({z3.backend}), stage 3 holds {held} of {z3.psi}"
+
+
+def check_collectives():
+    """All-reduce and all-gather over the placement's ranks: correct results, busbw > 0."""
+    from teraflops.hardware.collectives import sweep
+
+    rows = sweep(("all_reduce", "all_gather"), sizes=[1 << 16, 1 << 20], iters=3, warmup=1, min_iters=1,
+                 timeout=180)
+    wrong = sum(r["wrong"] for r in rows)
+    _need(wrong == 0, f"{wrong} wrong elements")
+    best = max(r["busbw"] for r in rows)
+    _need(best > 0, "no bandwidth measured")
+    return best / 1e9, "GB/s busbw", f"{rows[0]['ranks']} ranks ({rows[0]['backend']}), {len(rows)} points"
+
+
+def check_remedies():
+    """DDP with fp16 compression against plain DDP on NCCL ranks: half the bytes per step."""
+    from teraflops.hardware.remedies import run
+
+    out = run(("baseline", "fp16"), micro_batches=4, accum=1, plan=_tiny_plan(), timeout=300)
+    base, fp16 = out.rows
+    ratio = fp16["bytes_per_step"] / base["bytes_per_step"]
+    _need(abs(ratio - 0.5) < 0.05, f"fp16 compression sent {ratio:.2f}× the baseline's bytes, expected 0.5")
+    return ratio, "bytes ratio", f"{out.ranks} ranks ({out.backend})"
+
+
+def check_stragglers():
+    """A 200 ms straggler injected: the detector names it (placement: NCCL with 3 GPUs or more)."""
+    from teraflops.orchestration.detection import MIN_RANKS, flag_stragglers
+    from teraflops.sizing import PRESETS
+    from teraflops.launch.placement import data_parallel_plan
+    from teraflops.orchestration.stragglers import run
+
+    tiny = PRESETS["tiny"]
+    plan = data_parallel_plan(replace(tiny, name="tiny-gpu", device="cuda"), ranks_cpu=4, min_ranks=MIN_RANKS)
+    out = run(plan, delays_ms=(0, 200), steps=4, experiments=("sweep",), timeout=300)
+    late = out.sweep[-1]
+    flagged = flag_stragglers(late.busy)
+    slow = late.busy.shape[1] - 1 if late.injection.rank is None else late.injection.rank
+    _need(list(flagged) == [slow], f"detector flagged {list(flagged)}, the straggler is rank {slow}")
+    return len(flagged), "flagged", f"{out.world_size} ranks ({out.backend}): {plan.note}"
+
+
+def check_elastic():
+    """A rank SIGKILLed mid-run, torchrun restarts the job: final loss equals an uninterrupted run."""
+    from teraflops.orchestration.elastic import run
+
+    out = run(plan=_tiny_plan(), steps=8, checkpoint_every=3, kill_step=5, timeout=300)
+    diff = abs(out.losses[-1] - out.reference_losses[-1])
+    _need(diff < 1e-4, f"final loss after the restart differs by {diff:.3g}")
+    return diff, "loss difference", f"{out.ranks} ranks, killed at step {out.kill_step}"
+
+
+CHECKS = (
+    Check("device", "compute capability, bf16 support, preset dtype", check_device_facts),
+    Check("triton-flash", "Triton FlashAttention vs SDPA", check_triton_flash),
+    Check("fused-rmsnorm", "fused Triton RMSNorm vs eager and F.rms_norm", check_fused_rmsnorm),
+    Check("ceilings", "peak FLOP/s, copy bandwidth, ridge point", check_ceilings),
+    Check("attention-sweep", "attention sweep to naive's OOM and on", check_attention_sweep),
+    Check("profiler-verdicts", "transformer block: a verdict per operator", check_profiler_verdicts),
+    Check("decode", "eager vs compiled decode, launches, OOM step", check_decode),
+    Check("ladder-contention", "bandwidth ladder and contention", check_ladder_and_contention),
+    Check("triage", "triage verdicts of three workloads", check_triage_verdicts),
+    Check("zero", "tiny ZeRO 0 and 3 under the placement", check_zero),
+    Check("collectives", "all-reduce and all-gather on the placement's ranks", check_collectives),
+    Check("remedies", "DDP remedies on NCCL ranks", check_remedies, gpus=2),
+    Check("stragglers", "injected straggler and the detector", check_stragglers, gpus=2),
+    Check("elastic", "elastic restart after a SIGKILL", check_elastic, gpus=2),
+)
+
+
+def run(checks=CHECKS, only=None, progress: bool = True) -> list[CheckResult]:
+    """Run ``checks`` (or those named in ``only``) in order; one :class:`CheckResult` each.
+
+    A check that needs more GPUs than this machine has is skipped with the reason; any exception
+    is a failure, reported in one line (the exception's type and first line).
+
+    Raises:
+        CourseError: ``only`` names a check that does not exist.
+    """
+    from teraflops.machine import detect
+
+    if only:
+        unknown = sorted(set(only) - {c.name for c in checks})
+        if unknown:
+            raise CourseError(f"no preflight check named {', '.join(unknown)}. "
+                              f"Hint: one of {', '.join(c.name for c in checks)}")
+        checks = [c for c in checks if c.name in only]
+    gpus = detect().gpu_count
+    out = []
+    for c in checks:
+        if c.gpus > gpus:
+            why = f"needs {c.gpus} GPUs, this machine has {gpus}" + (" (the CPU test suite runs its gloo version)"
+                                                                   if gpus == 0 else "")
+            out.append(CheckResult(c.name, c.label, "skipped", why, 0.0))
+            if progress:
+                print(f"  skip  {c.name}: {why}", flush=True)
+            continue
+        if progress:
+            print(f"  ...   {c.name}: {c.label}", flush=True)
+        start = time.perf_counter()
+        try:
+            value, unit, detail = c.fn()
+            status = "passed"
+        except Exception as e:  # noqa: BLE001 - every failure becomes one line of the table
+            value, unit, status = None, "", "failed"
+            first = (str(e).strip().splitlines() or [""])[0]
+            detail = first if isinstance(e, CheckFailed) else f"{type(e).__name__}: {first}"
+            if not isinstance(e, (CheckFailed, CourseError)):
+                frame = traceback.extract_tb(e.__traceback__)[-1]
+                detail += f" ({Path(frame.filename).name}:{frame.lineno})"
+        out.append(CheckResult(c.name, c.label, status, detail, time.perf_counter() - start, value, unit))
+    return out
+
+
+def table(results: list[CheckResult]) -> str:
+    """One line per check: status, name, seconds, value, detail."""
+    mark = {"passed": "ok  ", "failed": "FAIL", "skipped": "skip"}
+    width = max(len(r.name) for r in results)
+    lines = []
+    for r in results:
+        value = f"{r.value:.4g}" if isinstance(r.value, float) else ("" if r.value is None else str(r.value))
+        lines.append(f"{mark[r.status]}  {r.name:<{width}}  {r.seconds:6.1f} s  {value} {r.unit}".rstrip()
+                     + f"  {r.detail}")
+    return "\n".join(lines)
+
+
+def results_json(machine, results: list[CheckResult]) -> dict:
+    """The report card's reference format (module docstring), with every check's outcome."""
+    from teraflops import __version__
+
+    numbers = {r.name: {"value": r.value, "unit": r.unit, "label": r.label}
+               for r in results if r.status == "passed" and r.value is not None}
+    return {"gpu": machine.gpu_name, "teraflops": __version__, "machine": machine.summary(),
+            "notebooks": {"preflight": numbers}, "checks": [asdict(r) for r in results]}
+
+
+def main(out_dir: str | Path = "build/preflight", only=None) -> int:
+    """Run the checks, print the table and a verdict line, write ``results.json``; 0 iff none failed."""
+    from teraflops.machine import detect
+
+    m = detect()
+    print(f"teraflops preflight on {m.summary()}", flush=True)
+    start = time.perf_counter()
+    results = run(only=only)
+    print(table(results))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results_json(m, results), indent=1, default=str) + "\n")
+    failed = [r for r in results if r.status == "failed"]
+    skipped = [r for r in results if r.status == "skipped"]
+    print(f"{len(results) - len(failed) - len(skipped)} passed, {len(failed)} failed, {len(skipped)} skipped "
+          f"in {time.perf_counter() - start:.0f} s; results in {out / 'results.json'}")
+    for r in failed:
+        print(f"FAILED {r.name}: {r.detail}")
+    return 1 if failed else 0

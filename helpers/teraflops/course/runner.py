@@ -1,0 +1,459 @@
+"""Run the lecture notebooks headless and summarise what they measured: ``teraflops run``.
+
+Each lecture notebook ``notebooks/NN_name.ipynb`` (``NN`` is the unit number) is executed in a fresh
+Jupyter kernel with nbclient, one cell at a time behind a progress bar. The executed notebook, with
+its outputs, is written to ``<out_dir>/NN_name.ipynb`` and rendered to ``<out_dir>/NN_name.html``.
+A failing cell stops that notebook only: the failure (cell index, exception name and message) is
+recorded, the partially executed notebook is still written, and the next notebook runs.
+
+Headline numbers come from :mod:`teraflops.headlines`: the kernel inherits ``TERAFLOPS_REPORT``
+pointing at ``<out_dir>/NN_name.report.json``, which the notebook fills with ``headlines.record``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from teraflops import headlines
+from teraflops.errors import CourseError
+from teraflops.machine import Machine
+
+__all__ = [
+    "CellFailure",
+    "NotebookResult",
+    "course_root",
+    "find_notebooks",
+    "run_notebook",
+    "run_units",
+    "format_summary",
+]
+
+_NOTEBOOK_NAME = re.compile(r"^(\d{2,})_.+\.ipynb$")
+_PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # helpers/teraflops/course/../../..
+
+
+@dataclass(frozen=True)
+class CellFailure:
+    """Where and how a notebook stopped. ``cell_index`` is ``None`` if the kernel never started."""
+
+    cell_index: int | None
+    ename: str
+    evalue: str
+
+    def __str__(self) -> str:
+        where = "kernel" if self.cell_index is None else f"cell {self.cell_index}"
+        return f"{where}: {self.ename}: {self.evalue}" if self.evalue else f"{where}: {self.ename}"
+
+
+@dataclass
+class NotebookResult:
+    """Outcome of one notebook.
+
+    Attributes:
+        name: file stem, e.g. ``"03_matmul"``.
+        seconds: wall time from kernel start to the last cell run.
+        ok: every cell ran without error.
+        error: the failure when not ``ok``, else ``None``.
+        headline: entries from :mod:`teraflops.headlines` (key -> value, unit, label).
+        takeaway: the notebook's one-line verdict (:func:`teraflops.headlines.takeaway`), if it gave one.
+        executed: path of the executed notebook.
+        html: path of the HTML rendering, ``None`` if not requested or it failed.
+        html_error: one line if the HTML export failed.
+    """
+
+    name: str
+    seconds: float
+    ok: bool
+    error: CellFailure | None = None
+    headline: dict[str, dict] = field(default_factory=dict)
+    takeaway: str | None = None
+    executed: Path | None = None
+    html: Path | None = None
+    html_error: str | None = None
+
+
+def course_root() -> Path:
+    """The folder holding ``notebooks/``: the current directory if it has one, else the repo root
+    this package was installed from (``helpers/teraflops/../..``)."""
+    cwd = Path.cwd()
+    for candidate in (cwd, _PACKAGE_ROOT):
+        if (candidate / "notebooks").is_dir():
+            return candidate
+    raise CourseError(
+        f"no notebooks/ folder in {cwd} or in {_PACKAGE_ROOT}; run from the course repository"
+    )
+
+
+def find_notebooks(root: Path | None = None) -> dict[int, list[Path]]:
+    """Lecture notebooks under ``root/notebooks`` by unit number (sorted by unit, then name)."""
+    nb_dir = Path(root if root is not None else course_root()) / "notebooks"
+    if not nb_dir.is_dir():
+        raise CourseError(f"no notebooks/ folder in {nb_dir.parent}")
+    found: dict[int, list[Path]] = {}
+    for path in sorted(nb_dir.glob("*.ipynb")):
+        m = _NOTEBOOK_NAME.match(path.name)
+        if m:
+            found.setdefault(int(m.group(1)), []).append(path)
+    return dict(sorted(found.items()))
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def run_notebook(
+    path: Path, out_dir: Path, timeout_per_cell: int = 600, html: bool = True, env: dict[str, str] | None = None
+) -> NotebookResult:
+    """Execute one notebook, write it (and its HTML) to ``out_dir``; never raises on cell errors.
+    ``env`` is added to the kernel's environment (the run's shared ceilings, say)."""
+    import nbformat
+
+    path = Path(path)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = path.stem
+    report_path = (out_dir / f"{name}.report.json").resolve()
+    report_path.unlink(missing_ok=True)
+
+    nb = nbformat.read(path, as_version=4)
+    client = make_client(nb, path, timeout_per_cell)
+
+    start = time.perf_counter()
+    failures = execute_cells(client, nb, name, stop_on_error=True, env={**(env or {}), headlines.ENV_VAR: str(report_path)})
+    failure = failures[0] if failures else None
+    seconds = time.perf_counter() - start
+
+    result = NotebookResult(name=name, seconds=seconds, ok=failure is None, error=failure)
+    try:
+        result.headline = headlines.read(report_path)
+        result.takeaway = headlines.read_takeaway(report_path)
+    except ValueError as e:  # unreadable report file: keep the run, say why
+        result.headline = {}
+        if result.error is None:
+            result.ok = False
+            result.error = CellFailure(None, "ReportError", _one_line(str(e)))
+
+    result.executed = out_dir / f"{name}.ipynb"
+    nbformat.write(nb, result.executed)
+    if html:
+        try:
+            from nbconvert import HTMLExporter
+
+            body, _ = HTMLExporter().from_notebook_node(nb)
+            result.html = out_dir / f"{name}.html"
+            result.html.write_text(body, encoding="utf-8")
+        except Exception as e:  # a rendering problem must not lose the run
+            result.html = None
+            result.html_error = f"{type(e).__name__}: {_one_line(str(e))}"
+    return result
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    """Set environment variables for the duration (a kernel inherits os.environ when it starts)."""
+    previous = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in previous.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[str, str] | None = None) -> list[CellFailure]:
+    """Run the cells of ``nb`` one by one in ``client``'s kernel behind a progress bar.
+
+    The kernel starts with ``env`` added to this process's environment, and with ``TQDM_DISABLE=1``:
+    nobody watches the notebook's own progress bars when it runs headless, and in the saved
+    notebook they would only be widget state. Returns the failures: errors (when the client does
+    not allow them), cell timeouts, a dead kernel, or a kernel that did not start (``cell_index``
+    None). With ``stop_on_error`` the first failure ends the run. Never raises for what the
+    notebook does.
+    """
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+    from tqdm.auto import tqdm
+
+    failures: list[CellFailure] = []
+    try:
+        with _environ({"TQDM_DISABLE": "1", **(env or {})}), client.setup_kernel():
+            _set_language_info(client, nb)
+            with tqdm(total=len(nb.cells), desc=desc, unit="cell", disable=False) as bar, _ticking(bar) as running:
+                for index, cell in enumerate(nb.cells):
+                    failure = None
+                    running(index, cell)
+                    try:
+                        client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
+                    except CellExecutionError as e:
+                        failure = CellFailure(index, e.ename, _one_line(e.evalue))
+                    except CellTimeoutError:
+                        failure = CellFailure(index, "CellTimeoutError",
+                                              f"cell ran longer than the {client.timeout} s limit per cell")
+                    except Exception as e:  # dead kernel, ...
+                        failure = CellFailure(index, type(e).__name__, _one_line(str(e)))
+                    bar.update(1)
+                    if failure is not None:
+                        failures.append(failure)
+                        if stop_on_error or failure.ename != "CellTimeoutError":
+                            break
+            client.set_widgets_metadata()
+    except Exception as e:  # the kernel did not start (or shut down badly)
+        if not failures:
+            failures.append(CellFailure(None, type(e).__name__, _one_line(str(e))))
+    return failures
+
+
+TICK_SECONDS = 1.0  # how often the progress bar says how long the running cell has taken, in a terminal
+TICK_SECONDS_LOG = 10.0  # the same when stderr is a file or a pipe (a CI log keeps every refresh)
+
+
+@contextlib.contextmanager
+def _ticking(bar, every: float | None = None):
+    """While a cell runs, refresh ``bar``'s postfix every ``every`` seconds with the cell's number
+    and elapsed time ("cell 12: 95 s"; every 10 s when stderr is not a terminal), so a long cell (a one-off compile, a multi-process run) shows
+    that it is alive, in a terminal as in Jupyter. Yields ``running(index, cell)``, called as each
+    cell starts."""
+    import sys
+    import threading
+
+    if every is None:
+        every = TICK_SECONDS if getattr(sys.stderr, "isatty", lambda: False)() else TICK_SECONDS_LOG
+    current: dict = {}
+    stop = threading.Event()
+
+    def running(index, cell) -> None:
+        current.update(index=index, start=time.perf_counter(), code=cell.cell_type == "code")
+        bar.set_postfix_str(f"cell {index}", refresh=False)
+
+    def tick() -> None:
+        while not stop.wait(every):
+            if current.get("code"):
+                bar.set_postfix_str(f"cell {current['index']}: {time.perf_counter() - current['start']:.0f} s")
+
+    thread = threading.Thread(target=tick, name="teraflops-progress", daemon=True)
+    thread.start()
+    try:
+        yield running
+    finally:
+        stop.set()
+        thread.join()
+
+
+def make_client(nb, path: Path, timeout: int, allow_errors: bool = False):
+    """An nbclient ``NotebookClient`` for ``nb`` (read from ``path``): the ``python3`` kernel of the
+    current environment, working directory = the notebook's folder, ``timeout`` seconds per cell.
+    With ``allow_errors`` (grading) a cell that times out is interrupted and the next cells still
+    run. Used by ``teraflops run``, ``grade`` and ``labs refresh``."""
+    from nbclient import NotebookClient
+
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=allow_errors,
+                            interrupt_on_timeout=allow_errors,
+                            resources={"metadata": {"path": str(Path(path).parent.resolve())}})
+    client.km = client.create_kernel_manager()
+    _encrypt_if_possible(client.km)
+    return client
+
+
+def _encrypt_if_possible(km) -> None:
+    """Let jupyter_client provision CurveZMQ keys when it and the kernel support them.
+
+    Recent ipykernel warns on every start that the local TCP channels are unencrypted; with keys
+    the channels are encrypted and the warning goes away. Older jupyter_client: nothing to do.
+    """
+    try:
+        import zmq
+
+        if km.has_trait("transport_encryption") and zmq.has("curve"):
+            km.transport_encryption = "auto"
+    except Exception:
+        pass
+
+
+def _set_language_info(client, nb) -> None:
+    """Store the kernel's language_info in the notebook, as ``NotebookClient.execute`` does (for
+    syntax highlighting in the HTML)."""
+    try:
+        reply = client.wait_for_reply(client.kc.kernel_info())
+        if reply and "language_info" in reply["content"]:
+            nb.metadata["language_info"] = reply["content"]["language_info"]
+    except Exception:
+        pass  # cosmetic only
+
+
+def run_units(
+    units: list[int] | None = None,
+    out_dir: str | os.PathLike = "build",
+    timeout_per_cell: int = 600,
+    html: bool = True,
+    root: Path | None = None,
+) -> list[NotebookResult]:
+    """Execute the lecture notebooks of ``units`` (all present if ``None``), in unit order.
+
+    Args:
+        units: unit numbers, e.g. ``[1, 3]``; ``None`` runs every ``notebooks/NN_*.ipynb``.
+        out_dir: where executed notebooks, HTML and report files go (created if needed).
+        timeout_per_cell: seconds before a cell counts as failed.
+        html: also write an HTML rendering of each executed notebook.
+        root: course root holding ``notebooks/``; default :func:`course_root`.
+
+    Raises:
+        CourseError: a requested unit has no notebook (the message lists the available units),
+            or there are no notebooks at all.
+    """
+    root = Path(root) if root is not None else course_root()
+    found = find_notebooks(root)
+    available = ", ".join(f"{u:02d}" for u in found) or "none"
+    if not found:
+        raise CourseError(f"no lecture notebooks (NN_name.ipynb) in {root / 'notebooks'}")
+    if units is None:
+        selected = list(found)
+    else:
+        missing = [u for u in units if u not in found]
+        if missing:
+            which = ", ".join(f"{u:02d}" for u in missing)
+            units_word = "units" if len(missing) > 1 else "unit"
+            raise CourseError(
+                f"no notebook for {units_word} {which} in {root / 'notebooks'}; "
+                f"available units: {available}"
+            )
+        selected = list(dict.fromkeys(units))  # keep the order given, drop repeats
+    env = machine_context(Path(out_dir))
+    return [
+        run_notebook(path, Path(out_dir), timeout_per_cell=timeout_per_cell, html=html, env=env)
+        for unit in selected
+        for path in found[unit]
+    ]
+
+
+MACHINE_FILE = "machine.json"  # in out_dir: {"ceilings": Ceilings.to_json(), "busy_warning": str | None}
+
+
+def machine_context(out_dir: Path) -> dict[str, str]:
+    """Before the first notebook of a run: sample whether other processes keep the CPUs busy
+    (:func:`teraflops.machine.busy_warning`) and measure the ceilings once
+    (:func:`teraflops.ceilings.measure_ceilings`, the preset's probe); write both to
+    ``out_dir/machine.json`` (the report card reads it) and the ceilings to ``out_dir/ceilings.json``.
+    Returns the environment that hands the ceilings to every notebook's kernel
+    (``$TERAFLOPS_CEILINGS``), so that all units of one run share one roof."""
+    import json
+
+    from teraflops import ceilings
+    from teraflops.machine import busy_warning
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    busy = busy_warning()
+    c = ceilings.measure_ceilings()
+    shared = (out_dir / "ceilings.json").resolve()
+    shared.write_text(json.dumps(c.to_json()) + "\n")
+    (out_dir / MACHINE_FILE).write_text(json.dumps({"ceilings": c.to_json(), "busy_warning": busy}, indent=1) + "\n")
+    return {ceilings.SHARED_ENV: str(shared)}
+
+
+def format_value(value: float) -> str:
+    """``value`` to 3 significant digits, without an exponent between 1e-3 and 1e6."""
+    v = float(value)
+    if v == 0:
+        return "0"
+    if v.is_integer() and abs(v) < 1e6:
+        return str(int(v))  # counts read as counts
+    if not math.isfinite(v):
+        return str(v)
+    rounded = float(f"{v:.3g}")
+    if 1e-3 <= abs(rounded) < 1e6:
+        decimals = max(0, 2 - math.floor(math.log10(abs(rounded))))
+        return f"{rounded:.{decimals}f}"
+    return f"{v:.3g}"
+
+
+def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
+    """A plain-text table: the machine, then one row per notebook with status, time and its
+    headline numbers (one per line), then the output folder(s)."""
+    lines = [f"machine: {machine.summary()}"]
+    if not results:
+        return "\n".join(lines + ["no notebooks ran"])
+    name_w = max(len("notebook"), *(len(r.name) for r in results))
+    status_w = len("status")
+    time_w = len("time (s)")
+    header = f"{'notebook':<{name_w}}  {'status':<{status_w}}  {'time (s)':>{time_w}}  headline"
+    lines += [header, "-" * max(len(header), 60)]
+    pad = " " * (name_w + status_w + time_w + 6)
+    for r in results:
+        status = "ok" if r.ok else "FAILED"
+        first = f"{r.name:<{name_w}}  {status:<{status_w}}  {r.seconds:>{time_w}.1f}  "
+        details: list[str] = []
+        if r.error is not None:
+            details.append(str(r.error))
+        entries = list(r.headline.values())
+        if entries:
+            label_w = max(len(str(e.get("label", ""))) for e in entries)
+            values = [format_value(e["value"]) for e in entries]
+            value_w = max(len(v) for v in values)
+            for e, v in zip(entries, values):
+                unit = f" {e['unit']}" if e.get("unit") else ""
+                details.append(f"{str(e.get('label', '')):<{label_w}}  {v:>{value_w}}{unit}")
+        if r.html_error:
+            details.append(f"(HTML export failed: {r.html_error})")
+        if not details:
+            details.append("-")
+        lines.append((first + details[0]).rstrip())
+        lines += [(pad + d).rstrip() for d in details[1:]]
+    folders = sorted({str(r.executed.parent.resolve()) for r in results if r.executed})
+    lines.append("-" * max(len(header), 60))
+    passed = sum(r.ok for r in results)
+    lines.append(f"{passed}/{len(results)} notebooks ok; outputs in {', '.join(folders) or '-'}")
+    return "\n".join(lines)
+
+
+CHECK_MARK = "# NBVAL_CHECK_OUTPUT"  # nbval's marker: the cell's outputs are compared with the committed ones
+
+
+def _output_texts(cell) -> list[tuple[str, str]]:
+    """A code cell's outputs as nbval compares them: streams by name, results and displays by their
+    plain text, errors by name and value."""
+    out = []
+    for o in cell.get("outputs", []):
+        if o.output_type == "stream":
+            out.append((o.name, o.text))
+        elif o.output_type in ("execute_result", "display_data"):
+            out.append((o.output_type, o.get("data", {}).get("text/plain", "")))
+        elif o.output_type == "error":
+            out.append(("error", f"{o.ename}: {o.evalue}"))
+    merged: list[tuple[str, str]] = []
+    for kind, text in out:  # consecutive chunks of one stream are one output, however they were flushed
+        if merged and kind in ("stdout", "stderr") and merged[-1][0] == kind:
+            merged[-1] = (kind, merged[-1][1] + text)
+        else:
+            merged.append((kind, text))
+    return merged
+
+
+def checked_output_mismatches(executed: Path | str, committed: Path | str) -> list[str]:
+    """The check cells (first line ``# NBVAL_CHECK_OUTPUT``) of ``executed`` whose outputs differ from
+    those committed in ``committed``: what ``pytest --nbval-lax`` would report, from a notebook that
+    ``teraflops run`` already executed (so CI runs each lecture once). One line per differing cell.
+
+    Raises:
+        CourseError: the two notebooks do not have the same cells (not the same notebook).
+    """
+    import nbformat
+
+    ran, kept = nbformat.read(executed, as_version=4), nbformat.read(committed, as_version=4)
+    if [c.source for c in ran.cells] != [c.source for c in kept.cells]:
+        raise CourseError(f"{executed} and {committed} do not hold the same cells. "
+                          "Hint: compare an executed notebook with the file it was executed from")
+    bad = []
+    for i, (a, b) in enumerate(zip(ran.cells, kept.cells)):
+        if a.cell_type == "code" and a.source.lstrip().startswith(CHECK_MARK):
+            got, want = _output_texts(a), _output_texts(b)
+            if got != want:
+                bad.append(f"cell {i}: expected {want!r}, got {got!r}")
+    return bad

@@ -1,0 +1,260 @@
+"""Unit 5 §1: the bandwidth of collectives, measured as nccl-tests measures it, modelled, and compared.
+
+**Definitions** (NVIDIA nccl-tests, ``doc/PERFORMANCE.md``,
+https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md), so that a learner who later
+runs ``all_reduce_perf`` reads the same columns:
+
+* ``S`` is the size in bytes of the *whole* buffer: for all-reduce the buffer every rank reduces;
+  for all-gather and reduce-scatter the full gathered (or scattered) buffer, ``n`` × the per-rank
+  chunk (NCCL's ``sendcount`` / ``recvcount`` are per rank).
+* **algbw** = ``S / t``: divide a size by it to get a time.
+* **busbw** = ``algbw × factor``, the factor (:data:`BUS_FACTOR`) chosen so that busbw can be compared
+  with the bandwidth of one rank's link whatever the number of ranks ``n``: all-reduce
+  ``2(n−1)/n`` (each element needs ``n − 1`` additions and ``n`` assignments, ``2(n−1)`` transfers
+  spread over ``n`` links); reduce-scatter and all-gather ``(n−1)/n`` (one half of that);
+  broadcast and reduce ``1`` (all data passes the root's link); all-to-all ``(n−1)/n``.
+
+**Timing** (nccl-tests ``src/common.cu``, ``BenchTime``): warm-up calls, a barrier, ``iters`` calls
+back to back timed as one span, the span / ``iters`` averaged over ranks; then one call on known data
+whose wrong elements are counted (``#wrong``). Two deviations, both for a 2-core CPU machine: the
+number of timed calls falls with the size (``volume / size``, within [min, max] iterations; nccl-tests
+uses a fixed ``-n 20``), and one form per collective is timed (all-reduce in place, torch's only form;
+all-gather and reduce-scatter out of place), where nccl-tests times both.
+
+The alpha-beta model fitted to these times is :mod:`teraflops.hardware.alpha_beta`; the links they are
+compared with, :mod:`teraflops.datasheets`; what the gradient all-reduce costs a training step,
+:mod:`teraflops.hardware.comm_budget`.
+
+Units: sizes in bytes, times in seconds (µs in tables), bandwidths in bytes/s (GB/s in tables,
+GB = 1e9 bytes; Gb/s = 1e9 bits/s); message sizes in prose and on plots are binary, KiB = 1024 B and
+MiB = 2**20 B, as nccl-tests' ``-b 1K -e 64M`` counts them.
+
+What to expect on the 2-core CPU machine with 4 gloo ranks (they share the cores and talk over
+loopback TCP): the sweep of three collectives over 1 KiB – 64 MiB takes ~35 s, the launch included;
+a message of up to ~1 MiB costs the same 5–8 ms (on 2 ranks ~2 ms: roughly 1 ms per ring step, and a
+ring all-reduce takes 2(n−1) steps); peak busbw ~0.6–0.7 GB/s (all-reduce), ~0.4–0.6 (all-gather),
+~0.2 (reduce-scatter): some 700× below NVLink 4's 450 GB/s per direction.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+
+from teraflops.errors import CourseError
+from teraflops.tables import GB, fmt, fmt_bytes, table
+
+WORKER = "teraflops.workers.collective_sweep"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what sweep() measures
+
+
+class CollectiveInputError(CourseError, ValueError):
+    """A bad argument to this module: an unknown collective, a size or rank count out of range."""
+
+
+# nccl-tests doc/PERFORMANCE.md, "Summary": busbw = algbw × factor(n)
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+
+
+def _check_collective(collective: str) -> None:
+    if collective not in BUS_FACTOR:
+        raise CollectiveInputError(f"unknown collective {collective!r}. Hint: choose one of {', '.join(BUS_FACTOR)} "
+                                   "(snake_case, as torch.distributed names them)")
+
+
+def _check_ranks(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
+        raise CollectiveInputError(f"n must be an integer number of ranks >= 2, got {n!r}. "
+                                   "Hint: with one rank there is nothing to communicate")
+
+
+def _check_positive(name: str, values) -> np.ndarray:
+    flat = values if isinstance(values, (list, tuple, np.ndarray)) else [values]
+    if any(isinstance(v, (bool, np.bool_, str, bytes)) for v in np.asarray(flat, dtype=object).reshape(-1)):
+        raise CollectiveInputError(f"{name} must be numbers, got {values!r}. "
+                                   "Hint: sizes are in bytes, times in seconds, bandwidths in bytes/s")
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise CollectiveInputError(f"{name} must be numbers, got {values!r}. "
+                                   "Hint: sizes are in bytes, times in seconds, bandwidths in bytes/s") from None
+    if arr.size == 0 or not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+        raise CollectiveInputError(f"{name} must be finite numbers > 0, got {values!r}. "
+                                   "Hint: sizes are in bytes, times in seconds, bandwidths in bytes/s")
+    return arr
+
+
+def bus_factor(collective: str, n: int) -> float:
+    """busbw / algbw for ``collective`` on ``n`` ranks (nccl-tests doc/PERFORMANCE.md, "Summary").
+
+    Raises:
+        CollectiveInputError: unknown collective, or ``n`` not an integer >= 2.
+    """
+    _check_collective(collective)
+    _check_ranks(n)
+    return BUS_FACTOR[collective](int(n))
+
+
+def algbw(size_bytes, seconds):
+    """Algorithm bandwidth ``S / t`` in bytes/s (``S``: bytes of the whole buffer, see the module doc).
+
+    Works on scalars and arrays. Raises:
+        CollectiveInputError: a size or time that is not > 0.
+    """
+    s, t = _check_positive("size_bytes", size_bytes), _check_positive("seconds", seconds)
+    out = s / t
+    return float(out) if out.ndim == 0 else out
+
+
+def busbw(size_bytes, seconds, collective: str, n: int):
+    """Bus bandwidth ``algbw × bus_factor(collective, n)`` in bytes/s (nccl-tests doc/PERFORMANCE.md).
+
+    Raises:
+        CollectiveInputError: unknown collective, ``n < 2``, a size or time not > 0.
+    """
+    return algbw(size_bytes, seconds) * bus_factor(collective, n)
+
+
+# ---- the measurement -------------------------------------------------------------------------------
+
+
+def default_sizes(p=None, ranks: int | None = None) -> list[int]:
+    """Powers of two from the preset's ``collective.min_bytes`` to ``collective.max_bytes`` (bytes); on
+    a CPU, capped so that every rank's buffers (~3× the size) fit in a quarter of the available memory."""
+    from teraflops.sizing import preset
+
+    p = p or preset()
+    top = p.collective.max_bytes
+    if p.device == "cpu":
+        import psutil
+
+        top = min(top, psutil.virtual_memory().available // (4 * 3 * (p.collective.ranks_cpu if ranks is None else ranks)))
+    sizes, s = [], p.collective.min_bytes
+    while s <= top:
+        sizes.append(s)
+        s *= 2
+    return sizes
+
+
+def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: int | None = None, *,
+          warmup: int | None = None, min_iters: int | None = None, volume_bytes: int | None = None,
+          timeout: float = 300, verbose: bool = False, cluster=None) -> list[dict]:
+    """Measure ``collectives`` over message ``sizes`` on real ranks, in one launch; rows for :func:`bandwidth_table`.
+
+    With ``cluster`` (an emulated :class:`~teraflops.nodes.cluster.Cluster` that is up) the ranks are gloo
+    CPU ranks spread evenly over its nodes (default one per node), so the collective crosses the
+    shaped links.
+
+    Ranks: one per GPU with NCCL when there are at least 2 GPUs (``ranks``, if given, at most that
+    many: asking for more raises), else ``ranks`` (default the preset's ``collective.ranks_cpu``) CPU ranks with gloo and one
+    torch thread each, the GPU (if one) hidden. Each rank runs ``workers/collective_sweep.py``.
+
+    Args:
+        collectives: some of :data:`COLLECTIVES`. sizes: bytes of the whole buffer (nccl-tests'
+            ``S``; default :func:`default_sizes`). iters: the most timed calls per size (default the
+            preset's ``collective.iters``); ``min_iters``, ``volume_bytes`` (timed calls per size =
+            volume / size, clamped), ``warmup``: the preset's ``collective`` sizes by default.
+        timeout: seconds for the whole launch.
+
+    Returns:
+        One dict per collective and size: ``collective``, ``size`` (bytes moved, after rounding each
+        rank's chunk to 8 elements), ``count`` (float32 elements), ``type``, ``seconds`` (mean over
+        iterations, averaged over ranks), ``seconds_max`` (the slowest rank's), ``algbw`` and
+        ``busbw`` (bytes/s), ``wrong`` (elements, summed over ranks), ``iters``, ``warmup``,
+        ``ranks``, ``backend``; and ``wall_s`` (the whole launch) in every row.
+
+    Raises:
+        CollectiveInputError: an unknown collective, a size that is not an integer >= 32·ranks bytes,
+            ranks < 2 (or more ranks than GPUs on a machine with 2 or more), iteration counts < 1.
+
+    Warns (``UserWarning``) naming the sizes the ranks skipped because they did not fit in GPU memory.
+        LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
+    """
+    from teraflops.launch.launcher import launch
+    from teraflops.machine import detect
+    from teraflops.launch.placement import place
+    from teraflops.sizing import PRESETS, preset
+
+    collectives = (collectives,) if isinstance(collectives, str) else tuple(collectives)
+    for c in collectives or ("",):
+        if c not in COLLECTIVES:
+            raise CollectiveInputError(f"sweep measures some of {COLLECTIVES}, got {c!r}. "
+                                       "Hint: pass a tuple such as ('all_reduce',)")
+    if ranks is not None:
+        _check_ranks(ranks)
+    p, gpus = preset(), detect().gpu_count
+    if cluster is not None and ranks is None:
+        ranks = cluster.nodes
+    if cluster is None and gpus >= 2 and ranks is not None and ranks > gpus:
+        raise CollectiveInputError(f"ranks={ranks} but this machine has {gpus} GPUs (one NCCL rank per GPU). "
+                                   f"Hint: ranks <= {gpus}, or ranks=None for one rank per GPU")
+    cpu = p if p.device == "cpu" else PRESETS["cpu"]
+    # emulated nodes shape TCP traffic: gloo CPU ranks there, so that the collective crosses the links
+    where = place(None if ranks is None else int(ranks), cpu_ranks=cpu.collective.ranks_cpu, min_ranks=2, cluster=cluster,
+                  gpus=cluster is None and p.device == "cuda")
+    if not where.on_gpus:
+        where = where.with_env(OMP_NUM_THREADS=1)  # one torch thread per gloo rank
+    n = where.world_size
+    _check_ranks(n)
+    q = p if where.on_gpus else cpu
+    sizes = default_sizes(q, n) if sizes is None else list(sizes)
+    if not sizes or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 32 * n
+                            for s in sizes):
+        raise CollectiveInputError(f"sizes must be integers of at least 32·ranks = {32 * n} bytes, got {sizes!r}. "
+                                   "Hint: each rank's chunk holds a multiple of 8 float32 elements")
+    knobs = {"iters": q.collective.iters if iters is None else iters,
+             "min_iters": q.collective.min_iters if min_iters is None else min_iters,
+             "warmup": q.collective.warmup if warmup is None else warmup,
+             "volume_bytes": q.collective.volume_bytes if volume_bytes is None else volume_bytes}
+    for name, v in knobs.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise CollectiveInputError(f"{name} must be an integer >= 1, got {v!r}. "
+                                       f"Hint: leave it None for the preset's {getattr(q.collective, name)}")
+    knobs = {k: int(v) for k, v in knobs.items()}
+    args = ["--collectives", ",".join(collectives), "--sizes", ",".join(str(int(s)) for s in sizes),
+            "--iters", knobs["iters"], "--min-iters", min(knobs["min_iters"], knobs["iters"]),
+            "--warmup", knobs["warmup"], "--volume-bytes", knobs["volume_bytes"]]
+    start = time.perf_counter()
+    results = launch(WORKER, where, args, timeout=timeout, verbose=verbose, cluster=cluster, desc=f"{', '.join(collectives)} on {n} ranks")
+    wall = time.perf_counter() - start
+    r0 = results[0]
+    if r0.get("skipped"):
+        warnings.warn(f"sweep skipped {len(r0['skipped'])} point(s) that did not fit in device memory: "
+                      + ", ".join(f"{c} {fmt_bytes(size)}" for c, size in r0["skipped"]), stacklevel=2)
+    rows = []
+    for row in r0["rows"]:
+        row = {**row, "ranks": r0["world_size"], "backend": r0["backend"], "wall_s": wall}
+        row["algbw"] = algbw(row["size"], row["seconds"])
+        row["busbw"] = busbw(row["size"], row["seconds"], row["collective"], row["ranks"])
+        rows.append(row)
+    return rows
+
+
+# ---- showing it --------------------------------------------------------------------------------------
+
+
+def bandwidth_table(rows: list[dict]) -> str:
+    """nccl-tests' table, one block per collective: size (B), count (elements), type, time (µs),
+    algbw and busbw (GB/s, GB = 1e9 bytes), #wrong; a footer with the average busbw over the sizes."""
+    blocks = []
+    for c in dict.fromkeys(r["collective"] for r in rows):
+        mine = [r for r in rows if r["collective"] == c]
+        head = (f"# {c}: {mine[0].get('ranks', '?')} ranks, {mine[0].get('backend', '?')}; time = mean of back-to-back "
+                "calls, averaged over ranks (nccl-tests); size = the whole buffer")
+        body = table([(r["size"], r["count"], r["type"], r["seconds"] * 1e6, r["algbw"] / GB, r["busbw"] / GB,
+                       r["wrong"]) for r in mine],
+                     ["size (B)", "count (elements)", "type", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong"])
+        wrong = sum(r["wrong"] for r in mine)
+        foot = (f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'WRONG'}\n"
+                f"# Avg bus bandwidth    : {fmt(float(np.mean([r['busbw'] for r in mine])) / GB)} GB/s")
+        blocks.append("\n".join([head, body, foot]))
+    return "\n\n".join(blocks)
