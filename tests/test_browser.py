@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from teraflops.course import cli
+from teraflops.launch.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -91,7 +92,7 @@ def course(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(course, tmp_path_factory):
     work = tmp_path_factory.mktemp("jupyter")
-    port, token = cli.free_port(18990), secrets.token_hex(16)
+    port, token = free_port(18990), secrets.token_hex(16)
     env = {**os.environ, "TERAFLOPS_PRESET": "tiny", "JUPYTER_RUNTIME_DIR": str(work / "runtime"),
            "JUPYTER_CONFIG_DIR": str(work / "config"), "IPYTHONDIR": str(work / "ipython"),
            "PYTHONPATH": str(ROOT / "helpers")}

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from teraflops.course import cli
+from teraflops.launch.ports import free_port
 
 
 def test_lab_command_is_loopback_and_allow_root_only_as_root(tmp_path):
@@ -23,7 +24,7 @@ def test_lab_command_is_loopback_and_allow_root_only_as_root(tmp_path):
 
 @pytest.mark.slow
 def test_teraflops_lab_starts_prints_its_url_listens_on_loopback_and_stops_on_ctrl_c():
-    port = cli.free_port(18950)
+    port = free_port(18950)
     proc = subprocess.Popen([sys.executable, "-m", "teraflops", "lab", "--port", str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, cwd=Path(__file__).resolve().parents[1])
     try:

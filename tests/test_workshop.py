@@ -373,8 +373,9 @@ import json, os, time
 import teraflops  # seeds the compile caches from the host's
 from teraflops import caches, sizing
 from teraflops.compilation import decode
+from teraflops.launch.placement import data_parallel_plan
 from teraflops.parallelization import zero
-from teraflops.sizing import PRESETS, data_parallel_plan
+from teraflops.sizing import PRESETS
 
 t0 = time.perf_counter()
 runs = zero.run_zero(stages=(1,), plan=data_parallel_plan(PRESETS["tiny"]), steps=2)  # a first ZeRO run

@@ -347,8 +347,8 @@ def _cmd_labs(args: argparse.Namespace) -> int:
 
 
 def _cmd_warmup(args: argparse.Namespace) -> int:
-    from teraflops.course.warmup import build_warm_cache
-    from teraflops.caches import WARM_ENV, build_compile_cache, closed_to_others, warm_dir
+    from teraflops.caches import WARM_ENV, warm_dir
+    from teraflops.course.warmup import build_compile_cache, build_warm_cache, closed_to_others
 
     closed = closed_to_others()
     if closed is not None:
