@@ -196,7 +196,7 @@ def reports(n: int = 2, **change) -> list:
                                                                       for k, v in HYPER.items()}}
     out = []
     for r in range(n):
-        rep = {"rank": r, "world_size": n, "psi": PSI, "hyper": HYPER, "steps": 3, "error": None,
+        rep = {"rank": r, "world_size": n, "backend": "gloo", "device": "cpu", "psi": PSI, "hyper": HYPER, "steps": 3, "error": None,
                "params": ref.tolist(), "grad_left": 0.0, "optimizers": [adamw],
                "comm": {"reduce_scatter_tensor": 3 * shard * n, "all_gather_into_tensor": 3 * shard * n},
                "initial": initial.tolist(), "ref": ref.tolist(),

@@ -400,26 +400,6 @@ class TrainConfig:
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class TrainedRank:
-    """Who trained, on what, and which model: the fields every training rank's Result starts with
-    (the data-parallel, remedies and straggler rank programs; :func:`teraflops.workers.common.trained_rank`
-    fills them).
-
-    Attributes:
-        rank, world_size: this rank and the ranks of the run. backend: the process group's ("gloo", "nccl").
-        device: where the rank trained (e.g. ``"cpu"``, ``"cuda:0"``). params: the model's parameters.
-        config: the :class:`TrainConfig` it trained.
-    """
-
-    rank: int
-    world_size: int
-    backend: str
-    device: str
-    params: int
-    config: TrainConfig
-
-
 def dp_config(p: Preset) -> TrainConfig:
     """Unit 2 §3-4's and Unit 5 §2's GPT: ``p.comm_gpt``, ``p.dp.micro_batch`` sequences per rank, ``p.dp.lr``."""
     return TrainConfig(**asdict(p.comm_gpt), micro_batch=p.dp.micro_batch, lr=p.dp.lr)

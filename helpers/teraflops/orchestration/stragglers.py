@@ -59,7 +59,8 @@ import numpy as np
 
 from teraflops.orchestration.detection import MIN_RANKS
 from teraflops.launch.launcher import launch
-from teraflops.sizing import TrainConfig, TrainedRank, gpt_config, preset
+from teraflops.parallelization.ddp_sync import TrainedRank
+from teraflops.sizing import TrainConfig, gpt_config, preset
 from teraflops.launch.placement import DataParallelPlan, data_parallel_plan
 from teraflops.tables import table
 
@@ -255,7 +256,6 @@ class StragglerResult(TrainedRank):
     rebalance: tuple[SettingResult, ...] = ()
     localsgd: tuple[SettingResult, ...] = ()
     calibration_speeds: list[float] | None = None
-    node: int | None = None
 
 
 @dataclass(frozen=True)

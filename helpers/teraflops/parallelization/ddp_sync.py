@@ -46,7 +46,8 @@ import time
 from dataclasses import dataclass
 
 from teraflops.launch.launcher import launch
-from teraflops.sizing import TrainConfig, TrainedRank, dp_config
+from teraflops.launch.rank import RankIdentity
+from teraflops.sizing import TrainConfig, dp_config
 from teraflops.launch.placement import DataParallelPlan, data_parallel_plan
 from teraflops.tables import table
 
@@ -57,6 +58,18 @@ MODE_LABELS = {"bucketed": "bucketed (overlap)", "after": "all-reduce after back
                "local": "no all-reduce (floor)"}
 OVERLAP_MODES = tuple(MODE_LABELS)
 BLOCK = 10  # steps a τ run takes in one turn (at least 2τ + the worker's warm-up + 1)
+
+
+@dataclass(frozen=True)
+class TrainedRank(RankIdentity):
+    """Who trained which model: the fields every training rank's Result starts with (the
+    data-parallel, remedies and straggler rank programs; :func:`teraflops.workers.common.trained_rank`
+    fills them): the :class:`~teraflops.launch.rank.RankIdentity` (``rank``, ``world_size``,
+    ``backend``, ``device``, ``node``), ``params`` (the model's parameters) and ``config`` (the
+    :class:`~teraflops.sizing.TrainConfig` it trained)."""
+
+    params: int
+    config: TrainConfig
 
 
 @dataclass(frozen=True)
@@ -115,7 +128,6 @@ class DataParallelResult(TrainedRank):
 
     staleness: tuple[StaleResult, ...]
     overlap: tuple[ModeResult, ...]
-    node: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

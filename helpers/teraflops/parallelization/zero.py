@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from teraflops.parallelization.model_states import FP32_ADAM, FP32_ADAM_MASTER, STAGE_NAMES, comm_volume, model_states
+from teraflops.launch.rank import RankIdentity
 from teraflops.sizing import TrainConfig, gpt_config
 from teraflops.tables import table
 
@@ -65,14 +66,10 @@ class ZeroStageResult:
 
 
 @dataclass(frozen=True)
-class ZeroResult:
-    """One rank's runs, one per stage of the :class:`ZeroSpec` (``node``: its emulated node, multi-node launches)."""
+class ZeroResult(RankIdentity):
+    """One rank's runs, one per stage of the :class:`ZeroSpec`."""
 
-    rank: int
-    world_size: int
-    backend: str
     runs: tuple[ZeroStageResult, ...]
-    node: int | None = None
 
 
 @dataclass(frozen=True)
@@ -116,14 +113,12 @@ class OptimizerInfo:
 
 
 @dataclass(frozen=True)
-class Zero1CheckResult:
+class Zero1CheckResult(RankIdentity):
     """One rank's report (see :mod:`teraflops.workers.zero1_check`): ``params``, the learner's final
     flat parameters (None after an error); ``grad_left``, max |grad| right after its ``zero_grad()``;
     ``comm``, elements it passed to each collective; rank 0 adds ``initial``, ``ref`` and ``alt``
     (the references' flat parameters)."""
 
-    rank: int
-    world_size: int
     psi: int
     hyper: dict[str, object]
     steps: int
@@ -135,7 +130,6 @@ class Zero1CheckResult:
     initial: list[float] | None = None
     ref: list[float] | None = None
     alt: dict[str, list[float]] | None = None
-    node: int | None = None
 
 
 def comm_bytes_per_step(comms: dict, world_size: int, steps: int) -> float:

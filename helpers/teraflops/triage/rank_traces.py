@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from teraflops.errors import CourseError
+from teraflops.launch.rank import RankIdentity
 from teraflops.sizing import TrainConfig
 
 WORKLOADS = ("zero3", "straggler", "allreduce")
@@ -99,15 +100,10 @@ class WorkloadResult:
 
 
 @dataclass(frozen=True)
-class RankTraceResult:
+class RankTraceResult(RankIdentity):
     """One rank's workloads, by name."""
 
-    rank: int
-    world_size: int
-    backend: str
-    device: str
     workloads: dict[str, WorkloadResult]
-    node: int | None = None
 
 
 class RankTraceError(CourseError, ValueError):

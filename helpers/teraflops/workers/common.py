@@ -25,10 +25,9 @@ def build_model(cfg: TrainConfig, device="cpu") -> GPT:
 
 
 def trained_rank(w, cfg: TrainConfig) -> dict:
-    """The :class:`~teraflops.sizing.TrainedRank` fields of worker ``w``'s result (``w`` from
-    :func:`teraflops.launch.rank.init_worker`), as keywords of the rank program's Result."""
-    return dict(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
-                params=build_model(cfg).num_params(), config=cfg)
+    """The :class:`~teraflops.parallelization.ddp_sync.TrainedRank` fields of worker ``w``'s result (``w``
+    from :func:`teraflops.launch.rank.init_worker`), as keywords of the rank program's Result."""
+    return dict(**w.identity(), params=build_model(cfg).num_params(), config=cfg)
 
 
 def make_data(cfg: TrainConfig, steps: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -170,8 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         report_progress(done, total)
 
     results = {name: run(name, w, a, tick) for name in a.workloads}
-    write_result(RankTraceResult(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
-                                 workloads=results))
+    write_result(RankTraceResult(**w.identity(), workloads=results))
     finish()
 
 

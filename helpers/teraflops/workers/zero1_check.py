@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         refs[key] = (m, torch.optim.AdamW(m.parameters(), **HYPER), scale)
     comm = _CommLog()
     comm.install()
-    result = {"rank": w.rank, "world_size": n, "psi": PSI, "hyper": HYPER, "steps": a.steps, "error": None,
+    result = {**w.identity(), "psi": PSI, "hyper": HYPER, "steps": a.steps, "error": None,
               "params": None, "grad_left": 0.0, "optimizers": [], "comm": comm.elements}
     if w.rank == 0:
         result["initial"] = flat(base).tolist()
