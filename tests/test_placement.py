@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import teraflops
-from teraflops.launch import launcher, placement as pl
+from teraflops.launch import launcher, placement as pl, selftest
 from teraflops.machine import GPU, Machine
 from teraflops.sizing import PRESETS
 from teraflops.launch.placement import data_parallel_plan
@@ -156,10 +156,9 @@ def test_gpu_visibility_survives_deepspeeds_launcher():
     base = pl.place(2, machine=machine(0), environ={})
     where = pl.Placement(2, 1, "gloo", ((),), base.env,
                          ({**base.node_env[0], "CUDA_VISIBLE_DEVICES": visible, pl.VISIBLE_ENV: visible},), "test")
-    results = launcher.launch("teraflops.workers.selftest", where, ["--steps", "1"], launcher="deepspeed",
-                                 timeout=240)
-    assert [r["cuda_visible_devices"] for r in results] == [visible, visible]
-    assert {r["backend"] for r in results} == {"gloo"} and {r["triton_interpret"] for r in results} == {"1"}
+    results = selftest.run(where, selftest.SelftestSpec(steps=1), launcher="deepspeed", timeout=240)
+    assert [r.cuda_visible_devices for r in results] == [visible, visible]
+    assert {r.backend for r in results} == {"gloo"} and {r.triton_interpret for r in results} == {"1"}
 
 
 def test_too_few_gpu_ranks_per_cluster_fall_back_to_cpu_ranks():
