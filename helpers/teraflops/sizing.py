@@ -388,6 +388,8 @@ class TrainConfig:
         micro_batch: sequences per rank per step.
         lr: the optimizer's learning rate (which optimizer: the rank program's).
         seed: seed of the initial weights (the data uses ``seed + 1`` or ``seed``, per rank program).
+        eval_batches: global batches held out after the trained ones, for an eval loss
+            (:func:`teraflops.workers.common.held_out`).
     """
 
     vocab: int
@@ -398,6 +400,7 @@ class TrainConfig:
     micro_batch: int
     lr: float
     seed: int = 0
+    eval_batches: int = 8
 
 
 def dp_config(p: Preset) -> TrainConfig:

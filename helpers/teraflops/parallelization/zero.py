@@ -73,15 +73,44 @@ class ZeroResult(RankIdentity):
 
 
 @dataclass(frozen=True)
+class AdamWHyper:
+    """Keywords of ``torch.optim.AdamW`` (and of the learner's class in the ZeRO-1 check): ``lr``,
+    ``betas`` (the moments' decay rates), ``eps``, ``weight_decay`` (decoupled)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
+ZERO1_HYPER = AdamWHyper(lr=1e-2, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.1)
+"""The ZeRO-1 check's AdamW. Its ``eps`` is large: AdamW divides the gradient by its own running RMS,
+so a gradient scaled by a constant (summed instead of averaged) moves the parameters the same way
+unless ``eps`` is comparable to the gradient's size."""
+ZERO1_MLP = (8, 32, 5)  # the check's MLP: inputs, hidden, outputs; Ψ = 517 = 11 × 47 (Zero1CheckSpec.psi)
+
+
+@dataclass(frozen=True)
 class Zero1CheckSpec:
     """What :mod:`teraflops.workers.zero1_check` runs: the learner's class block ``source`` (its
-    class named ``name``) trained ``steps`` steps next to DDP + AdamW; ``timeout_s``: seconds a
-    collective waits for the others."""
+    class named ``name``) trained ``steps`` steps next to DDP + AdamW, both with ``hyper``, on an MLP
+    of ``mlp`` = (inputs, hidden, outputs) features and batches of ``batch`` rows; ``timeout_s``:
+    seconds a collective waits for the others."""
 
     source: str
     name: str
     steps: int = 3
     timeout_s: float = 20
+    hyper: AdamWHyper = ZERO1_HYPER
+    mlp: tuple[int, int, int] = ZERO1_MLP
+    batch: int = 16
+
+    @property
+    def psi(self) -> int:
+        """Parameters of the MLP (Linear, LayerNorm, Linear): with :data:`ZERO1_MLP` 517 = 11 × 47,
+        which no world size from 2 to 10 divides, so a flat vector's shards need padding."""
+        inputs, hidden, outputs = self.mlp
+        return (inputs + 1) * hidden + 2 * hidden + (hidden + 1) * outputs
 
 
 @dataclass(frozen=True)
