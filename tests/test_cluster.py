@@ -204,8 +204,8 @@ def test_cluster_down_after_a_killed_run_leaves_nothing_and_the_next_run_starts(
         "from teraflops.nodes.cluster import Cluster, Link\n"
         "from teraflops.launch.launcher import launch\n"
         "c = Cluster(2, Link(rate=25e6), name='t5').up()\n"
-        "launch('teraflops.workers.selftest', 1, ['--timeout', '600'], cluster=c, timeout=600,\n"
-        "       env={'TERAFLOPS_FAULT': 'hang:rank=1:step=1'})\n")
+        "from teraflops.launch.selftest import SelftestSpec, run\n"
+        "run(1, SelftestSpec(timeout_s=600), cluster=c, timeout=600, env={'TERAFLOPS_FAULT': 'hang:rank=1:step=1'})\n")
     victim = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 90
     while len([p for p in _node_processes() if "selftest" in " ".join(p.cmdline())]) < 2:  # both ranks started
@@ -224,11 +224,11 @@ def test_cluster_down_after_a_killed_run_leaves_nothing_and_the_next_run_starts(
     assert "port0" not in links and "br0" not in links  # nothing of the cluster in the machine's own namespace
     for leftover in logs:  # the killed run's logs folder (its clean-up never ran)
         shutil.rmtree(leftover, ignore_errors=True)
-    from teraflops.launch.launcher import launch
+    from teraflops.launch.selftest import run
 
     with Cluster(2, name="t5") as c:
-        out = launch("teraflops.workers.selftest", 1, cluster=c, timeout=120)
-    assert [r["node"] for r in out] == [0, 1] and {r["sum"] for r in out} == {12.0}
+        out = run(1, cluster=c, timeout=120)
+    assert [r.node for r in out] == [0, 1] and {r.sum for r in out} == {12.0}
 
 
 def test_scaled_fabrics_keep_their_ratios_and_tables_read():

@@ -318,13 +318,45 @@ def test_sweep_warns_about_sizes_it_skipped(monkeypatch):
     import teraflops.launch.launcher as distributed
 
     monkeypatch.setenv("TERAFLOPS_PRESET", "cpu")
-    row = {"collective": "all_reduce", "size": 4096, "count": 1024, "type": "float", "seconds": 1e-3,
-           "seconds_max": 1e-3, "wrong": 0, "iters": 3, "warmup": 1}
-    monkeypatch.setattr(distributed, "launch", lambda *a, **k: [
-        {"rows": [row], "skipped": [["all_reduce", 2**30]], "world_size": 2, "backend": "gloo"}])
+    row = co.SweepRow(collective="all_reduce", size=4096, count=1024, type="float", iters=3, warmup=1,
+                      seconds=1e-3, seconds_max=1e-3, wrong=0)
+    sent = []
+
+    def fake_launch(module, where, *, spec, result, **kwargs):
+        sent.append(spec)
+        return [result(rank=r, world_size=2, backend="gloo", device="cpu", rows=(row,),
+                       skipped=(("all_reduce", 2**30),)) for r in range(2)]
+
+    monkeypatch.setattr(distributed, "launch", fake_launch)
     with pytest.warns(UserWarning, match="skipped 1 point.*all_reduce 1 GiB"):
         rows = co.sweep(("all_reduce",), sizes=[4096], ranks=2)
-    assert [r["size"] for r in rows] == [4096]
+    assert [r["size"] for r in rows] == [4096] and sent[0].sizes == (4096,)
+
+
+def test_the_spec_comes_from_the_preset_and_crosses_the_wire_unchanged():
+    from teraflops.launch.wire import SpecError, from_json, to_json
+    from teraflops.sizing import PRESETS
+
+    tiny = PRESETS["tiny"]
+    spec = co.sweep_spec(tiny, 4, ("all_gather",), min_iters=10 * tiny.collective.iters)
+    assert spec.sizes == tuple(co.default_sizes(tiny, 4)) and spec.collectives == ("all_gather",)
+    assert (spec.iters, spec.warmup, spec.volume_bytes) == (tiny.collective.iters, tiny.collective.warmup,
+                                                           tiny.collective.volume_bytes)
+    assert spec.min_iters == spec.iters  # clamped: never more than the most timed calls
+    assert from_json(co.SweepSpec, to_json(spec)) == spec
+    with pytest.raises(SpecError, match=r"^SweepSpec: collectives must be some of"):
+        from_json(co.SweepSpec, {**to_json(spec), "collectives": ["all_to_all"]})
+    with pytest.raises(SpecError, match=r"^SweepSpec: sizes .* must be >= 1"):
+        from_json(co.SweepSpec, {**to_json(spec), "iters": 0})
+
+
+def test_rows_are_the_ranks_rows_with_the_bandwidths_derived_from_them():
+    row = co.SweepRow(collective="all_gather", size=4096, count=1024, type="float", iters=3, warmup=1,
+                      seconds=2e-3, seconds_max=3e-3, wrong=0)
+    result = co.SweepResult(rank=0, world_size=4, backend="gloo", device="cpu", rows=(row,))
+    (out,) = co.sweep_rows(result, wall_s=1.5)
+    assert out["ranks"] == 4 and out["backend"] == "gloo" and out["wall_s"] == 1.5 and out["seconds_max"] == 3e-3
+    assert out["algbw"] == pytest.approx(4096 / 2e-3) and out["busbw"] == pytest.approx(4096 / 2e-3 * 3 / 4)
 
 
 # ---- the real sweep --------------------------------------------------------------------------------

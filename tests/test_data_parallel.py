@@ -11,7 +11,7 @@ from teraflops.parallelization import ddp_sync as dp
 from teraflops.sizing import dp_config, preset
 from teraflops.launch.placement import data_parallel_plan
 from teraflops.launch.wire import SpecError, from_json, to_json
-from teraflops.workers.common import EVAL_BATCHES, held_out, make_data, rank_batch
+from teraflops.workers.common import held_out, make_data, rank_batch
 from teraflops.workers.ddp_sync import DelayedGradients, train_reference
 
 STALENESS_KEYS = {"tau", "step_ms", "samples_per_s", "tokens_per_s", "speedup", "final_loss", "loss_delta",
@@ -49,13 +49,14 @@ def test_delayed_gradients_refuse_negative_tau():
 
 
 def test_ranks_split_each_global_batch_and_the_held_out_rows_are_unseen():
-    cfg, world, steps = dataclasses.replace(dp_config(preset("tiny")), micro_batch=3), 2, 4
+    cfg, world, steps = dataclasses.replace(dp_config(preset("tiny")), micro_batch=3, eval_batches=5), 2, 4
     inputs, targets = make_data(cfg, steps, world)
-    assert inputs.shape == ((steps + EVAL_BATCHES) * world * 3, cfg.seq_len)
+    assert inputs.shape == ((steps + 5) * world * 3, cfg.seq_len)
     assert (targets[:, :-1] == inputs[:, 1:]).all()
     seen = [rank_batch((inputs, targets), s, r, world, 3)[0] for s in range(steps) for r in range(world)]
     assert (torch.cat(seen) == inputs[:steps * world * 3]).all()
-    assert (held_out((inputs, targets), steps, world, 3)[0] == inputs[steps * world * 3:]).all()
+    assert (held_out((inputs, targets), cfg, steps, world)[0] == inputs[steps * world * 3:]).all()
+    assert len(held_out((inputs, targets), cfg, steps - 1, world)[0]) == 5 * world * 3  # eval_batches batches
 
 
 def test_slowest_median_ms_takes_the_slowest_ranks_median_of_its_timed_steps():

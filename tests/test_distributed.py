@@ -15,13 +15,10 @@ import psutil
 import pytest
 
 from teraflops.launch.faults import FAULT_ENV, fault_point, parse_fault
-from teraflops.launch.launcher import LaunchFailed, launch
+from teraflops.launch.launcher import LaunchFailed
 from teraflops.launch.ports import free_port, port_in_use
 from teraflops.launch.rank import report_progress, write_result
-
-SELFTEST = "teraflops.workers.selftest"
-DONE = [{"rank": r, "world_size": 2, "sum": 4 * (1 + 2.0)} for r in range(2)]  # 4 steps of (1 + 2)
-
+from teraflops.launch.selftest import SelftestSpec, run
 
 def assert_clean(port):
     assert psutil.Process().children(recursive=True) == []
@@ -36,21 +33,21 @@ def assert_clean(port):
 def test_killed_rank_fails_in_one_line_then_the_port_is_reusable():
     port, start = free_port(), time.monotonic()
     with pytest.raises(LaunchFailed) as info:
-        launch(SELFTEST, 2, env={FAULT_ENV: "kill:rank=1:step=2"}, port=port, timeout=60)
+        run(2, env={FAULT_ENV: "kill:rank=1:step=2"}, port=port, timeout=60)
     msg = str(info.value)
     assert time.monotonic() - start < 60
     assert "\n" not in msg and "rank 1 of 2 was killed by SIGKILL" in msg and info.value.rank == 1, msg
     assert str(info.value.logs) in msg
     shutil.rmtree(info.value.logs)
     assert_clean(port)
-    assert launch(SELFTEST, 2, ["--steps", "1"], port=port)[1]["sum"] == 3.0
+    assert run(2, SelftestSpec(steps=1), port=port)[1].sum == 3.0
 
 
 @pytest.mark.slow
 def test_hung_rank_makes_the_collective_time_out():
     port, start = free_port(), time.monotonic()
     with pytest.raises(LaunchFailed) as info:
-        launch(SELFTEST, 2, ["--timeout", "5"], env={FAULT_ENV: "hang:rank=1:step=2"}, port=port, timeout=60)
+        run(2, SelftestSpec(timeout_s=5), env={FAULT_ENV: "hang:rank=1:step=2"}, port=port, timeout=60)
     msg = str(info.value)
     assert time.monotonic() - start < 60
     assert "\n" not in msg and "timed out" in msg.lower() and "rank(s) [1] never reached it" in msg, msg
@@ -67,7 +64,7 @@ def test_interrupt_stops_every_process():
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            launch(SELFTEST, 2, ["--timeout", "60"], env={FAULT_ENV: "hang:rank=1:step=0"}, port=port, timeout=60)
+            run(2, SelftestSpec(timeout_s=60), env={FAULT_ENV: "hang:rank=1:step=0"}, port=port, timeout=60)
     finally:
         timer.cancel()
         signal.signal(signal.SIGINT, previous)

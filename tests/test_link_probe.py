@@ -108,7 +108,7 @@ def test_even_links_flag_nothing_and_a_node_only_a_bit_slower_is_not_flagged():
 
 
 def test_results_are_placed_by_node_not_by_rank():
-    results = [lp.LinkProbeResult(rank=r, world_size=3, node=n, bytes=8, repeats=1,
+    results = [lp.LinkProbeResult(rank=r, world_size=3, backend="gloo", device="cpu", node=n, bytes=8, repeats=1,
                                   times={p: [0.1 * (n + 1) + 0.01 * (pn + 1)] for p, pn in enumerate((2, 0, 1)) if p != r})
                for r, n in enumerate((2, 0, 1))]
     res = lp.from_results(results)

@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,12 +26,11 @@ import pytest
 from teraflops.launch import loopback
 from teraflops.nodes import cluster, slurm as slurm_mod
 from teraflops.nodes.cluster import Cluster
-from teraflops.launch.launcher import launch
 from teraflops.launch.ports import free_port
+from teraflops.launch.selftest import SelftestSpec, expected_sum, run
 from teraflops.launch.wire import RESULTS_ENV
 
-SELFTEST = "teraflops.workers.selftest"
-STEPS = ["--steps", "10"]  # ~1 s of all-reduces: every store and pair is up while they run
+STEPS = SelftestSpec(steps=10)  # ~1 s of all-reduces: every store and pair is up while they run
 
 
 def _address(field: str) -> tuple[str, int]:
@@ -156,9 +156,9 @@ def test_a_one_node_run_listens_on_loopback_only(how):
     port = free_port()
     kw = {"static": {}, "c10d": {"launcher_args": ["--rdzv-backend", "c10d"]},
           "deepspeed": {"launcher": "deepspeed"}}[how]
-    args = [*STEPS, *(["--deepspeed"] if how == "deepspeed" else [])]
-    out, seen = sampled(lambda: launch(SELFTEST, 2, args, port=port, timeout=120, **kw))
-    assert [r["sum"] for r in out] == [10 * 3.0] * 2
+    spec = replace(STEPS, deepspeed=how == "deepspeed")
+    out, seen = sampled(lambda: run(2, spec, port=port, timeout=120, **kw))
+    assert [r.sum for r in out] == [expected_sum(spec, 2)] * 2 == [10 * 3.0] * 2
     print(f"{how}: {sorted(seen)}")
     assert ("127.0.0.1", port) in seen, sorted(seen)  # the rendezvous store was seen, where it belongs
     assert wide(seen, _one_node) == []
@@ -182,8 +182,8 @@ def test_each_node_listens_on_its_own_address_only(slurm):
     slurm.conf(5)), inside node 0's namespace, so on the emulated subnet only: not the course's."""
     port = free_port()
     with Cluster(2, name="lbs" if slurm else "lbn", slurm=slurm) as c:
-        out, seen = sampled(lambda: launch(SELFTEST, 1, STEPS, cluster=c, port=port, timeout=120))
-    assert [r["node"] for r in out] == [0, 1] and {r["sum"] for r in out} == {10 * 3.0}
+        out, seen = sampled(lambda: run(1, STEPS, cluster=c, port=port, timeout=120))
+    assert [r.node for r in out] == [0, 1] and {r.sum for r in out} == {10 * 3.0}
     print(f"{'sbatch' if slurm else 'agents'}: {sorted(seen)}")
     assert (c.address(0), port) in seen, sorted(seen)  # the rendezvous store, on node 0
     ours = {addr: {(n, cmd) for n, cmd in who if not cmd.startswith("srun ")} for addr, who in seen.items()}

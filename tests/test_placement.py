@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import teraflops
-from teraflops.launch import launcher, placement as pl
+from teraflops.launch import launcher, placement as pl, selftest
 from teraflops.machine import GPU, Machine
 from teraflops.sizing import PRESETS
 from teraflops.launch.placement import data_parallel_plan
@@ -121,12 +121,14 @@ def test_rank_side_reads_the_placement_not_the_gpu_count():
 
 def test_launch_commands_per_launcher_and_node():
     where = pl.place(2, machine=machine(0), environ={})
-    torchrun, = launcher.launch_commands(where, "m", ["--x"], port=1234)
+    torchrun, = launcher.launch_commands(where, "m", Path("/r/spec.json"), port=1234)
+    assert torchrun[-3:] == ["m", "--spec", "/r/spec.json"]  # a rank's only argument: its Spec
     assert torchrun[1:6] == ["-m", "teraflops.launch.loopback", "torch.distributed.run", "--nproc-per-node", "2"]
     assert torchrun[torchrun.index("--master-addr") + 1] == "127.0.0.1"  # its stores on loopback only
     c10d, = launcher.launch_commands(where, "m", port=1234, launcher_args=["--rdzv-backend", "c10d"])
     assert "127.0.0.1:1234" in c10d and c10d[c10d.index("--local-addr") + 1] == "127.0.0.1"
     ds, = launcher.launch_commands(where, "m", launcher="deepspeed", port=1234)
+    assert ds[-1] == "m"  # no Spec, no arguments
     assert ds[2] == "deepspeed.launcher.runner" and ds[ds.index("--num_gpus") + 1] == "2"
     spread = pl.place(4, cluster=FakeCluster(2), machine=machine(0), environ={})
     nodes = launcher.launch_commands(spread, "m", cluster=FakeCluster(2), port=1234)
@@ -156,10 +158,9 @@ def test_gpu_visibility_survives_deepspeeds_launcher():
     base = pl.place(2, machine=machine(0), environ={})
     where = pl.Placement(2, 1, "gloo", ((),), base.env,
                          ({**base.node_env[0], "CUDA_VISIBLE_DEVICES": visible, pl.VISIBLE_ENV: visible},), "test")
-    results = launcher.launch("teraflops.workers.selftest", where, ["--steps", "1"], launcher="deepspeed",
-                                 timeout=240)
-    assert [r["cuda_visible_devices"] for r in results] == [visible, visible]
-    assert {r["backend"] for r in results} == {"gloo"} and {r["triton_interpret"] for r in results} == {"1"}
+    results = selftest.run(where, selftest.SelftestSpec(steps=1), launcher="deepspeed", timeout=240)
+    assert [r.cuda_visible_devices for r in results] == [visible, visible]
+    assert {r.backend for r in results} == {"gloo"} and {r.triton_interpret for r in results} == {"1"}
 
 
 def test_too_few_gpu_ranks_per_cluster_fall_back_to_cpu_ranks():

@@ -18,7 +18,7 @@ import sys
 import psutil
 import pytest
 
-from teraflops.launch import sbatch
+from teraflops.launch import sbatch, selftest
 from teraflops.nodes import slurm as slurm_mod
 from teraflops.launch.faults import FAULT_ENV
 from teraflops.launch.launcher import LaunchFailed, launch
@@ -239,7 +239,7 @@ def test_zero2_through_sbatch_trains_as_the_torchrun_path(slurm_cluster, zero_ti
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_job_in_one_line_naming_rank_and_node(slurm_cluster):
     with pytest.raises(LaunchFailed) as info:
-        launch(SELFTEST, 1, cluster=slurm_cluster, timeout=60, env={FAULT_ENV: "kill:rank=1:step=1"})
+        selftest.run(1, cluster=slurm_cluster, timeout=60, env={FAULT_ENV: "kill:rank=1:step=1"})
     msg, logs = str(info.value), info.value.logs
     assert "\n" not in msg and info.value.rank == 1, msg
     assert "rank 1 of 2 on node1 was killed by SIGKILL" in msg and "FAILED" in msg, msg
@@ -257,7 +257,7 @@ def test_a_job_that_never_starts_is_cancelled_at_the_timeout(slurm_cluster):
     blocker = s.exec(["sbatch", "--parsable", "-N2", "--exclusive", "--wrap", "sleep 120"], check=True)
     try:
         with pytest.raises(LaunchFailed) as info:
-            launch(SELFTEST, 1, cluster=slurm_cluster, timeout=3)
+            selftest.run(1, cluster=slurm_cluster, timeout=3)
         msg = str(info.value)
         assert "\n" not in msg and "was still PENDING (Resources)" in msg and info.value.rank is None, msg
         assert sbatch.queued(s) == [int(blocker.stdout.strip())]  # ours is gone, the blocker still runs
@@ -282,7 +282,7 @@ def test_a_job_asking_for_more_than_a_node_has_fails_at_once(slurm_cluster, monk
     of = BatchJob.of.__func__
     monkeypatch.setattr(BatchJob, "of", classmethod(lambda cls, *a, **k: replace(of(cls, *a, **k), cpus_per_task=64)))
     with pytest.raises(LaunchFailed) as info:
-        launch(SELFTEST, 1, cluster=slurm_cluster, timeout=60)
+        selftest.run(1, cluster=slurm_cluster, timeout=60)
     msg = str(info.value)
     assert "\n" not in msg and "cannot start: it is PENDING (PartitionConfig)" in msg and "sinfo" in msg, msg
     assert "#SBATCH --cpus-per-task=64" in (info.value.logs / "job.sbatch").read_text()

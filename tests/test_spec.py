@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from teraflops.launch.rank import read_spec
+from teraflops.launch.rank import RankIdentity, read_spec
 from teraflops.sizing import PRESETS, TrainConfig, dp_config
 from teraflops.launch.wire import SpecError, from_json, read, to_json, write
 
@@ -27,6 +27,12 @@ class Outer:
     maybe: float | None = None
     raw: object = None
     rows: list[list[float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Child(RankIdentity):
+    value: float
+    extra: tuple[int, ...] = ()
 
 
 def sample() -> Outer:
@@ -67,6 +73,20 @@ def test_a_wrong_or_missing_field_is_one_line_naming_it(change, words):
     with pytest.raises(SpecError, match=words) as e:
         from_json(Outer, data)
     assert "\n" not in str(e.value)
+
+
+def test_a_result_reads_the_fields_it_inherits_from_the_rank_identity():
+    """Every Result starts with :class:`RankIdentity` (rank, world_size, backend, device; ``node``
+    keyword-only, after the subclass's own fields): decoded and checked like the Result's own."""
+    obj = Child(rank=1, world_size=2, backend="gloo", device="cpu", value=0.5, node=1)
+    data = json.loads(json.dumps(to_json(obj)))
+    assert list(data) == ["rank", "world_size", "backend", "device", "node", "value", "extra"]
+    assert from_json(Child, data) == obj
+    assert from_json(Child, {k: v for k, v in data.items() if k != "node"}).node is None
+    with pytest.raises(SpecError, match=r"^Child: missing field 'backend' \(str\)"):
+        from_json(Child, {k: v for k, v in data.items() if k != "backend"})
+    with pytest.raises(SpecError, match=r"^Child\.rank: expected int"):
+        from_json(Child, {**data, "rank": "1"})
 
 
 def test_read_spec_takes_the_file_after_spec_and_says_when_there_is_none(tmp_path):

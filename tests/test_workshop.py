@@ -116,15 +116,14 @@ def test_a_killed_notebook_takes_its_run_with_it(tmp_path, launcher):
     """SIGKILL of the notebook-side process: within 10 s no launcher or rank runs, its files are gone."""
     import glob
 
-    from teraflops.launch import launcher, leftovers
+    from teraflops.launch import leftovers, ops  # not `launcher`: the parameter of that name says which one
 
     if launcher == "deepspeed":
         ops.prepare_deepspeed_ops(cpu=True)
     script = tmp_path / "notebook.py"
-    args = ["--timeout", "600"] + (["--deepspeed"] if launcher == "deepspeed" else [])
     script.write_text(
-        "from teraflops.launch.launcher import launch\n"
-        f"launch('teraflops.workers.selftest', 2, {args!r}, launcher={launcher!r}, timeout=600,"
+        "from teraflops.launch.selftest import SelftestSpec, run\n"
+        f"run(2, SelftestSpec(timeout_s=600, deepspeed={launcher == 'deepspeed'}), launcher={launcher!r}, timeout=600,"
         " env={'TERAFLOPS_FAULT': 'hang:rank=1:step=1', 'CUDA_VISIBLE_DEVICES': ''})\n")
     before = set(glob.glob("/tmp/teraflops-launch-*"))
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # another learner's run's owner

@@ -6,7 +6,8 @@ import time
 import psutil
 import pytest
 
-from teraflops.launch import launcher
+from teraflops import caches
+from teraflops.launch import launcher, ops
 from teraflops.parallelization import model_states, zero
 from teraflops.launch.launcher import LaunchFailed
 from teraflops.launch.ops import shm_buffers

@@ -183,10 +183,12 @@ def test_class_without_source_fails(no_launch):
 def reports(n: int = 2, **change) -> list:
     """The ranks' reports for a correct class, with ``change`` applied (keys of the report), read
     as the check reads them (:class:`teraflops.parallelization.zero.Zero1CheckResult`)."""
-    from teraflops.launch.wire import from_json
-    from teraflops.parallelization.zero import Zero1CheckResult
+    from dataclasses import asdict
 
-    from teraflops.workers.zero1_check import HYPER, PSI
+    from teraflops.launch.wire import from_json
+    from teraflops.parallelization.zero import ZERO1_HYPER, Zero1CheckResult, Zero1CheckSpec
+
+    HYPER, PSI = asdict(ZERO1_HYPER), Zero1CheckSpec("", "").psi
 
     g = torch.Generator().manual_seed(0)
     initial = torch.randn(PSI, generator=g)
@@ -196,7 +198,7 @@ def reports(n: int = 2, **change) -> list:
                                                                       for k, v in HYPER.items()}}
     out = []
     for r in range(n):
-        rep = {"rank": r, "world_size": n, "psi": PSI, "hyper": HYPER, "steps": 3, "error": None,
+        rep = {"rank": r, "world_size": n, "backend": "gloo", "device": "cpu", "psi": PSI, "hyper": HYPER, "steps": 3, "error": None,
                "params": ref.tolist(), "grad_left": 0.0, "optimizers": [adamw],
                "comm": {"reduce_scatter_tensor": 3 * shard * n, "all_gather_into_tensor": 3 * shard * n},
                "initial": initial.tolist(), "ref": ref.tolist(),
@@ -282,3 +284,12 @@ class Placeholder:
 
     def step(self):
         raise NotImplementedError("Exercise: replace this line with your code")
+
+
+def test_the_checks_mlp_has_psi_parameters_that_no_small_world_size_divides():
+    from teraflops.parallelization.zero import Zero1CheckSpec
+    from teraflops.workers.zero1_check import make_model
+
+    spec = Zero1CheckSpec("", "")
+    assert sum(p.numel() for p in make_model(spec).parameters()) == spec.psi == 517
+    assert all(spec.psi % n for n in range(2, 11))  # every shard of the flat vector needs padding

@@ -388,6 +388,8 @@ class TrainConfig:
         micro_batch: sequences per rank per step.
         lr: the optimizer's learning rate (which optimizer: the rank program's).
         seed: seed of the initial weights (the data uses ``seed + 1`` or ``seed``, per rank program).
+        eval_batches: global batches held out after the trained ones, for an eval loss
+            (:func:`teraflops.workers.common.held_out`).
     """
 
     vocab: int
@@ -398,26 +400,7 @@ class TrainConfig:
     micro_batch: int
     lr: float
     seed: int = 0
-
-
-@dataclass(frozen=True)
-class TrainedRank:
-    """Who trained, on what, and which model: the fields every training rank's Result starts with
-    (the data-parallel, remedies and straggler rank programs; :func:`teraflops.workers.common.trained_rank`
-    fills them).
-
-    Attributes:
-        rank, world_size: this rank and the ranks of the run. backend: the process group's ("gloo", "nccl").
-        device: where the rank trained (e.g. ``"cpu"``, ``"cuda:0"``). params: the model's parameters.
-        config: the :class:`TrainConfig` it trained.
-    """
-
-    rank: int
-    world_size: int
-    backend: str
-    device: str
-    params: int
-    config: TrainConfig
+    eval_batches: int = 8
 
 
 def dp_config(p: Preset) -> TrainConfig:

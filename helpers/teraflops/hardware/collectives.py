@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from teraflops.errors import CourseError
+from teraflops.launch.rank import RankIdentity
 from teraflops.tables import GB, fmt, fmt_bytes, table
 
 WORKER = "teraflops.workers.collective_sweep"
@@ -145,50 +147,67 @@ def default_sizes(p=None, ranks: int | None = None) -> list[int]:
     return sizes
 
 
-def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: int | None = None, *,
-          warmup: int | None = None, min_iters: int | None = None, volume_bytes: int | None = None,
-          timeout: float = 300, verbose: bool = False, cluster=None) -> list[dict]:
-    """Measure ``collectives`` over message ``sizes`` on real ranks, in one launch; rows for :func:`bandwidth_table`.
+@dataclass(frozen=True)
+class SweepSpec:
+    """What :mod:`teraflops.workers.collective_sweep` runs: each of ``collectives`` at each of
+    ``sizes`` (bytes of the whole buffer, nccl-tests' ``S``), ``volume_bytes / size`` timed calls
+    clamped to ``[min_iters, iters]`` after ``min(warmup, timed)`` untimed ones (at least 1);
+    ``timeout_s``: seconds a collective waits for the others. Checked on construction
+    (:class:`CollectiveInputError`); :func:`sweep_spec` builds it from a preset."""
 
-    With ``cluster`` (an emulated :class:`~teraflops.nodes.cluster.Cluster` that is up) the ranks are gloo
-    CPU ranks spread evenly over its nodes (default one per node), so the collective crosses the
-    shaped links.
+    collectives: tuple[str, ...]
+    sizes: tuple[int, ...]
+    iters: int
+    min_iters: int
+    warmup: int
+    volume_bytes: int
+    timeout_s: float = 60
 
-    Ranks: one per GPU with NCCL when there are at least 2 GPUs (``ranks``, if given, at most that
-    many: asking for more raises), else ``ranks`` (default the preset's ``collective.ranks_cpu``) CPU ranks with gloo and one
-    torch thread each, the GPU (if one) hidden. Each rank runs ``workers/collective_sweep.py``.
+    def __post_init__(self):
+        if not self.collectives or set(self.collectives) - set(COLLECTIVES):
+            raise CollectiveInputError(f"collectives must be some of {COLLECTIVES}, got {self.collectives!r}. "
+                                       "Hint: pass a tuple such as ('all_reduce',)")
+        counts = (self.iters, self.min_iters, self.warmup, self.volume_bytes)
+        if not self.sizes or min((*self.sizes, *counts)) < 1 or self.min_iters > self.iters:
+            raise CollectiveInputError(f"sizes {self.sizes!r} and iters {self.iters}, min_iters {self.min_iters}, "
+                                       f"warmup {self.warmup}, volume_bytes {self.volume_bytes} must be >= 1, "
+                                       "min_iters <= iters. Hint: build it with sweep_spec()")
 
-    Args:
-        collectives: some of :data:`COLLECTIVES`. sizes: bytes of the whole buffer (nccl-tests'
-            ``S``; default :func:`default_sizes`). iters: the most timed calls per size (default the
-            preset's ``collective.iters``); ``min_iters``, ``volume_bytes`` (timed calls per size =
-            volume / size, clamped), ``warmup``: the preset's ``collective`` sizes by default.
-        timeout: seconds for the whole launch.
 
-    Returns:
-        One dict per collective and size: ``collective``, ``size`` (bytes moved, after rounding each
-        rank's chunk to 8 elements), ``count`` (float32 elements), ``type``, ``seconds`` (mean over
-        iterations, averaged over ranks), ``seconds_max`` (the slowest rank's), ``algbw`` and
-        ``busbw`` (bytes/s), ``wrong`` (elements, summed over ranks), ``iters``, ``warmup``,
-        ``ranks``, ``backend``; and ``wall_s`` (the whole launch) in every row.
+@dataclass(frozen=True)
+class SweepRow:
+    """One collective at one size, as the ranks measured it: ``size`` (bytes moved, after rounding
+    each rank's chunk to 8 elements), ``count`` (float32 elements), ``type`` (``"float"``),
+    ``iters`` timed and ``warmup`` untimed calls, ``seconds`` (mean per call, averaged over ranks),
+    ``seconds_max`` (the slowest rank's), ``wrong`` (elements, summed over ranks)."""
 
-    Raises:
-        CollectiveInputError: an unknown collective, a size that is not an integer >= 32·ranks bytes,
-            ranks < 2 (or more ranks than GPUs on a machine with 2 or more), iteration counts < 1.
+    collective: str
+    size: int
+    count: int
+    type: str
+    iters: int
+    warmup: int
+    seconds: float
+    seconds_max: float
+    wrong: int
 
-    Warns (``UserWarning``) naming the sizes the ranks skipped because they did not fit in GPU memory.
-        LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
-    """
-    from teraflops.launch.launcher import launch
-    from teraflops.machine import detect
+
+@dataclass(frozen=True)
+class SweepResult(RankIdentity):
+    """One rank's sweep: ``rows`` (reduced over the ranks, so the same on every rank), one per point
+    run, and ``skipped``, the ``(collective, size)`` points no rank ran (they did not fit in device
+    memory, or left a chunk of 0 elements)."""
+
+    rows: tuple[SweepRow, ...]
+    skipped: tuple[tuple[str, int], ...] = ()
+
+
+def _sweep_placement(ranks, cluster):
+    """The placement of a sweep and the preset that sizes it (the CPU preset for CPU ranks)."""
     from teraflops.launch.placement import place
+    from teraflops.machine import detect
     from teraflops.sizing import PRESETS, preset
 
-    collectives = (collectives,) if isinstance(collectives, str) else tuple(collectives)
-    for c in collectives or ("",):
-        if c not in COLLECTIVES:
-            raise CollectiveInputError(f"sweep measures some of {COLLECTIVES}, got {c!r}. "
-                                       "Hint: pass a tuple such as ('all_reduce',)")
     if ranks is not None:
         _check_ranks(ranks)
     p, gpus = preset(), detect().gpu_count
@@ -203,40 +222,114 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
                   gpus=cluster is None and p.device == "cuda")
     if not where.on_gpus:
         where = where.with_env(OMP_NUM_THREADS=1)  # one torch thread per gloo rank
-    n = where.world_size
-    _check_ranks(n)
-    q = p if where.on_gpus else cpu
-    sizes = default_sizes(q, n) if sizes is None else list(sizes)
-    if not sizes or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 32 * n
-                            for s in sizes):
-        raise CollectiveInputError(f"sizes must be integers of at least 32·ranks = {32 * n} bytes, got {sizes!r}. "
+    _check_ranks(where.world_size)
+    return where, (p if where.on_gpus else cpu)
+
+
+def _sweep_collectives(collectives) -> tuple[str, ...]:
+    collectives = (collectives,) if isinstance(collectives, str) else tuple(collectives)
+    for c in collectives or ("",):
+        if c not in COLLECTIVES:
+            raise CollectiveInputError(f"sweep measures some of {COLLECTIVES}, got {c!r}. "
+                                       "Hint: pass a tuple such as ('all_reduce',)")
+    return collectives
+
+
+def _sweep_sizes(sizes, ranks: int) -> tuple[int, ...]:
+    def whole(s) -> bool:
+        return isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 32 * ranks
+
+    if not sizes or not all(whole(s) for s in sizes):
+        raise CollectiveInputError(f"sizes must be integers of at least 32·ranks = {32 * ranks} bytes, got {sizes!r}. "
                                    "Hint: each rank's chunk holds a multiple of 8 float32 elements")
-    knobs = {"iters": q.collective.iters if iters is None else iters,
-             "min_iters": q.collective.min_iters if min_iters is None else min_iters,
-             "warmup": q.collective.warmup if warmup is None else warmup,
-             "volume_bytes": q.collective.volume_bytes if volume_bytes is None else volume_bytes}
-    for name, v in knobs.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise CollectiveInputError(f"{name} must be an integer >= 1, got {v!r}. "
-                                       f"Hint: leave it None for the preset's {getattr(q.collective, name)}")
-    knobs = {k: int(v) for k, v in knobs.items()}
-    args = ["--collectives", ",".join(collectives), "--sizes", ",".join(str(int(s)) for s in sizes),
-            "--iters", knobs["iters"], "--min-iters", min(knobs["min_iters"], knobs["iters"]),
-            "--warmup", knobs["warmup"], "--volume-bytes", knobs["volume_bytes"]]
+    return tuple(int(s) for s in sizes)
+
+
+def _sweep_count(p, name: str, value) -> int:
+    """``value``, or the preset's ``collective.<name>`` if None; an integer >= 1."""
+    v = getattr(p.collective, name) if value is None else value
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise CollectiveInputError(f"{name} must be an integer >= 1, got {v!r}. "
+                                   f"Hint: leave it None for the preset's {getattr(p.collective, name)}")
+    return int(v)
+
+
+def sweep_spec(p, ranks: int, collectives=COLLECTIVES, sizes=None, *, iters: int | None = None,
+               min_iters: int | None = None, warmup: int | None = None, volume_bytes: int | None = None,
+               collective_timeout: float = 60) -> SweepSpec:
+    """The worker's :class:`SweepSpec` for ``ranks`` ranks sized by preset ``p``: ``sizes`` (default
+    :func:`default_sizes`) and every count that is None from ``p.collective``; ``min_iters`` at most ``iters``.
+
+    Raises:
+        CollectiveInputError: a collective not in :data:`COLLECTIVES`, a size that is not an integer
+            >= 32·ranks bytes, a count that is not an integer >= 1.
+    """
+    collectives = _sweep_collectives(collectives)
+    sizes = _sweep_sizes(default_sizes(p, ranks) if sizes is None else list(sizes), ranks)
+    most = _sweep_count(p, "iters", iters)
+    return SweepSpec(collectives, sizes, most, min(_sweep_count(p, "min_iters", min_iters), most),
+                     _sweep_count(p, "warmup", warmup), _sweep_count(p, "volume_bytes", volume_bytes),
+                     timeout_s=collective_timeout)
+
+
+def sweep_rows(result: SweepResult, wall_s: float) -> list[dict]:
+    """The rows of :func:`sweep` from one rank's :class:`SweepResult`: each :class:`SweepRow`'s fields,
+    then ``ranks`` and ``backend`` (the result's), ``wall_s`` (the whole launch, s), ``algbw`` and
+    ``busbw`` (bytes/s, :func:`algbw`, :func:`busbw`)."""
+    n = result.world_size
+    return [{**asdict(row), "ranks": n, "backend": result.backend, "wall_s": wall_s,
+             "algbw": algbw(row.size, row.seconds), "busbw": busbw(row.size, row.seconds, row.collective, n)}
+            for row in result.rows]
+
+
+def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: int | None = None, *,
+          warmup: int | None = None, min_iters: int | None = None, volume_bytes: int | None = None,
+          timeout: float = 300, verbose: bool = False, cluster=None) -> list[dict]:
+    """Measure ``collectives`` over message ``sizes`` on real ranks, in one launch; rows for :func:`bandwidth_table`.
+
+    With ``cluster`` (an emulated :class:`~teraflops.nodes.cluster.Cluster` that is up) the ranks are gloo
+    CPU ranks spread evenly over its nodes (default one per node), so the collective crosses the
+    shaped links.
+
+    Ranks: one per GPU with NCCL when there are at least 2 GPUs (``ranks``, if given, at most that
+    many: asking for more raises), else ``ranks`` (default the preset's ``collective.ranks_cpu``) CPU ranks with gloo and one
+    torch thread each, the GPU (if one) hidden. Each rank runs ``workers/collective_sweep.py`` on a
+    :class:`SweepSpec` (:func:`sweep_spec`) and hands back a :class:`SweepResult`.
+
+    Args:
+        collectives: some of :data:`COLLECTIVES`. sizes: bytes of the whole buffer (nccl-tests'
+            ``S``; default :func:`default_sizes`). iters: the most timed calls per size (default the
+            preset's ``collective.iters``); ``min_iters``, ``volume_bytes`` (timed calls per size =
+            volume / size, clamped), ``warmup``: the preset's ``collective`` sizes by default.
+        timeout: seconds for the whole launch.
+
+    Returns:
+        One dict per collective and size (:func:`sweep_rows`): ``collective``, ``size`` (bytes moved,
+        after rounding each rank's chunk to 8 elements), ``count`` (float32 elements), ``type``,
+        ``iters``, ``warmup``, ``seconds`` (mean over iterations, averaged over ranks),
+        ``seconds_max`` (the slowest rank's), ``wrong`` (elements, summed over ranks), ``ranks``,
+        ``backend``, ``wall_s`` (the whole launch), ``algbw`` and ``busbw`` (bytes/s).
+
+    Raises:
+        CollectiveInputError: an unknown collective, a size that is not an integer >= 32·ranks bytes,
+            ranks < 2 (or more ranks than GPUs on a machine with 2 or more), iteration counts < 1.
+        LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
+
+    Warns (``UserWarning``) naming the sizes the ranks skipped because they did not fit in GPU memory.
+    """
+    from teraflops.launch.launcher import launch
+
+    where, q = _sweep_placement(ranks, cluster)
+    spec = sweep_spec(q, where.world_size, collectives, sizes, iters=iters, min_iters=min_iters, warmup=warmup,
+                      volume_bytes=volume_bytes)
     start = time.perf_counter()
-    results = launch(WORKER, where, args, timeout=timeout, verbose=verbose, cluster=cluster, desc=f"{', '.join(collectives)} on {n} ranks")
-    wall = time.perf_counter() - start
-    r0 = results[0]
-    if r0.get("skipped"):
-        warnings.warn(f"sweep skipped {len(r0['skipped'])} point(s) that did not fit in device memory: "
-                      + ", ".join(f"{c} {fmt_bytes(size)}" for c, size in r0["skipped"]), stacklevel=2)
-    rows = []
-    for row in r0["rows"]:
-        row = {**row, "ranks": r0["world_size"], "backend": r0["backend"], "wall_s": wall}
-        row["algbw"] = algbw(row["size"], row["seconds"])
-        row["busbw"] = busbw(row["size"], row["seconds"], row["collective"], row["ranks"])
-        rows.append(row)
-    return rows
+    results = launch(WORKER, where, spec=spec, result=SweepResult, timeout=timeout, verbose=verbose, cluster=cluster,
+                     desc=f"{', '.join(spec.collectives)} on {where.world_size} ranks")
+    wall, r0 = time.perf_counter() - start, results[0]
+    if r0.skipped:
+        warnings.warn(f"sweep skipped {len(r0.skipped)} point(s) that did not fit in device memory: "
+                      + ", ".join(f"{c} {fmt_bytes(size)}" for c, size in r0.skipped), stacklevel=2)
+    return sweep_rows(r0, wall)
 
 
 # ---- showing it --------------------------------------------------------------------------------------

@@ -57,9 +57,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from teraflops.parallelization.ddp_sync import RankLaunch, launch_timed, mean_over_ranks, slowest_median_ms
+from teraflops.parallelization.ddp_sync import (RankLaunch, TrainedRank, launch_timed, mean_over_ranks,
+    slowest_median_ms)
 from teraflops.errors import CourseError
-from teraflops.sizing import TrainConfig, TrainedRank, dp_config
+from teraflops.sizing import TrainConfig, dp_config
 from teraflops.launch.placement import DataParallelPlan, data_parallel_plan
 from teraflops.tables import fmt_bytes, table
 
@@ -122,7 +123,6 @@ class RemediesResult(TrainedRank):
     powersgd_rank: int
     powersgd_start: int
     runs: tuple[RemedyResult, ...]
-    node: int | None = None
 
 
 @dataclass(frozen=True)

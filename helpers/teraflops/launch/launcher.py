@@ -53,14 +53,14 @@ class LaunchFailed(CourseError, RuntimeError):
     """
 
 
-def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "torchrun",
+def launch(module: str, ranks, *, launcher: str = "torchrun",
            timeout: float = 120, env: dict | None = None, launcher_args: Sequence[str] = (),
            desc: str | None = None, verbose: bool = False, port: int | None = None,
            cluster=None, deepspeed: bool = False, spec=None, result=None, submit: bool | None = None) -> list:
-    """Run ``python -m module *args`` on the ranks of a run; return their results, by rank.
+    """Run ``python -m module --spec PATH`` on the ranks of a run; return their results, by rank.
 
     ``spec`` (a frozen dataclass, :mod:`teraflops.launch.wire`) is written to ``spec.json`` in the launch
-    folder and the ranks get ``--spec PATH`` after ``args`` (:func:`read_spec` reads it). ``result``
+    folder and the ranks get ``--spec PATH``, their only argument (:func:`read_spec` reads it). ``result``
     (a dataclass) is what each rank's :func:`write_result` is read back as, every field checked;
     without it the results are the ranks' dicts.
 
@@ -132,8 +132,7 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
     leftovers.sweep()  # what launches of dead notebooks left: folders, /dev/shm buffers, torchelastic_* folders
     port, results = port or free_port(), Path(tempfile.mkdtemp(prefix="teraflops-launch-"))
     leftovers.record(results, port)
-    if spec is not None:
-        args = [*args, "--spec", str(wire.write(spec, results / "spec.json"))]
+    spec_path = None if spec is None else wire.write(spec, results / "spec.json")
     course = {"TORCH_EXTENSIONS_DIR": str(extensions_dir()), RESULTS_ENV: str(results), "PYTHONUNBUFFERED": "1",
               "PYTHONFAULTHANDLER": "1", **{k: v for k, v in with_ninja(os.environ).items() if k == "PATH"}}
     user = {k: str(v) for k, v in (env or {}).items()}
@@ -142,7 +141,7 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
     job_id, follower, refused, final = None, None, None, None
     try:
         if slurm is not None:  # one batch job; Slurm's srun starts the agents
-            job = sbatch.BatchJob.of(where, [str(_WRAPPER), module, *map(str, args)], torchrun=torchrun_command(), port=port,
+            job = sbatch.BatchJob.of(where, [str(_WRAPPER), module, *_spec_args(spec_path)], torchrun=torchrun_command(), port=port,
                                      time_s=timeout, output=str(results / sbatch.OUTPUT),
                                      name=module.rsplit(".", 1)[-1], env={**course, **user},
                                      cpus_per_node=slurm.config.cpus, torchrun_args=launcher_args,
@@ -157,7 +156,7 @@ def launch(module: str, ranks, args: Sequence[str] = (), *, launcher: str = "tor
             follower = sbatch.Follower(slurm, job_id) if job_id is not None else None
             poll = follower.poll if follower is not None else None
         else:
-            cmds = launch_commands(where, module, args, launcher=launcher, port=port, rdzv_id=results.name,
+            cmds = launch_commands(where, module, spec_path, launcher=launcher, port=port, rdzv_id=results.name,
                                    launcher_args=launcher_args, cluster=cluster, log_dir=results / "torchelastic")
             for node, node_cmd in enumerate(cmds):
                 node_env = {**child_env, **where.node_env[node], **user}
@@ -234,7 +233,12 @@ def typed_results(out: list[dict], cls) -> list:
             for r, got in enumerate(out)]
 
 
-def launch_commands(where, module: str, args: Sequence[str] = (), *, launcher: str = "torchrun",
+def _spec_args(spec_path: Path | None) -> list[str]:
+    """A rank's command-line arguments: ``--spec PATH``, or none for a launch without a Spec."""
+    return [] if spec_path is None else ["--spec", str(spec_path)]
+
+
+def launch_commands(where, module: str, spec_path: Path | None = None, *, launcher: str = "torchrun",
                     port: int = 29500, rdzv_id: str = "teraflops", launcher_args: Sequence[str] = (),
                     cluster=None, log_dir: Path | None = None) -> list[list[str]]:
     """The command line of each node's launcher for placement ``where`` (one per node; what
@@ -245,10 +249,10 @@ def launch_commands(where, module: str, args: Sequence[str] = (), *, launcher: s
     listen on one address), and one-node c10d gets ``--local-addr 127.0.0.1``: rank 0's agent hosts
     the store it shares with the ranks on its local address, by default its host name
     (``dynamic_rendezvous.py``, ``_create_tcp_store_server``). Each rank runs ``launch/scripts/rank_wrapper.py
-    MODULE ARGS``. ``log_dir``: torchrun's ``--log-dir`` (inside the launch folder: no
-    ``/tmp/torchelastic_*`` per launch)."""
+    MODULE --spec SPEC_PATH`` (nothing after MODULE without ``spec_path``). ``log_dir``: torchrun's
+    ``--log-dir`` (inside the launch folder: no ``/tmp/torchelastic_*`` per launch)."""
     nproc = str(where.ranks_per_node)
-    tail = [*launcher_args, str(_WRAPPER), module, *map(str, args)]
+    tail = [*launcher_args, str(_WRAPPER), module, *_spec_args(spec_path)]
     if launcher == "deepspeed":
         return [[sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", nproc, "--master_addr",
                  "127.0.0.1", "--master_port", str(port), "--no_local_rank", *tail]]

@@ -2,8 +2,9 @@
 
 A rank program (``teraflops.workers.*``, started by :func:`teraflops.launch.launcher.launch`) reads
 its Spec (:func:`read_spec`), joins the process group (:func:`init_worker`), moves the notebook's
-progress bar (:func:`report_progress`), hands back its Result (:func:`write_result`) and leaves
-(:func:`finish`). Nothing here imports torch at module level: the wrapper and the watchdog stay light.
+progress bar (:func:`report_progress`), hands back its Result (:func:`write_result`; every Result
+starts with a :class:`RankIdentity`, filled by :meth:`Worker.identity`) and leaves (:func:`finish`).
+Nothing here imports torch at module level: the wrapper and the watchdog stay light.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass, field, is_dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
@@ -24,12 +25,36 @@ from teraflops.machine import detect
 
 
 @dataclass(frozen=True)
+class RankIdentity:
+    """Who handed a Result back: the fields every rank program's Result starts with (each Result
+    dataclass inherits them; :meth:`Worker.identity` fills them in the rank).
+
+    Attributes:
+        rank, world_size: this rank and the ranks of the launch.
+        backend: the process group's, ``"gloo"`` or ``"nccl"``.
+        device: where the rank ran, ``"cpu"`` or ``"cuda:<local rank>"``.
+        node: keyword-only; the emulated node the rank ran on, which the launcher fills in after a
+            multi-node launch (None otherwise).
+    """
+
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+    node: int | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True)
 class Worker:
     rank: int
     world_size: int
     local_rank: int
     device: object  # torch.device: cuda:<local_rank> with GPUs, else cpu
     backend: str  # "nccl" or "gloo"
+
+    def identity(self) -> dict:
+        """This rank's :class:`RankIdentity` fields, as keywords of its Result: ``Result(**w.identity(), ...)``."""
+        return dict(rank=self.rank, world_size=self.world_size, backend=self.backend, device=str(self.device))
 
 
 def init_worker(timeout_s: float = 30, *, deepspeed: bool = False) -> Worker:

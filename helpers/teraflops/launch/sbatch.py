@@ -66,7 +66,7 @@ class BatchJob:
         name: ``--job-name`` (letters, digits, ``_.+-``; what ``squeue`` shows).
         nodes: ``--nodes``, K; one task (one torchrun agent) per node.
         ranks_per_node: torchrun's ``--nproc-per-node``.
-        program: what each rank runs, after torchrun's options: a script and its arguments.
+        program: what each rank runs, after torchrun's options: the rank wrapper, the module and ``--spec PATH``.
         torchrun: the torchrun command (``python -m teraflops.launch.loopback torch.distributed.run``, or
             ``/venv/bin/torchrun``, whose stores listen on every interface).
         port: TCP port of the c10d rendezvous store on the first node of the allocation.

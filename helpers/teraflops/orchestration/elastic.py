@@ -55,6 +55,7 @@ from pathlib import Path
 
 from teraflops.launch.faults import FAULT_ENV
 from teraflops.launch.launcher import launch
+from teraflops.launch.rank import RankIdentity
 from teraflops.sizing import TrainConfig, gpt_config, preset
 from teraflops.launch.placement import DataParallelPlan, data_parallel_plan
 from teraflops.tables import table
@@ -82,14 +83,11 @@ class ElasticSpec:
 
 
 @dataclass(frozen=True)
-class ElasticResult:
+class ElasticResult(RankIdentity):
     """One rank's attempt that finished: ``attempt`` (torchrun's restart count), ``resumed_from``
     (the checkpoint's step, 0 if none), ``losses`` (global loss per step, all steps, nats),
     ``final_loss``, ``params``, ``train_s`` (this attempt's training seconds)."""
 
-    rank: int
-    world_size: int
-    backend: str
     attempt: int
     resumed_from: int
     steps: int
@@ -97,7 +95,6 @@ class ElasticResult:
     final_loss: float
     params: int
     train_s: float
-    node: int | None = None
 
 
 @dataclass(frozen=True)

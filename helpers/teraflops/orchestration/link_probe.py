@@ -45,6 +45,7 @@ from teraflops.orchestration.detection import detect, flag_stragglers
 from teraflops.launch.launcher import launch
 from teraflops.errors import CourseError
 from teraflops.launch.placement import place
+from teraflops.launch.rank import RankIdentity
 from teraflops.tables import table
 
 WORKER = "teraflops.workers.link_probe"
@@ -75,16 +76,14 @@ class LinkProbeSpec:
 
 
 @dataclass(frozen=True)
-class LinkProbeResult:
+class LinkProbeResult(RankIdentity):
     """One rank's round trips: ``times[peer]``, seconds of each round trip it initiated with
-    ``peer`` (one per repeat); ``bytes`` each way; ``node``: its emulated node."""
+    ``peer`` (one per repeat); ``bytes`` each way; ``node`` (:class:`~teraflops.launch.rank.RankIdentity`):
+    its emulated node."""
 
-    rank: int
-    world_size: int
     bytes: int
     repeats: int
     times: dict[int, list[float]]
-    node: int | None = None
 
 
 @dataclass(frozen=True, eq=False)

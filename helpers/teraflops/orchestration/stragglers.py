@@ -59,7 +59,8 @@ import numpy as np
 
 from teraflops.orchestration.detection import MIN_RANKS
 from teraflops.launch.launcher import launch
-from teraflops.sizing import TrainConfig, TrainedRank, gpt_config, preset
+from teraflops.parallelization.ddp_sync import TrainedRank
+from teraflops.sizing import TrainConfig, gpt_config, preset
 from teraflops.launch.placement import DataParallelPlan, data_parallel_plan
 from teraflops.tables import table
 
@@ -71,6 +72,7 @@ FACTOR = 3.0  # the compute kind and rebalance: the straggler computes at a thir
 JITTER_MS, JITTER_PROB = 50, 0.25  # local SGD: every rank independently late by 50 ms with p = 0.25
 LOCAL_K = 4  # local SGD: steps between parameter averages
 WARMUP = 2  # untimed steps at the start of each setting (dropped from the records)
+MOMENTUM = 0.9  # SGD's momentum in every setting
 
 
 @dataclass(frozen=True)
@@ -191,8 +193,8 @@ class Timeline:
 
 @dataclass(frozen=True)
 class StragglerSpec:
-    """What :mod:`teraflops.workers.straggler` runs: ``model`` (SGD with momentum at ``model.lr``)
-    under each setting of ``experiments``; ``delays_ms``: the sweep's constant delays; ``steps``:
+    """What :mod:`teraflops.workers.straggler` runs: ``model`` (SGD at ``model.lr`` with ``momentum``)
+    under each setting of ``experiments``, each after ``warmup`` untimed steps; ``delays_ms``: the sweep's constant delays; ``steps``:
     timed steps per setting; ``local_ks``: local SGD's steps between averages; ``kind_delay_ms``:
     the intermittent and random kinds' delay; ``factor``: compute slow-down of the compute kind and
     rebalance; ``jitter_ms``, ``jitter_prob``: local SGD's random delay on every rank and its
@@ -207,13 +209,16 @@ class StragglerSpec:
     factor: float = FACTOR
     jitter_ms: float = JITTER_MS
     jitter_prob: float = JITTER_PROB
+    momentum: float = MOMENTUM
+    warmup: int = WARMUP
     timeout_s: float = 30
 
     def __post_init__(self):
         if set(self.experiments) - set(EXPERIMENTS) or not self.experiments:
             raise ValueError(f"experiments must be some of {EXPERIMENTS}, got {self.experiments}")
-        if self.steps < 1 or min(self.local_ks, default=1) < 1 or min(self.delays_ms, default=0) < 0:
-            raise ValueError(f"steps ({self.steps}) and every k of {self.local_ks} must be >= 1, delays >= 0 ms")
+        if self.steps < 1 or min(self.local_ks, default=1) < 1 or min(self.delays_ms, default=0) < 0 or self.warmup < 0:
+            raise ValueError(f"steps ({self.steps}) and every k of {self.local_ks} must be >= 1, delays >= 0 ms, "
+                             f"warmup ({self.warmup}) >= 0")
 
 
 @dataclass(frozen=True)
@@ -255,7 +260,6 @@ class StragglerResult(TrainedRank):
     rebalance: tuple[SettingResult, ...] = ()
     localsgd: tuple[SettingResult, ...] = ()
     calibration_speeds: list[float] | None = None
-    node: int | None = None
 
 
 @dataclass(frozen=True)

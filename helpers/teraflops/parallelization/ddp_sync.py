@@ -46,7 +46,8 @@ import time
 from dataclasses import dataclass
 
 from teraflops.launch.launcher import launch
-from teraflops.sizing import TrainConfig, TrainedRank, dp_config
+from teraflops.launch.rank import RankIdentity
+from teraflops.sizing import TrainConfig, dp_config
 from teraflops.launch.placement import DataParallelPlan, data_parallel_plan
 from teraflops.tables import table
 
@@ -56,7 +57,20 @@ LAST_STEPS = 5  # final_loss averages the global loss of this many last steps
 MODE_LABELS = {"bucketed": "bucketed (overlap)", "after": "all-reduce after backward",
                "local": "no all-reduce (floor)"}
 OVERLAP_MODES = tuple(MODE_LABELS)
-BLOCK = 10  # steps a τ run takes in one turn (at least 2τ + the worker's warm-up + 1)
+BLOCK = 10  # steps a τ run takes in one turn (at least 2τ + WARMUP_STEPS + 1)
+WARMUP_STEPS = 3  # untimed steps per run: first-call allocations, DDP's bucket rebuild after its first step
+
+
+@dataclass(frozen=True)
+class TrainedRank(RankIdentity):
+    """Who trained which model: the fields every training rank's Result starts with (the
+    data-parallel, remedies and straggler rank programs; :func:`teraflops.workers.common.trained_rank`
+    fills them): the :class:`~teraflops.launch.rank.RankIdentity` (``rank``, ``world_size``,
+    ``backend``, ``device``, ``node``), ``params`` (the model's parameters) and ``config`` (the
+    :class:`~teraflops.sizing.TrainConfig` it trained)."""
+
+    params: int
+    config: TrainConfig
 
 
 @dataclass(frozen=True)
@@ -64,7 +78,8 @@ class DataParallelSpec:
     """What :mod:`teraflops.workers.ddp_sync` runs: ``model`` trained ``steps`` steps per τ of
     ``taus`` (in turns of ``block`` steps) and ``overlap_steps`` per mode of ``modes``, for each of
     ``experiments`` (``"staleness"``, ``"overlap"``); ``bucket_mb``: DDP's bucket_cap_mb (MiB);
-    ``timeout_s``: seconds a collective waits for the others."""
+    ``warmup_steps``: untimed steps at the start of each run; ``timeout_s``: seconds a collective
+    waits for the others."""
 
     model: TrainConfig
     experiments: tuple[str, ...]
@@ -74,12 +89,14 @@ class DataParallelSpec:
     bucket_mb: float
     modes: tuple[str, ...] = OVERLAP_MODES
     block: int = BLOCK
+    warmup_steps: int = WARMUP_STEPS
     timeout_s: float = 30
 
     def __post_init__(self):
         bad = set(self.experiments) - {"staleness", "overlap"} or set(self.modes) - set(OVERLAP_MODES)
-        if bad or min(self.steps, self.block, self.overlap_steps) < 1 or min(self.taus, default=0) < 0:
-            raise ValueError(f"unknown experiment or mode {sorted(bad)}, steps < 1 or a negative τ in {self}")
+        if bad or min(self.steps, self.block, self.overlap_steps) < 1 or min(self.taus, default=0) < 0 \
+                or self.warmup_steps < 0:
+            raise ValueError(f"unknown experiment or mode {sorted(bad)}, steps < 1 or a negative τ or warm-up in {self}")
 
 
 @dataclass(frozen=True)
@@ -115,7 +132,6 @@ class DataParallelResult(TrainedRank):
 
     staleness: tuple[StaleResult, ...]
     overlap: tuple[ModeResult, ...]
-    node: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from teraflops.parallelization.model_states import FP32_ADAM, FP32_ADAM_MASTER, STAGE_NAMES, comm_volume, model_states
+from teraflops.launch.rank import RankIdentity
 from teraflops.sizing import TrainConfig, gpt_config
 from teraflops.tables import table
 
@@ -65,26 +66,51 @@ class ZeroStageResult:
 
 
 @dataclass(frozen=True)
-class ZeroResult:
-    """One rank's runs, one per stage of the :class:`ZeroSpec` (``node``: its emulated node, multi-node launches)."""
+class ZeroResult(RankIdentity):
+    """One rank's runs, one per stage of the :class:`ZeroSpec`."""
 
-    rank: int
-    world_size: int
-    backend: str
     runs: tuple[ZeroStageResult, ...]
-    node: int | None = None
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    """Keywords of ``torch.optim.AdamW`` (and of the learner's class in the ZeRO-1 check): ``lr``,
+    ``betas`` (the moments' decay rates), ``eps``, ``weight_decay`` (decoupled)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
+ZERO1_HYPER = AdamWHyper(lr=1e-2, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.1)
+"""The ZeRO-1 check's AdamW. Its ``eps`` is large: AdamW divides the gradient by its own running RMS,
+so a gradient scaled by a constant (summed instead of averaged) moves the parameters the same way
+unless ``eps`` is comparable to the gradient's size."""
+ZERO1_MLP = (8, 32, 5)  # the check's MLP: inputs, hidden, outputs; Ψ = 517 = 11 × 47 (Zero1CheckSpec.psi)
 
 
 @dataclass(frozen=True)
 class Zero1CheckSpec:
     """What :mod:`teraflops.workers.zero1_check` runs: the learner's class block ``source`` (its
-    class named ``name``) trained ``steps`` steps next to DDP + AdamW; ``timeout_s``: seconds a
-    collective waits for the others."""
+    class named ``name``) trained ``steps`` steps next to DDP + AdamW, both with ``hyper``, on an MLP
+    of ``mlp`` = (inputs, hidden, outputs) features and batches of ``batch`` rows; ``timeout_s``:
+    seconds a collective waits for the others."""
 
     source: str
     name: str
     steps: int = 3
     timeout_s: float = 20
+    hyper: AdamWHyper = ZERO1_HYPER
+    mlp: tuple[int, int, int] = ZERO1_MLP
+    batch: int = 16
+
+    @property
+    def psi(self) -> int:
+        """Parameters of the MLP (Linear, LayerNorm, Linear): with :data:`ZERO1_MLP` 517 = 11 × 47,
+        which no world size from 2 to 10 divides, so a flat vector's shards need padding."""
+        inputs, hidden, outputs = self.mlp
+        return (inputs + 1) * hidden + 2 * hidden + (hidden + 1) * outputs
 
 
 @dataclass(frozen=True)
@@ -116,14 +142,12 @@ class OptimizerInfo:
 
 
 @dataclass(frozen=True)
-class Zero1CheckResult:
+class Zero1CheckResult(RankIdentity):
     """One rank's report (see :mod:`teraflops.workers.zero1_check`): ``params``, the learner's final
     flat parameters (None after an error); ``grad_left``, max |grad| right after its ``zero_grad()``;
     ``comm``, elements it passed to each collective; rank 0 adds ``initial``, ``ref`` and ``alt``
     (the references' flat parameters)."""
 
-    rank: int
-    world_size: int
     psi: int
     hyper: dict[str, object]
     steps: int
@@ -135,7 +159,6 @@ class Zero1CheckResult:
     initial: list[float] | None = None
     ref: list[float] | None = None
     alt: dict[str, list[float]] | None = None
-    node: int | None = None
 
 
 def comm_bytes_per_step(comms: dict, world_size: int, steps: int) -> float:

@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from teraflops.errors import CourseError
+from teraflops.launch.rank import RankIdentity
 from teraflops.sizing import TrainConfig
 
 WORKLOADS = ("zero3", "straggler", "allreduce")
@@ -67,9 +68,11 @@ ZERO_LR, STRAGGLER_LR = 1e-3, 0.1  # AdamW of the zero3 workload, SGD of the str
 @dataclass(frozen=True)
 class RankTraceSpec:
     """What :mod:`teraflops.workers.triage_trace` runs: ``workloads`` in this order, each warmed up
-    :data:`WARMUP` steps and profiled ``steps`` steps, traces into ``out``; ``zero``: the GPT of the
-    zero3 workload, ``dp``: the straggler's; ``allreduce_bytes``: the allreduce workload's message
-    (bytes); ``timeout_s``: seconds a collective waits for the others."""
+    ``warmup`` steps (:data:`WARMUP`) and profiled ``steps`` steps, traces into ``out``; ``zero``:
+    the GPT of the zero3 workload, ``dp``: the straggler's, whose last rank sleeps
+    ``straggler_factor`` (:data:`STRAGGLER_FACTOR`) × the slowest median step; ``allreduce_bytes``
+    and ``allreduce_calls`` (:data:`ALLREDUCE_CALLS`): the allreduce workload's message (bytes) and
+    calls per step; ``timeout_s``: seconds a collective waits for the others."""
 
     workloads: tuple[str, ...]
     out: str
@@ -77,11 +80,16 @@ class RankTraceSpec:
     zero: TrainConfig
     dp: TrainConfig
     allreduce_bytes: int
+    allreduce_calls: int = ALLREDUCE_CALLS
+    straggler_factor: float = STRAGGLER_FACTOR
+    warmup: int = WARMUP
     timeout_s: float = 60
 
     def __post_init__(self):
-        if not self.workloads or set(self.workloads) - set(WORKLOADS) or self.steps < 1:
-            raise ValueError(f"workloads {self.workloads} must be some of {', '.join(WORKLOADS)} and steps >= 1")
+        if not self.workloads or set(self.workloads) - set(WORKLOADS) or min(self.steps, self.allreduce_calls) < 1 \
+                or self.warmup < 0:
+            raise ValueError(f"workloads {self.workloads} must be some of {', '.join(WORKLOADS)}, steps and "
+                             "allreduce_calls >= 1, warmup >= 0")
 
 
 @dataclass(frozen=True)
@@ -99,15 +107,10 @@ class WorkloadResult:
 
 
 @dataclass(frozen=True)
-class RankTraceResult:
+class RankTraceResult(RankIdentity):
     """One rank's workloads, by name."""
 
-    rank: int
-    world_size: int
-    backend: str
-    device: str
     workloads: dict[str, WorkloadResult]
-    node: int | None = None
 
 
 class RankTraceError(CourseError, ValueError):

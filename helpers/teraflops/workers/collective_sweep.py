@@ -1,8 +1,9 @@
 """Rank side of Unit 5 §1: time all-reduce, all-gather and reduce-scatter over message sizes.
 
-``python -m teraflops.workers.collective_sweep --collectives all_reduce,all_gather --sizes 1024,2048 ...``,
+``python -m teraflops.workers.collective_sweep --spec PATH`` (a :class:`teraflops.hardware.collectives.SweepSpec`),
 started by :func:`teraflops.hardware.collectives.sweep` through :func:`~teraflops.launch.launcher.launch`
-(gloo on CPU, NCCL with one rank per GPU). Buffers are float32; a size is the bytes of the
+(gloo on CPU, NCCL with one rank per GPU); each rank hands back a
+:class:`~teraflops.hardware.collectives.SweepResult`. Buffers are float32; a size is the bytes of the
 *whole* buffer, as in nccl-tests (https://github.com/NVIDIA/nccl-tests, ``doc/PERFORMANCE.md``):
 all-reduce reduces ``size`` bytes on every rank; all-gather gathers ``n`` chunks of ``size / n``
 bytes into a ``size``-byte buffer; reduce-scatter reduces a ``size``-byte buffer into ``n`` chunks
@@ -22,18 +23,18 @@ differs counts as wrong (nccl-tests' ``#wrong``), summed over ranks (as ``CheckD
 gathered into the wrong place, counts as wrong (:func:`check_input`, :func:`expected`).
 
 Sizes above what fits in device memory (GPU: 4× the size must be free) are skipped and listed.
+Every size, count and timeout comes from the spec.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torch.distributed as dist
 
-from teraflops.hardware.collectives import COLLECTIVES
-from teraflops.launch.rank import finish, init_worker, report_progress, write_result
+from teraflops.hardware.collectives import SweepResult, SweepRow, SweepSpec
+from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 from teraflops.workers.common import sync_device
 
 PERIOD = 8  # the check pattern repeats every 8 elements
@@ -123,38 +124,30 @@ def fits(size: int, device: torch.device) -> bool:
     return device.type != "cuda" or 4 * size <= torch.cuda.mem_get_info(device)[0]
 
 
-def iterations(size: int, a) -> tuple[int, int]:
+def iterations(size: int, spec: SweepSpec) -> tuple[int, int]:
     """(warm-up, timed) calls at ``size`` bytes: ``volume / size`` timed, clamped to [min_iters, iters]."""
-    timed = max(a.min_iters, min(a.iters, a.volume_bytes // max(size, 1)))
-    return max(1, min(a.warmup, timed)), timed
+    timed = max(spec.min_iters, min(spec.iters, spec.volume_bytes // max(size, 1)))
+    return max(1, min(spec.warmup, timed)), timed
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--collectives", default=",".join(COLLECTIVES))
-    p.add_argument("--sizes", required=True, help="message sizes in bytes, comma-separated")
-    p.add_argument("--iters", type=int, default=20, help="most timed calls per size")
-    p.add_argument("--min-iters", type=int, default=3, help="fewest timed calls per size")
-    p.add_argument("--volume-bytes", type=int, default=256 << 20, help="timed calls per size: volume / size")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls before the timed ones (at most the timed)")
-    p.add_argument("--timeout", type=float, default=60, help="seconds a collective waits for the others")
-    a = p.parse_args(argv)
-    w = init_worker(a.timeout)
+    """Time every point of the :class:`~teraflops.hardware.collectives.SweepSpec`; write this rank's
+    :class:`~teraflops.hardware.collectives.SweepResult`."""
+    spec = read_spec(SweepSpec, argv)
+    w = init_worker(spec.timeout_s)
     if w.device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the cores; a collective's reduction needs no thread pool
-    collectives = a.collectives.split(",")
-    sizes = [int(s) for s in a.sizes.split(",")]
-    points = [(c, s) for c in collectives for s in sizes]
-    rows, skipped, times = [], [], []
+    points = [(c, s) for c in spec.collectives for s in spec.sizes]
+    measured, skipped, times = [], [], []
     for done, (collective, size) in enumerate(points):
         total, chunk = counts(collective, size, w.world_size)
         ok = torch.tensor([fits(size, w.device) and chunk > 0], dtype=torch.int32, device=w.device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank skips the same points
         if not ok.item():
-            skipped.append([collective, size])
+            skipped.append((collective, size))
             continue
         buf = Buffers(collective, total, chunk, w.rank, w.world_size, w.device)
-        warmup, iters = iterations(size, a)
+        warmup, iters = iterations(size, spec)
         for _ in range(warmup):
             buf.run()
         sync_device(w.device)
@@ -164,23 +157,20 @@ def main(argv: list[str] | None = None) -> None:
             buf.run()
         sync_device(w.device)
         times.append((time.perf_counter() - start) / iters)
-        rows.append({"collective": collective, "size": total * 4, "count": total, "type": "float",
-                     "iters": iters, "warmup": warmup, "wrong": buf.wrong()})
+        measured.append((collective, total, iters, warmup, buf.wrong()))
         del buf
         report_progress(done + 1, len(points))
     # the ranks' times, their average (nccl-tests) and maximum, and the wrong elements summed over ranks
     t = torch.tensor(times, dtype=torch.float64, device=w.device)
-    t_max, wrong = t.clone(), torch.tensor([r["wrong"] for r in rows], dtype=torch.int64, device=w.device)
+    t_max, wrong = t.clone(), torch.tensor([m[-1] for m in measured], dtype=torch.int64, device=w.device)
     dist.all_reduce(t)
     dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
     dist.all_reduce(wrong)
-    for row, mean, top, bad in zip(rows, (t / w.world_size).tolist(), t_max.tolist(), wrong.tolist()):
-        row.update(seconds=mean, seconds_max=top, wrong=int(bad))
-    out = {"rank": w.rank, "world_size": w.world_size, "backend": w.backend}
-    if w.rank == 0:
-        out.update(rows=rows, skipped=skipped,
-                   device=torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu")
-    write_result(out)
+    rows = tuple(SweepRow(collective=c, size=total * 4, count=total, type="float", iters=iters, warmup=warmup,
+                          seconds=mean, seconds_max=top, wrong=int(bad))
+                 for (c, total, iters, warmup, _), mean, top, bad
+                 in zip(measured, (t / w.world_size).tolist(), t_max.tolist(), wrong.tolist()))
+    write_result(SweepResult(**w.identity(), rows=rows, skipped=tuple(skipped)))
     finish()
 
 

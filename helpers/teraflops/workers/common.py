@@ -15,8 +15,6 @@ from teraflops.data import markov_tokens
 from teraflops.models import GPT
 from teraflops.sizing import TrainConfig
 
-EVAL_BATCHES = 8  # global batches held out for an eval loss (make_data, held_out)
-
 
 def build_model(cfg: TrainConfig, device="cpu") -> GPT:
     """The GPT of ``cfg``, initialised from ``cfg.seed`` (identical on every rank and in every run)."""
@@ -25,22 +23,23 @@ def build_model(cfg: TrainConfig, device="cpu") -> GPT:
 
 
 def trained_rank(w, cfg: TrainConfig) -> dict:
-    """The :class:`~teraflops.sizing.TrainedRank` fields of worker ``w``'s result (``w`` from
-    :func:`teraflops.launch.rank.init_worker`), as keywords of the rank program's Result."""
-    return dict(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
-                params=build_model(cfg).num_params(), config=cfg)
+    """The :class:`~teraflops.parallelization.ddp_sync.TrainedRank` fields of worker ``w``'s result (``w``
+    from :func:`teraflops.launch.rank.init_worker`), as keywords of the rank program's Result."""
+    return dict(**w.identity(), params=build_model(cfg).num_params(), config=cfg)
 
 
 def make_data(cfg: TrainConfig, steps: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(inputs, targets)``, int64 ``[rows, seq_len]``: ``steps`` global batches of ``world *
-    micro_batch`` sequences, then :data:`EVAL_BATCHES` more, held out (see :func:`held_out`);
+    micro_batch`` sequences, then ``cfg.eval_batches`` more, held out (see :func:`held_out`);
     seeded by ``cfg.seed + 1``."""
-    return markov_tokens((steps + EVAL_BATCHES) * world * cfg.micro_batch, cfg.seq_len, cfg.vocab, seed=cfg.seed + 1)
+    return markov_tokens((steps + cfg.eval_batches) * world * cfg.micro_batch, cfg.seq_len, cfg.vocab, seed=cfg.seed + 1)
 
 
-def held_out(data, steps: int, world: int, micro_batch: int):
-    """The rows after the first ``steps`` global batches of ``data``: no run of ``steps`` steps trained on them."""
-    rows = slice(steps * world * micro_batch, (steps + EVAL_BATCHES) * world * micro_batch)
+def held_out(data, cfg: TrainConfig, steps: int, world: int):
+    """The ``cfg.eval_batches`` global batches after the first ``steps`` of ``data`` (:func:`make_data`
+    of ``cfg``): no run of ``steps`` steps trained on them."""
+    batch = world * cfg.micro_batch
+    rows = slice(steps * batch, (steps + cfg.eval_batches) * batch)
     return data[0][rows], data[1][rows]
 
 

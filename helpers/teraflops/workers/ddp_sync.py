@@ -23,13 +23,13 @@ Optimizer: Adam.
 
 Interleaving, against the drift of other processes' load on a shared machine: the overlap modes
 take turns step by step (each finishes its communication within its step); the τ runs take turns
-in blocks of ``block`` steps (at least 2τ + WARMUP_STEPS + 1, so that most timed steps of a
+in blocks of ``block`` steps (at least 2τ + ``warmup_steps`` + 1, so that most timed steps of a
 stale run are in the steady state, each waiting for the all-reduce of τ steps ago), and between
 blocks the paused run's in-flight all-reduces are
 waited for, untimed, which leaves its arithmetic unchanged. Times are ``time.perf_counter``
 seconds per step, the step ending when its optimizer step is done on the device (CUDA: the current
 stream, not the whole device, so all-reduces left in flight by a stale run are not waited for).
-Not timed (``None`` in ``step_s``): the first :data:`WARMUP_STEPS` steps of a run and the first
+Not timed (``None`` in ``step_s``): the spec's first ``warmup_steps`` steps of a run and the first
 step of each later block (its all-reduces had been drained, so it would look faster).
 """
 
@@ -46,8 +46,6 @@ from teraflops.models import lm_loss
 from teraflops.sizing import TrainConfig
 from teraflops.workers.common import (build_model, flat_grads, held_out, make_data, rank_batch, set_grads,
     sync_device, trained_rank)
-
-WARMUP_STEPS = 3  # untimed: first-call allocations, DDP's bucket rebuild after its first step
 
 
 class DelayedGradients:
@@ -87,7 +85,7 @@ class DelayedGradients:
             self._queue[i] = (None, buf)
 
 
-def train_reference(cfg: TrainConfig, steps: int, world: int, tau: int = 0) -> list[float]:
+def train_reference(cfg: TrainConfig, steps: int, world: int, tau: int) -> list[float]:
     """Single-process training on the whole global batch of each step, each step's gradient applied
     ``tau`` steps late: the losses that data parallelism with staleness τ must reproduce (the mean
     of the ranks' micro-batch losses), as floats."""
@@ -112,8 +110,8 @@ def train_reference(cfg: TrainConfig, steps: int, world: int, tau: int = 0) -> l
 class _Run:
     """One training run on this rank: model, optimizer, per-step losses and times."""
 
-    def __init__(self, cfg: TrainConfig, data, w):
-        self.cfg, self.data, self.w = cfg, data, w
+    def __init__(self, cfg: TrainConfig, data, w, warmup_steps: int):
+        self.cfg, self.data, self.w, self.warmup_steps = cfg, data, w, warmup_steps
         self.model = build_model(cfg, w.device)
         self.params = list(self.model.parameters())
         self.opt = torch.optim.Adam(self.params, lr=cfg.lr)
@@ -125,15 +123,15 @@ class _Run:
 
     def record(self, loss: torch.Tensor, seconds: float) -> None:
         self.losses.append(loss.item())
-        self.step_s.append(seconds if self.timed_next and len(self.step_s) >= WARMUP_STEPS else None)
+        self.step_s.append(seconds if self.timed_next and len(self.step_s) >= self.warmup_steps else None)
         self.timed_next = True
 
 
 class StaleRun(_Run):
     """Data parallelism with every gradient applied ``tau`` steps late (see the module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, tau: int, data, w):
-        super().__init__(cfg, data, w)
+    def __init__(self, cfg: TrainConfig, tau: int, data, w, warmup_steps: int):
+        super().__init__(cfg, data, w, warmup_steps)
         self.tau, self.queue, self.updates = tau, DelayedGradients(tau), 0
 
     def _apply(self, flat: torch.Tensor) -> None:
@@ -169,7 +167,7 @@ class StaleRun(_Run):
         made = self.updates
         for due in self.queue.drain():
             self._apply(due)
-        x, y = (t.to(self.w.device) for t in held_out(self.data, eval_step, self.w.world_size, self.cfg.micro_batch))
+        x, y = (t.to(self.w.device) for t in held_out(self.data, self.cfg, eval_step, self.w.world_size))
         with torch.no_grad():
             eval_loss = lm_loss(self.model(x), y).item()
         return StaleResult(tau=self.tau, losses=self.losses, step_s=self.step_s, updates=made, eval_loss=eval_loss)
@@ -178,10 +176,10 @@ class StaleRun(_Run):
 class ModeRun(_Run):
     """One overlap mode: ``bucketed`` (DDP), ``after`` (one all-reduce after backward) or ``local``."""
 
-    def __init__(self, cfg: TrainConfig, mode: str, bucket_mb: float, data, w):
+    def __init__(self, cfg: TrainConfig, mode: str, bucket_mb: float, data, w, warmup_steps: int):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        super().__init__(cfg, data, w)
+        super().__init__(cfg, data, w, warmup_steps)
         self.mode, self.net = mode, self.model
         if mode == "bucketed":
             ids = [w.device] if w.device.type == "cuda" else None
@@ -248,10 +246,10 @@ def main(argv: list[str] | None = None) -> None:
         done += 1
         report_progress(done, total)
 
-    stale = [StaleRun(cfg, tau, data, w) for tau in taus]
+    stale = [StaleRun(cfg, tau, data, w, spec.warmup_steps) for tau in taus]
     # A block must be well over τ long: the first τ steps after a pause start all-reduces and wait for
     # none, so with short blocks the timed steps of a large τ would never wait at all.
-    block = max(spec.block, 2 * max(taus, default=0) + WARMUP_STEPS + 1)
+    block = max(spec.block, 2 * max(taus, default=0) + spec.warmup_steps + 1)
     for start in range(0, spec.steps if stale else 0, block):
         for run in stale:
             for i in range(start, min(start + block, spec.steps)):
@@ -259,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             run.pause()
     staleness = tuple(run.result(eval_step=spec.steps) for run in stale)
     del stale
-    runs = [ModeRun(cfg, mode, spec.bucket_mb, data, w) for mode in modes]
+    runs = [ModeRun(cfg, mode, spec.bucket_mb, data, w, spec.warmup_steps) for mode in modes]
     for i in range(spec.overlap_steps if runs else 0):
         for run in runs:
             step(run, i)

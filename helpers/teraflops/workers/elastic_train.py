@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         report_progress(step + 1, a.steps)
     if log:
         log.close()
-    write_result(ElasticResult(rank=w.rank, world_size=w.world_size, backend=w.backend, attempt=attempt,
+    write_result(ElasticResult(**w.identity(), attempt=attempt,
                                resumed_from=start, steps=a.steps, losses=losses, final_loss=losses[-1],
                                params=sum(q.numel() for q in params), train_s=time.perf_counter() - t0))
     finish()

@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise RuntimeError(f"rank {w.rank} received {recv[0].item()} from rank {peer}, expected {peer + 1}")
             times[peer] = spans
         report_progress(done + 1, len(pairs))
-    write_result(LinkProbeResult(rank=w.rank, world_size=w.world_size, bytes=numel * 4, repeats=a.repeats,
-                                 times=times))
+    write_result(LinkProbeResult(**w.identity(), bytes=numel * 4, repeats=a.repeats, times=times))
     finish()
 
 

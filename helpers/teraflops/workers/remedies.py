@@ -94,8 +94,9 @@ class AllReduceBytes:
         return False
 
 
-def comm_hook(setting: str, powersgd_rank: int = 2, powersgd_start: int = 2):
-    """``(state, hook)`` for ``DDP.register_comm_hook`` of ``setting`` (state None: the default group)."""
+def comm_hook(setting: str, powersgd_rank: int, powersgd_start: int):
+    """``(state, hook)`` for ``DDP.register_comm_hook`` of ``setting`` (state None: the default group);
+    PowerSGD's rank and start step come from the spec (:class:`~teraflops.hardware.remedies.RemediesSpec`)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -168,7 +169,7 @@ class RemedyRun:
     def result(self, trained: int) -> RemedyResult:
         """This setting's :class:`~teraflops.hardware.remedies.RemedyResult`; ``eval_loss``: the loss of the
         held-out rows after the first ``trained`` micro-batches."""
-        x, y = (t.to(self.w.device) for t in held_out(self.data, trained, self.w.world_size, self.cfg.micro_batch))
+        x, y = (t.to(self.w.device) for t in held_out(self.data, self.cfg, trained, self.w.world_size))
         with torch.no_grad():
             eval_loss = lm_loss(self.model(x), y).item()
         return RemedyResult(setting=self.setting, k=self.k, losses=self.losses, step_s=self.step_s,

@@ -2,8 +2,8 @@
 
 ``python -m teraflops.workers.straggler --spec PATH`` (a :class:`teraflops.orchestration.stragglers.StragglerSpec`),
 started by :func:`teraflops.orchestration.stragglers.run` through :func:`~teraflops.launch.launcher.launch`. Every
-setting trains a fresh :class:`~teraflops.models.GPT` from the spec's seed with SGD (momentum
-:data:`MOMENTUM`) on the same Markov token stream: at step ``t`` the global batch is rows
+setting trains a fresh :class:`~teraflops.models.GPT` from the spec's seed with SGD (the spec's
+``momentum``) on the same Markov token stream: at step ``t`` the global batch is rows
 ``t·B ... (t+1)·B`` and rank ``r`` takes ``sizes[r]`` of them after those of the ranks before it
 (:func:`rank_rows`), so every setting sees the same global batches.
 
@@ -26,7 +26,7 @@ calibration run with equal micro-batches, then, taking turns, the equal split an
 :func:`teraflops.orchestration.stragglers.rebalance` gives for the calibration's speeds); ``localsgd`` (random
 delays on every rank; synchronous, then local SGD per ``local_ks``, one after the other; steps
 rounded up so that the last step is an average). Each setting begins with
-:data:`~teraflops.orchestration.stragglers.WARMUP` untimed steps and a barrier.
+the spec's ``warmup`` untimed steps and a barrier.
 """
 
 from __future__ import annotations
@@ -41,12 +41,11 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from teraflops.models import lm_loss
 from teraflops.sizing import TrainConfig
-from teraflops.orchestration.stragglers import (WARMUP, Injection, SettingRecords, SettingResult, StragglerResult,
+from teraflops.orchestration.stragglers import (Injection, SettingRecords, SettingResult, StragglerResult,
     StragglerSpec, rebalance)
 from teraflops.workers.common import (build_model, flat_grads, held_out, make_data, set_grads, sync_device,
     trained_rank)
 
-MOMENTUM = 0.9
 RECORDS = ("start", "compute", "delay", "wait", "update", "step", "batch", "loss")
 
 
@@ -91,17 +90,18 @@ def _stopwatch(device):
 
 
 class Setting:
-    """One training setting on this rank: a fresh model (from ``cfg.seed``), SGD, an injection, the
-    micro-batch sizes of all ranks, and the records of its timed steps. :meth:`step` runs the next
-    step; the first :data:`WARMUP` are not recorded."""
+    """One training setting on this rank: a fresh model (from ``cfg.seed``), SGD with ``momentum``, an
+    injection, the micro-batch sizes of all ranks, and the records of its timed steps. :meth:`step`
+    runs the next step; the first ``warmup`` are not recorded."""
 
-    def __init__(self, w, cfg: TrainConfig, data, name: str, inj: Injection, steps: int, sizes, local_k: int = 0):
+    def __init__(self, w, cfg: TrainConfig, data, name: str, inj: Injection, steps: int, sizes, local_k: int, *,
+                 warmup: int, momentum: float):
         self.w, self.cfg, self.data, self.name, self.inj = w, cfg, data, name, inj
-        self.sizes, self.local_k = list(sizes), local_k
+        self.sizes, self.local_k, self.warmup = list(sizes), local_k, warmup
         self.model = build_model(cfg, w.device)
         self.params = list(self.model.parameters())
-        self.opt = torch.optim.SGD(self.params, lr=cfg.lr, momentum=MOMENTUM)
-        self.t, self.total = 0, WARMUP + steps
+        self.opt = torch.optim.SGD(self.params, lr=cfg.lr, momentum=momentum)
+        self.t, self.total = 0, warmup + steps
         self.delays = inj.delays_s(self.total, w.rank, w.world_size)
         self.slow = inj.kind == "compute" and w.rank in inj.ranks(w.world_size)
         self.rec = {k: [] for k in RECORDS}
@@ -134,7 +134,7 @@ class Setting:
             set_grads(params, flat)
             self.opt.step()
             update = lap()
-        if t >= WARMUP:
+        if t >= self.warmup:
             own = loss.item() * (1 if k else global_batch / len(x))  # the micro-batch's mean loss
             for key, v in zip(RECORDS, (start, compute, delay, wait, update, compute + delay + wait + update,
                                         len(x), own)):
@@ -151,7 +151,7 @@ class Setting:
         seconds); ``eval_loss`` (held-out rows, nats) if ``evaluate``, else None."""
         eval_loss = None
         if evaluate:
-            rows = held_out(self.data, self.total, self.w.world_size, self.cfg.micro_batch)
+            rows = held_out(self.data, self.cfg, self.total, self.w.world_size)
             x, y = (v.to(self.w.device) for v in rows)
             with torch.no_grad():
                 eval_loss = lm_loss(self.model(x), y).item()
@@ -164,7 +164,7 @@ def take_turns(settings: list[Setting], tick) -> None:
     together), then their timed steps in turn, step by step, so that drift in other processes' load
     hits them alike. ``tick()`` after every step."""
     for s in settings:
-        for _ in range(WARMUP):
+        for _ in range(s.warmup):
             s.step()
             tick()
     dist.barrier()
@@ -180,7 +180,7 @@ def settings(a: StragglerSpec) -> dict[str, list[tuple]]:
     is the equal split's with those sizes)."""
     kind_d, ks = a.kind_delay_ms, list(a.local_ks)
     lcm = math.lcm(*ks) if ks else 1
-    local_steps = -(-(WARMUP + a.steps) // lcm) * lcm - WARMUP  # the last step of every k is an average
+    local_steps = -(-(a.warmup + a.steps) // lcm) * lcm - a.warmup  # the last step of every k is an average
     jitter = Injection("random", a.jitter_ms, rank="all", prob=a.jitter_prob, seed=a.model.seed)
     slow = Injection("compute", factor=a.factor)
     return {"sweep": [(f"{d:g} ms", Injection("constant", d), a.steps, 0)
@@ -208,8 +208,9 @@ def main(argv: list[str] | None = None) -> None:
 
     w = init_worker(spec.timeout_s)
     equal = [cfg.micro_batch] * w.world_size
-    data = make_data(cfg, max(WARMUP + s[2] for ss in plan.values() for s in ss), w.world_size)
-    total = sum(WARMUP + s[2] for ss in plan.values() for s in ss) + (WARMUP + spec.steps if "rebalance" in plan else 0)
+    warm = spec.warmup
+    data = make_data(cfg, max(warm + s[2] for ss in plan.values() for s in ss), w.world_size)
+    total = sum(warm + s[2] for ss in plan.values() for s in ss) + (warm + spec.steps if "rebalance" in plan else 0)
     done = 0
 
     def tick():  # after each step of any setting: the launch's step count, for progress and TERAFLOPS_FAULT
@@ -219,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         report_progress(done, total)
 
     def setting(entry, sizes=equal, name=None):
-        return Setting(w, cfg, data, name or entry[0], entry[1], entry[2], sizes, entry[3])
+        return Setting(w, cfg, data, name or entry[0], entry[1], entry[2], sizes, entry[3], warmup=warm,
+                       momentum=spec.momentum)
 
     result = {}
     group = {e: [setting(s) for s in plan[e]] for e in ("sweep", "kinds") if e in plan}

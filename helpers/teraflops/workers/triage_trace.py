@@ -6,7 +6,7 @@ started by :func:`teraflops.triage.rank_traces.profile_ranks` through :func:`~te
 ``deepspeed.init_distributed``). The workloads run one after the other in the order asked; what
 each one does and which verdict it should get is in :mod:`teraflops.triage.rank_traces`.
 
-Per workload, on every rank: :data:`WARMUP` untimed steps, then the spec's ``steps`` steps, each after a
+Per workload, on every rank: the spec's ``warmup`` untimed steps, then its ``steps`` steps, each after a
 barrier (so that every step starts together and no rank is late because it wrote its trace
 longer) and each profiled on its own as :func:`teraflops.triage.verdict.record` profiles one call
 (``torch.profiler``, CPU plus CUDA with GPUs, ``record_shapes=True``). The first profiled step's
@@ -32,8 +32,7 @@ import torch.distributed as dist
 
 from teraflops.data import markov_tokens
 from teraflops.models import lm_loss
-from teraflops.triage.rank_traces import (ALLREDUCE_CALLS, STRAGGLER_FACTOR, WARMUP, RankTraceResult,
-    RankTraceSpec, WorkloadResult, collective_seconds)
+from teraflops.triage.rank_traces import RankTraceResult, RankTraceSpec, WorkloadResult, collective_seconds
 from teraflops.sizing import TrainConfig
 from teraflops.triage.verdict import record
 from teraflops.workers.common import build_model, flat_grads, set_grads, sync_device, zero_config
@@ -79,8 +78,8 @@ def zero3(w, a):
 
 
 def straggler(w, a):
-    """Synchronous data parallelism, the last rank late by a sleep of :data:`STRAGGLER_FACTOR` × the
-    slowest rank's median step without delay (measured here, over :data:`WARMUP` + 2 steps): forward,
+    """Synchronous data parallelism, the last rank late by a sleep of ``a.straggler_factor`` × the
+    slowest rank's median step without delay (measured here, over ``a.warmup`` + 2 steps): forward,
     backward, the sleep (last rank only), one blocking all-reduce of all gradients, SGD."""
     model = build_model(a.dp, w.device)
     params = list(model.parameters())
@@ -99,27 +98,27 @@ def straggler(w, a):
         opt.step()
 
     times = []
-    for _ in range(WARMUP + 2):
+    for _ in range(a.warmup + 2):
         dist.barrier()
         start = time.perf_counter()
         step()
         sync_device(w.device)
         times.append(time.perf_counter() - start)
-    base = torch.tensor([statistics.median(times[WARMUP:])], dtype=torch.float64, device=w.device)
+    base = torch.tensor([statistics.median(times[a.warmup:])], dtype=torch.float64, device=w.device)
     dist.all_reduce(base, op=dist.ReduceOp.MAX)  # one delay, the same on every rank's books
     late = w.world_size - 1
-    delay_s = STRAGGLER_FACTOR * base.item()
+    delay_s = a.straggler_factor * base.item()
     delay[0] = delay_s if w.rank == late else 0.0
     return step, {"params": model.num_params(), "delayed_rank": late, "delay_s": delay_s}, None
 
 
 def allreduce(w, a):
-    """:data:`ALLREDUCE_CALLS` blocking all-reduces of an ``allreduce_bytes`` float32 message, each
+    """``a.allreduce_calls`` blocking all-reduces of an ``a.allreduce_bytes`` float32 message, each
     followed by one trivial op (scaling by 1/world, so the values stay put)."""
     x = torch.ones(max(1, a.allreduce_bytes // 4), device=w.device)
 
     def step():
-        for _ in range(ALLREDUCE_CALLS):
+        for _ in range(a.allreduce_calls):
             dist.all_reduce(x)
             x.mul_(1 / w.world_size)
 
@@ -133,7 +132,7 @@ def run(name: str, w, a: RankTraceSpec, tick) -> WorkloadResult:
     """Build workload ``name``, warm it up, profile ``a.steps`` steps; this rank's result for it."""
     out = Path(a.out)
     step, info, close = BUILDERS[name](w, a)
-    for _ in range(WARMUP):
+    for _ in range(a.warmup):
         step()
         tick()
     waits, step_s, kept = [], [], out / f"{name}.rank{w.rank}.json"
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     Path(a.out).mkdir(parents=True, exist_ok=True)
 
     w = init_worker(a.timeout_s, deepspeed="zero3" in a.workloads)
-    total, done = len(a.workloads) * (WARMUP + a.steps), 0
+    total, done = len(a.workloads) * (a.warmup + a.steps), 0
 
     def tick():
         nonlocal done
@@ -170,8 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         report_progress(done, total)
 
     results = {name: run(name, w, a, tick) for name in a.workloads}
-    write_result(RankTraceResult(rank=w.rank, world_size=w.world_size, backend=w.backend, device=str(w.device),
-                                 workloads=results))
+    write_result(RankTraceResult(**w.identity(), workloads=results))
     finish()
 
 

@@ -5,8 +5,10 @@
 
 The spec's ``source`` is the learner's class block; it runs in a namespace with only ``torch``,
 ``dist`` (``torch.distributed``), ``math``, ``nn`` and ``F``. Every rank builds the same small MLP
-(Ψ = :data:`PSI` parameters, not divisible by any world size from 2 to 10, so the flat vector needs padding) and
-trains four copies of it for the spec's ``steps`` steps on the same rank-specific batches:
+of the spec's ``mlp`` sizes (Ψ = ``spec.psi`` parameters, 517 with the check's
+:data:`~teraflops.parallelization.zero.ZERO1_MLP`: not divisible by any world size from 2 to 10, so
+the flat vector needs padding) and trains four copies of it for the spec's ``steps`` steps on the
+same rank-specific batches of ``batch`` rows, every optimizer with the spec's ``hyper`` (``HYPER``):
 
 * the learner's: ``opt = CLASS(model.parameters(), **HYPER)``; ``opt.zero_grad()``, backward, ``opt.step()``;
 * the reference: the model wrapped in ``DistributedDataParallel`` with ``torch.optim.AdamW(**HYPER)``;
@@ -14,9 +16,8 @@ trains four copies of it for the spec's ``steps`` steps on the same rank-specifi
   averaged) and by ``1/world_size`` (averaged twice), so the check can name those mistakes.
 
 The references use their own process group, so the learner's collectives never interleave with
-DDP's. ``HYPER`` has a large ``eps``: AdamW divides the gradient by its own running RMS, so a
-gradient scaled by a constant moves the parameters the same way unless ``eps`` is comparable to
-the gradient's size. An exception in the learner's code is caught and reported (where, type,
+DDP's. The check's ``HYPER`` (:data:`~teraflops.parallelization.zero.ZERO1_HYPER`) has a large ``eps``,
+so that the wrong references move differently. An exception in the learner's code is caught and reported (where, type,
 first line, time) instead of crashing the rank.
 
 Result per rank (:func:`~teraflops.launch.rank.write_result`, a :class:`teraflops.parallelization.zero.Zero1CheckResult`): ``psi``, ``world_size``, ``hyper``,
@@ -37,6 +38,7 @@ import re
 import sys
 import time
 from contextlib import suppress
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -47,24 +49,25 @@ from teraflops.launch.faults import fault_point
 from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 from teraflops.parallelization.zero import OptimizerInfo, RankError, Zero1CheckResult, Zero1CheckSpec
 
-HYPER = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-3, "weight_decay": 0.1}
-IN, HIDDEN, OUT, BATCH = 8, 32, 5, 16
-PSI = (IN + 1) * HIDDEN + 2 * HIDDEN + (HIDDEN + 1) * OUT  # 517 = 11 × 47: no world size from 2 to 10 divides it
 _COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
                 "broadcast", "reduce", "all_to_all_single", "_reduce_scatter_base", "_all_gather_base")
 
 
-def make_model() -> nn.Module:
-    """The model every rank trains: 6 parameter tensors, Ψ = 517 elements."""
+def make_model(spec: Zero1CheckSpec) -> nn.Module:
+    """The model every rank trains: Linear, GELU, LayerNorm, Linear of ``spec.mlp`` features (6
+    parameter tensors, ``spec.psi`` elements), initialised from seed 0."""
+    inputs, hidden, outputs = spec.mlp
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, OUT))
+    return nn.Sequential(nn.Linear(inputs, hidden), nn.GELU(), nn.LayerNorm(hidden), nn.Linear(hidden, outputs))
 
 
-def batch(step: int, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s batch at ``step``: different on every rank, so gradients must be averaged."""
+def batch(spec: Zero1CheckSpec, step: int, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``, ``spec.batch`` rows: different on every rank, so gradients
+    must be averaged."""
+    inputs, _, outputs = spec.mlp
     g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(BATCH, IN, generator=g)
-    y = torch.sin(x[:, :OUT] * (rank + 1)) + 0.1 * torch.randn(BATCH, OUT, generator=g)
+    x = torch.randn(spec.batch, inputs, generator=g)
+    y = torch.sin(x[:, :outputs] * (rank + 1)) + 0.1 * torch.randn(spec.batch, outputs, generator=g)
     return x.to(device), y.to(device)
 
 
@@ -127,13 +130,14 @@ def _optimizers(obj) -> list[torch.optim.Optimizer]:
     return found
 
 
-def _describe(opt: torch.optim.Optimizer) -> OptimizerInfo:
-    """Type (``torch``: one of torch.optim's own), first group's hyperparameters, elements owned, and
-    elements of state tensors with dim > 0 (AdamW's ``step`` is a 0-dim tensor: not counted)."""
+def _describe(opt: torch.optim.Optimizer, names) -> OptimizerInfo:
+    """Type (``torch``: one of torch.optim's own), first group's hyperparameters among ``names``,
+    elements owned, and elements of state tensors with dim > 0 (AdamW's ``step`` is a 0-dim tensor:
+    not counted)."""
     group = opt.param_groups[0] if opt.param_groups else {}
     state = sum(t.numel() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
     owned = sum(p.numel() for g in opt.param_groups for p in g["params"])
-    hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k in HYPER}
+    hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k in names}
     return OptimizerInfo(type=type(opt).__name__, torch=type(opt).__module__.startswith("torch.optim"), state=state,
                          owned=owned, **hyper)
 
@@ -147,18 +151,19 @@ def _error(where: str, e: BaseException, secondary: bool = False) -> RankError:
 
 def main(argv: list[str] | None = None) -> None:
     a = read_spec(Zero1CheckSpec, argv)
+    hyper = asdict(a.hyper)
     w = init_worker(a.timeout_s)
     ref_group = dist.new_group()  # DDP's collectives stay apart from the learner's (default group)
     n = w.world_size
-    base = make_model().to(w.device)
+    base = make_model(a).to(w.device)
     model = copy.deepcopy(base)
     refs = {}
     for key, scale in (("ref", 1.0), ("sum", float(n)), ("double", 1.0 / n)):
         m = nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=ref_group)
-        refs[key] = (m, torch.optim.AdamW(m.parameters(), **HYPER), scale)
+        refs[key] = (m, torch.optim.AdamW(m.parameters(), **hyper), scale)
     comm = _CommLog()
     comm.install()
-    result = {"rank": w.rank, "world_size": n, "psi": PSI, "hyper": HYPER, "steps": a.steps, "error": None,
+    result = {**w.identity(), "psi": sum(p.numel() for p in base.parameters()), "hyper": hyper, "steps": a.steps, "error": None,
               "params": None, "grad_left": 0.0, "optimizers": [], "comm": comm.elements}
     if w.rank == 0:
         result["initial"] = flat(base).tolist()
@@ -178,12 +183,12 @@ def main(argv: list[str] | None = None) -> None:
         return namespace[a.name]
 
     cls = learner("class definition", define)
-    opt = None if result["error"] else learner(f"{a.name}(params, ...)", cls, model.parameters(), **HYPER)
+    opt = None if result["error"] else learner(f"{a.name}(params, ...)", cls, model.parameters(), **hyper)
     for step in range(a.steps):
         if result["error"]:
             break
         fault_point(step)
-        x, y = batch(step, w.rank, w.device)
+        x, y = batch(a, step, w.rank, w.device)
         learner("zero_grad()", opt.zero_grad)
         if result["error"]:
             break
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         report_progress(step + 1, a.steps)
     if not result["error"]:
         result["params"] = flat(model).tolist()
-        result["optimizers"] = [_describe(o) for o in _optimizers(opt)]
+        result["optimizers"] = [_describe(o, hyper) for o in _optimizers(opt)]
         if w.rank == 0:
             result["ref"] = flat(refs["ref"][0].module).tolist()
             result["alt"] = {k: flat(refs[k][0].module).tolist() for k in ("sum", "double")}

@@ -142,7 +142,7 @@ def main() -> None:
     spec = read_spec(ZeroSpec)  # the DeepSpeed launcher may append --local_rank: read_spec ignores it
     worker = init_worker(spec.timeout_s, deepspeed=True)
     runs = tuple(run_stage(s, spec, worker.world_size, worker.rank, i * spec.steps) for i, s in enumerate(spec.stages))
-    write_result(ZeroResult(rank=worker.rank, world_size=worker.world_size, backend=worker.backend, runs=runs))
+    write_result(ZeroResult(**worker.identity(), runs=runs))
     finish()
 
 
