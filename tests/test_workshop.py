@@ -284,6 +284,7 @@ def test_a_cluster_exec_job_whose_cluster_is_taken_down_says_by_whom():
         shell.wait()
         cl.down(only=[ns for ns in cl.namespaces() if cl.cluster_of(ns) == name])
         ownership.release(name)
+        ownership.clear_taken_down(name)
 
 
 def _members(results: str) -> list:
