@@ -9,7 +9,7 @@ import matplotlib
 import psutil
 import pytest
 
-import teraflops.launch.launcher as distributed
+import teraflops.launch.plan as launch_plan  # prepare() picks the launch port
 from teraflops.orchestration import elastic
 from teraflops.launch.launcher import LaunchFailed
 from teraflops.launch.ports import port_in_use
@@ -30,11 +30,11 @@ def private_tmp(monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     ports = []
 
-    def recording_free_port(free_port=distributed.free_port):
+    def recording_free_port(free_port=launch_plan.free_port):
         ports.append(free_port())
         return ports[-1]
 
-    monkeypatch.setattr(distributed, "free_port", recording_free_port)
+    monkeypatch.setattr(launch_plan, "free_port", recording_free_port)
     return tmp_path, ports
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import teraflops
-from teraflops.launch import launcher, placement as pl, selftest
+from teraflops.launch import agents, placement as pl, selftest
 from teraflops.machine import GPU, Machine
 from teraflops.sizing import PRESETS
 from teraflops.launch.placement import data_parallel_plan
@@ -121,17 +121,17 @@ def test_rank_side_reads_the_placement_not_the_gpu_count():
 
 def test_launch_commands_per_launcher_and_node():
     where = pl.place(2, machine=machine(0), environ={})
-    torchrun, = launcher.launch_commands(where, "m", Path("/r/spec.json"), port=1234)
+    torchrun, = agents.launch_commands(where, "m", Path("/r/spec.json"), port=1234)
     assert torchrun[-3:] == ["m", "--spec", "/r/spec.json"]  # a rank's only argument: its Spec
     assert torchrun[1:6] == ["-m", "teraflops.launch.loopback", "torch.distributed.run", "--nproc-per-node", "2"]
     assert torchrun[torchrun.index("--master-addr") + 1] == "127.0.0.1"  # its stores on loopback only
-    c10d, = launcher.launch_commands(where, "m", port=1234, launcher_args=["--rdzv-backend", "c10d"])
+    c10d, = agents.launch_commands(where, "m", port=1234, launcher_args=["--rdzv-backend", "c10d"])
     assert "127.0.0.1:1234" in c10d and c10d[c10d.index("--local-addr") + 1] == "127.0.0.1"
-    ds, = launcher.launch_commands(where, "m", launcher="deepspeed", port=1234)
+    ds, = agents.launch_commands(where, "m", launcher="deepspeed", port=1234)
     assert ds[-1] == "m"  # no Spec, no arguments
     assert ds[2] == "deepspeed.launcher.runner" and ds[ds.index("--num_gpus") + 1] == "2"
     spread = pl.place(4, cluster=FakeCluster(2), machine=machine(0), environ={})
-    nodes = launcher.launch_commands(spread, "m", cluster=FakeCluster(2), port=1234)
+    nodes = agents.launch_commands(spread, "m", cluster=FakeCluster(2), port=1234)
     assert len(nodes) == 2 and all(c[c.index("--nproc-per-node") + 1] == "2" for c in nodes)
     assert nodes[1][:4] == ["ip", "netns", "exec", "teraflops-fake-node1"] and "is_host=0" in nodes[1]
 

@@ -200,12 +200,14 @@ def _wait(ready, timeout: float, what: str):
 @NEEDS_SLURM
 @pytest.mark.slow
 def test_cli_up_slurm_exec_status_down(tmp_path):
-    name = f"cli{os.getpid()}"  # the CLI's default: its caller's (here this process's) cluster
     start = time.monotonic()
     up = _cli("up", "--nodes", "3", "--slurm")
     up_s = time.monotonic() - start
+    # the CLI's default: cli<the leader of its caller's login session> (this test's session), found by `exec`
+    name = up.stdout.split("cluster '", 1)[1].split("'", 1)[0] if "cluster '" in up.stdout else "?"
     try:
         assert up.returncode == 0, up.stderr
+        assert name == f"cli{ownership.read(name)['pid']}" and ownership.alive(ownership.read(name))
         assert "slurmctld (node0)" in up.stdout and "slurmd (node2)" in up.stdout
         assert up_s < 20, f"`cluster up --slurm` took {up_s:.1f} s"
         sinfo = _cli("exec", "--", "sinfo", "-h", "-N", "-o", "%N %T")  # the daemons outlived `up`

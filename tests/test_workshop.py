@@ -2,6 +2,7 @@
 run with it, a host's warm cache, builds that say why they failed."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,10 +19,11 @@ TRIALS = int(os.environ.get("TERAFLOPS_UP_TRIALS", "2"))  # 20 by hand: TERAFLOP
 
 
 def _shell(*args: str) -> subprocess.Popen:
-    """A shell that runs `teraflops cluster ARGS`, prints its exit code and stays (it owns the cluster)."""
+    """A learner's terminal: a shell leading a login session of its own that runs `teraflops cluster ARGS`,
+    prints its exit code and stays (the session, so the shell, owns the cluster)."""
     line = " ".join([sys.executable, "-m", "teraflops", "cluster", *args])
     return subprocess.Popen(["sh", "-c", f"{line}; echo rc=$?; exec sleep 120"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _until_done(shell: subprocess.Popen) -> str:
@@ -95,6 +97,194 @@ def test_concurrent_ups_both_work_or_one_refuses_and_down_spares_live_owners(sam
                 s.wait()
             cl.down(only=[ns for ns in cl.namespaces() if (cl.cluster_of(ns) or "").startswith(("w20t", "cli"))
                           and not ownership.alive(ownership.read(cl.cluster_of(ns)))])
+
+
+# ---- the owner is the caller's login session ---------------------------------------------------------
+
+
+def _processes(monkeypatch, table: dict[int, tuple[int, int, str]]) -> None:
+    """Make ownership see the processes of ``table`` (pid: session id, parent, name) and no others."""
+    def getsid(pid):
+        if pid not in table:
+            raise ProcessLookupError(pid)
+        return table[pid][0]
+
+    monkeypatch.setattr(ownership.os, "getsid", getsid)
+    monkeypatch.setattr(ownership, "parent", lambda pid: table[pid][1] or None if pid in table else None)
+    monkeypatch.setattr(ownership, "_name", lambda pid: table[pid][2] if pid in table else None)
+
+
+LOGIN = {1: (0, 0, "init"), 50: (50, 1, "sshd"), 100: (100, 50, "bash")}  # sshd's login shell, pid 100
+
+
+@pytest.mark.parametrize("chain, cli, owner", [
+    ({150: (100, 100, "timeout"), 200: (100, 150, "python")}, 200, 100),  # timeout 60 teraflops ...: the shell
+    ({150: (100, 100, "make"), 160: (100, 150, "sh"), 200: (100, 160, "python")}, 200, 100),  # a make recipe
+    # sudo with use_pty: the command's session is led by sudo's monitor (a child of sudo, in the shell's session)
+    ({300: (100, 100, "sudo"), 301: (301, 300, "sudo"), 302: (301, 301, "python")}, 302, 100),
+    ({400: (100, 100, "su"), 401: (401, 400, "sh"), 402: (401, 401, "python")}, 402, 100),  # su -c in a new session
+    ({500: (500, 100, "python")}, 500, 100),  # setsid teraflops ...: the session it was started from
+    ({600: (0, 601, "python"), 601: (0, 1, "python")}, 600, 601),  # no login session at all: its parent
+    ({700: (700, 1, "python")}, 700, 700),  # its own session, started by init: nobody else to own it
+])
+def test_a_commands_owner_is_its_login_sessions_leader_through_timeout_make_sudo_su_and_setsid(
+        monkeypatch, chain, cli, owner):
+    _processes(monkeypatch, {**LOGIN, **chain})
+    assert ownership.session_owner(cli) == owner
+
+
+def test_the_owner_of_this_process_is_its_sessions_leader_or_the_session_it_came_from():
+    leader = os.getsid(0)
+    want = leader if leader != os.getpid() else ownership.session_owner(os.getppid())
+    assert ownership.session_owner() == want and ownership.start_time(want) is not None
+
+
+def test_a_reused_pid_is_another_owner():
+    assert ownership.same_owner({"pid": 7, "start": 100.0}, {"pid": 7, "start": 100.4})
+    assert not ownership.same_owner({"pid": 7, "start": 100.0}, {"pid": 7, "start": 160.0})
+    assert not ownership.same_owner({"pid": 7, "start": 100.0}, {"pid": 8, "start": 100.0})
+    assert not ownership.same_owner(None, {"pid": 7})
+
+
+def test_down_takes_the_callers_own_leftovers_a_named_one_of_its_user_and_with_all_everyones():
+    from teraflops.nodes import ownership_policy as policy
+
+    me = {"pid": 100, "start": 5.0, "uid": 1000, "user": "alice"}
+    records = {"mine": {**me, "name": "mine"},
+               "shell2": {"pid": 200, "start": 6.0, "uid": 1000, "user": "alice"},  # her other terminal
+               "bobs": {"pid": 300, "start": 7.0, "uid": 1001, "user": "bob"},
+               "dead": {"pid": 400, "start": 8.0, "uid": 1001, "user": "bob"}, "norecord": None}
+    groups = {n: [f"teraflops-{n}-switch"] for n in [*records, ""]}
+    live = lambda r: bool(r) and r["pid"] != 400  # noqa: E731
+
+    def verdicts(**kw):
+        return {d.name: (d.take, d.why) for d in policy.decide(groups, records, me, alive=live, **kw)}
+
+    assert verdicts() == {"": (True, "leftover"), "dead": (True, "leftover"), "norecord": (True, "leftover"),
+                          "mine": (True, "yours"), "shell2": (False, "others"), "bobs": (False, "others")}
+    assert verdicts(name="shell2")["shell2"] == (True, "named")  # a cluster of hers, by name
+    assert verdicts(name="bobs")["bobs"] == (False, "others")  # never another user's by name
+    assert {n: v for n, v in verdicts(all=True).items() if v[1] == "all"} == {"shell2": (True, "all"),
+                                                                             "bobs": (True, "all")}
+
+
+def test_an_owner_that_is_not_a_process_is_one_line(capsys):
+    from teraflops.course.cli import main
+
+    dead = 2 ** 22 + 7  # above pid_max's default on 64-bit Linux (4194304)
+    assert main(["cluster", "down", "--owner", str(dead)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--owner {dead}: no such process" in err and "--owner $$" in err
+
+
+def _login(script: str) -> subprocess.Popen:
+    """A terminal: ``sh -c script`` leading a session of its own, stdin and stdout piped."""
+    return subprocess.Popen(["sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _upto(shell: subprocess.Popen, mark: str) -> str:
+    out = []
+    for line in shell.stdout:
+        out.append(line)
+        if line.startswith(mark):
+            break
+    return "".join(out)
+
+
+def _teraflops(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "teraflops", "cluster", *args], capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+@NEEDS_NODES
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["timeout 60", "sh -c", "make", "setsid"])
+def test_the_owner_lives_as_long_as_the_shell_and_a_subshell_of_its_session_takes_it_down(tmp_path, wrapper):
+    """`timeout 60 teraflops cluster up` (and make, a script, setsid) in a terminal: the cluster belongs to
+    the terminal's shell, alive after the command; another session's `down` leaves it running, a subshell
+    of the same session takes it down."""
+    name = f"own{os.getpid()}{['timeout 60', 'sh -c', 'make', 'setsid'].index(wrapper)}"
+    up = f"{sys.executable} -m teraflops cluster up --nodes 1 --name {name}"
+    if wrapper == "make":
+        (tmp_path / "Makefile").write_text(f"up:\n\t{up}\n")
+        command = f"make -s -C {tmp_path} up"
+    else:
+        command = {"timeout 60": f"timeout 60 {up}", "sh -c": f"sh -c '{up}'", "setsid": f"setsid {up}"}[wrapper]
+    shell = _login(f"{command}; echo rc=$?; read go; ({sys.executable} -m teraflops cluster down); echo rc=$?; "
+                   "exec sleep 60")
+    try:
+        out = _upto(shell, "rc=")
+        assert "rc=0" in out, out
+        held = ownership.read(name)
+        assert held["pid"] == shell.pid and ownership.alive(held), (held, shell.pid)  # the shell, not the wrapper
+        other = _teraflops("down")  # another terminal (this test's session)
+        assert other.returncode == 0 and f"{name} of root (pid {shell.pid})" in other.stdout, other.stdout
+        assert f"owner: root (pid {shell.pid})" in _teraflops("status").stdout
+        shell.stdin.write("go\n")
+        shell.stdin.flush()
+        down = _upto(shell, "rc=")
+        assert "rc=0" in down and f"teraflops-{name}-node0" in down, down
+        assert ownership.read(name) is None and not [ns for ns in cl.namespaces() if cl.cluster_of(ns) == name]
+    finally:
+        os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
+        cl.down(only=[ns for ns in cl.namespaces() if cl.cluster_of(ns) == name])
+        ownership.release(name)
+
+
+@NEEDS_NODES
+@pytest.mark.slow
+def test_another_users_down_and_status_see_a_live_cluster_of_someone_else(tmp_path):
+    """User nobody (uid 65534), in a session of its own, names root's live cluster: `down --name` leaves it
+    running (never another user's by name), `status` shows its owner."""
+    name = f"usr{os.getpid()}"
+    shell = _shell("up", "--nodes", "1", "--name", name)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    os.chown(stage, 65534, 65534)
+    env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    try:
+        assert "rc=0" in _until_done(shell)
+        argv = ["sh", "-c", f"{sys.executable} -m teraflops cluster down --name {name}; "  # in a session of theirs
+                f"{sys.executable} -m teraflops cluster status"]
+        theirs = subprocess.run(_as_user("65534", argv, stage), capture_output=True, text=True, env=env, timeout=120,
+                                start_new_session=True, cwd=tmp_path)
+        assert f"left running (other owners'; --all removes them): {name} of root (pid {shell.pid})" in theirs.stdout, \
+            theirs.stdout + theirs.stderr
+        assert f"owner: root (pid {shell.pid})" in theirs.stdout
+        assert len([ns for ns in cl.namespaces() if cl.cluster_of(ns) == name]) == 2  # untouched
+    finally:
+        shell.kill()
+        shell.wait()
+        cl.down(only=[ns for ns in cl.namespaces() if cl.cluster_of(ns) == name])
+        ownership.release(name)
+
+
+@NEEDS_NODES
+@pytest.mark.slow
+def test_a_cluster_exec_job_whose_cluster_is_taken_down_says_by_whom():
+    name = f"exe{os.getpid()}"
+    shell = _shell("up", "--nodes", "2", "--name", name)
+    try:
+        assert "rc=0" in _until_done(shell)
+        job = subprocess.Popen([sys.executable, "-m", "teraflops", "cluster", "exec", "--name", name, "--node", "1",
+                                "--", "sh", "-c", "echo started; exec sleep 60"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        assert job.stdout.readline().strip() == "started"
+        host = _teraflops("down", "--all")  # the host, in another session
+        assert host.returncode == 0 and f"teraflops-{name}-node1" in host.stdout, host.stdout + host.stderr
+        _, err = job.communicate(timeout=30)
+        lines = err.strip().splitlines()
+        assert job.returncode == 128 + signal.SIGTERM and len(lines) == 1, err
+        assert re.fullmatch(rf"error: cluster '{name}' was taken down by root \(pid \d+\) with "
+                            r"`teraflops cluster down --all` while the job ran\.", lines[0]), lines
+    finally:
+        shell.kill()
+        shell.wait()
+        cl.down(only=[ns for ns in cl.namespaces() if cl.cluster_of(ns) == name])
+        ownership.release(name)
+        ownership.clear_taken_down(name)
 
 
 def _members(results: str) -> list:

@@ -8,6 +8,15 @@ lives is never touched by another owner (unless the host asks, ``teraflops clust
 A pid alone can be reused by a new process after its owner dies; the record also keeps the owner's
 start time (``psutil.Process.create_time``) and the owner counts as alive only while both match.
 
+A notebook's run belongs to the kernel (the calling process). What a **command** makes
+(``teraflops cluster up``) belongs to the caller's **login session**: its session leader
+(:func:`session_owner`; ``os.getsid``, what ``ps -o sess`` shows; POSIX ``setsid(2)``), the shell of
+the user's terminal, which lives as long as the user is logged in there. Not the command's parent:
+under ``timeout 60``, ``make``, a script or ``sudo`` that parent ends with the command, and what it
+owned would be a leftover at once. Subshells, scripts and ``make`` run in their shell's session
+(only ``setsid`` opens a new one; ``timeout`` only a process group of its own), so they share an
+owner with it; another terminal, an ``ssh`` login or another user is another session.
+
 Cluster records live in :func:`cluster_dir` (``/run/teraflops/clusters``: ``/run`` is a tmpfs, gone
 at reboot with the namespaces themselves). A record is claimed with ``O_CREAT | O_EXCL`` (POSIX
 ``open(2)``): of two processes claiming one name at once exactly one gets it.
@@ -59,6 +68,76 @@ def owner(pid: int | None = None) -> dict:
     except psutil.Error:
         uid = os.getuid()
     return {"pid": pid, "start": start_time(pid), "uid": uid, "user": user_name(uid)}
+
+
+# Commands that may open a session for the one command they run: sudo with ``use_pty`` (Debian's default
+# sudoers) runs it in a new session on a pseudo-terminal whose leader is sudo's monitor process
+# (sudo(8), "Process model"); ``su -c`` may run it in a new session (su(1), ``--session-command``).
+WRAPPERS = frozenset({"sudo", "su", "runuser", "doas", "pkexec"})
+
+
+def _name(pid: int) -> str | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return None
+
+
+def parent(pid: int) -> int | None:
+    """The parent of process ``pid``, or None when there is no such process (or it has none)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).ppid() or None
+    except psutil.Error:
+        return None
+
+
+def login_session(pid: int | None = None) -> int | None:
+    """The leader of process ``pid``'s login session (default: this process): its session id
+    (``os.getsid``), looked through a session that sudo or su (:data:`WRAPPERS`) opened for one
+    command, to the session of the process that ran them. None when ``pid`` is in no login session:
+    the kernel's or init's (session 0 or 1; also 0 when the leader is outside this pid namespace),
+    or there is no such process."""
+    pid = os.getpid() if pid is None else pid
+    for _ in range(8):  # sudo in su in sudo...: a few wrappers deep at most
+        try:
+            sid = os.getsid(pid)
+        except OSError:
+            return None
+        if sid <= 1:
+            return None
+        above = parent(sid)
+        if above is None or (_name(sid) not in WRAPPERS and _name(above) not in WRAPPERS):
+            return sid
+        pid = above  # the session a wrapper opened: the one of whoever ran the wrapper
+    return sid
+
+
+def session_owner(pid: int | None = None) -> int:
+    """Who owns what command ``pid`` (default: this process) makes outside itself: the leader of its
+    login session (:func:`login_session`). A process that leads its own session (``setsid CMD``)
+    belongs to the login session of its parent; without any login session, to its parent, as
+    before sessions counted (to itself when that is init)."""
+    pid = os.getpid() if pid is None else pid
+    leader = login_session(pid)
+    above = parent(pid)
+    if leader == pid and above is not None:
+        leader = login_session(above)
+    if leader is None or leader == pid:
+        return above if above is not None and above > 1 else pid
+    return leader
+
+
+def same_owner(record: dict | None, other: dict | None) -> bool:
+    """True if two owner records name one process: the same pid and, where both have one, the same
+    start time (a reused pid is another owner)."""
+    if not record or not other or record.get("pid") != other.get("pid") or record.get("pid") is None:
+        return False
+    a, b = record.get("start"), other.get("start")
+    return a is None or b is None or abs(a - b) < 1.0
 
 
 def alive(record: dict | None) -> bool:

@@ -101,14 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     cluster = sub.add_parser("cluster", help="emulated nodes on this machine (optionally running Slurm): "
                                              "up, down (yours and leftovers), status, exec")
     actions = cluster.add_subparsers(dest="action", metavar="ACTION", required=True)
-    name_help = "the cluster's name (letters, digits): default cli<pid of your shell>"
-    up = actions.add_parser("up", help="make K nodes (owned by your shell), optionally with Slurm on them",
+    name_help = "the cluster's name (letters, digits): default cli<pid of your login shell>"
+    owner_help = ("the process that owns your clusters (default: your login session's leader, the shell of your "
+                  "terminal, as `ps -o sess` shows; also under sudo, timeout, make or a script), e.g. --owner $$")
+    up = actions.add_parser("up", help="make K nodes (owned by your login session), optionally with Slurm on them",
                             description="Make K emulated nodes (network namespaces on one bridge), owned by "
-                                        "your shell. With --slurm also start a Slurm cluster on them: munged and "
-                                        "slurmctld on node 0 (the login node), one slurmd per node, and with "
+                                        "your login session (its leader: your terminal's shell). With --slurm also "
+                                        "start a Slurm cluster on them: munged and slurmctld on node 0 (the login "
+                                        "node), one slurmd per node, and with "
                                         "--accounting MariaDB and slurmdbd; they keep running after this command "
                                         "returns, until `teraflops cluster down`.")
     up.add_argument("--name", help=name_help)
+    up.add_argument("--owner", type=int, metavar="PID", help=owner_help)
     up.add_argument("--nodes", type=int, default=2, metavar="K", help="how many nodes (default: 2)")
     up.add_argument("--rate", type=float, metavar="MB/s",
                     help="each node's link rate in MB/s (1e6 bytes/s) (default: unshaped)")
@@ -124,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Stop every process on your clusters' nodes (Slurm daemons and job "
                                           "processes included) and remove the nodes, the switch, the links and "
                                           "the Slurm files; also what owners that are gone left.")
-    down.add_argument("--name", help="also your cluster of this name (default: those your shell owns)")
+    down.add_argument("--name", help="also your cluster of this name (default: those your login session owns)")
+    down.add_argument("--owner", type=int, metavar="PID", help=owner_help)
     down.add_argument("--all", action="store_true",
                       help="every cluster, also other owners' live ones (the host's command)")
     actions.add_parser("status", help="list each cluster: owner, nodes, jobs, Slurm daemons (name, pid, node)")
@@ -134,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "SLURM_CONF), in your current directory; stdin, stdout and the exit code "
                                         "pass through. "
                                         "Example: teraflops cluster exec -- sbatch --wrap 'srun hostname'",
-                            usage="teraflops cluster exec [-h] [--name N] [--node I] -- CMD ...")
+                            usage="teraflops cluster exec [-h] [--name N] [--node I] [--owner PID] -- CMD ...")
     ex.add_argument("--name", metavar="N",
-                    help="the cluster (default: yours, cli<pid of your shell>, else the only Slurm cluster up)")
+                    help="the cluster (default: yours, cli<pid of your login shell>, else the only Slurm cluster up)")
+    ex.add_argument("--owner", type=int, metavar="PID", help=owner_help)
     ex.add_argument("--node", type=int, default=0, metavar="I", help="the node (default: 0, the login node)")
     ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
                     help="the command and its arguments, after -- (sinfo, squeue, sbatch, srun, scancel, sacct)")
@@ -369,69 +375,19 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
-    from teraflops.nodes import cluster as cl
+    from teraflops.nodes import ownership_policy as policy
+
+    caller = policy.resolve_caller(getattr(args, "owner", None))  # the login session's leader (or --owner): it owns what `up` makes
+    return {"up": _cluster_up, "down": _cluster_down, "status": _cluster_status, "exec": _cluster_exec}[args.action](
+        args, caller)
+
+
+def _cluster_up(args: argparse.Namespace, caller: int) -> int:
     from teraflops import ownership
+    from teraflops.nodes import cluster as cl
+    from teraflops.nodes import ownership_policy as policy
     from teraflops.nodes import slurm as slurm_mod
 
-    caller = os.getppid()  # the shell: it owns what `up` makes, and `down` there removes it
-    if args.action == "exec":
-        return _cluster_exec(args, caller)
-    if args.action == "down":
-        groups, mine, skipped = cl.by_cluster(), [], []
-        left = cl.leftovers()
-        for name, found in groups.items():
-            held = ownership.read(name) if name else None
-            if name in left or (held and held.get("pid") == caller) or (args.name and name == args.name and held
-                                                                          and held.get("uid") in (os.getuid(), None)):
-                mine.append(name)
-            elif args.all:
-                ownership.mark_taken_down(name, ownership.owner())
-                mine.append(name)
-            else:
-                skipped.append(f"{name} of {ownership.describe(held)}")
-        found = [ns for name in mine for ns in groups[name]]
-        daemons = slurm_mod.daemons(found)
-        procs = sum(len(cl.pids(ns)) for ns in found)
-        removed = cl.down(only=found) if found else []
-        for name in mine:
-            if name and not any(ns in groups[name] for ns in set(found) - set(removed)):
-                ownership.release(name)
-        for name, held in ownership.records().items():  # records of dead owners whose namespaces are gone
-            if name not in groups and not ownership.alive(held):
-                ownership.release(name)
-        for name in slurm_mod.state_names():  # Slurm files of a cluster whose nodes and owner are gone
-            if name not in groups and not ownership.alive(ownership.read(name)):
-                slurm_mod.remove_state(name)
-        print(f"removed {len(removed)} namespace(s)" + (": " + ", ".join(removed) if removed else ""))
-        if procs:
-            print(f"stopped {procs} process(es) on them" +
-                  (f", {len(daemons)} of them Slurm daemons ({', '.join(sorted({d['name'] for d in daemons}))})"
-                   if daemons else ""))
-        if skipped:
-            print("left running (other owners'; --all removes them): " + ", ".join(skipped))
-        failed = [ns for ns in found if ns not in removed]
-        if failed:
-            raise cl.ClusterError(f"could not remove {', '.join(failed)}. Hint: removing namespaces needs root (sudo).")
-        return 0
-    if args.action == "status":
-        groups = cl.by_cluster()
-        rows = []
-        for name, found in sorted(groups.items()):
-            held = ownership.read(name) if name else None
-            n_jobs, n_procs = cl.jobs(found)
-            nodes = sum(1 for ns in found if "-node" in ns)
-            daemons = sorted(slurm_mod.daemons(found), key=lambda d: (_node_index(d["namespace"]),
-                                                                      slurm_mod.DAEMONS.index(d["name"])))
-            others = f", {len(daemons)} of them Slurm daemons" if daemons else ""
-            rows.append(f"{name or '(leftover)':<20}  owner: {ownership.describe(held):<28}  nodes: {nodes}  "
-                        f"running jobs: {n_jobs} ({n_procs} processes{others})")
-            saved = slurm_mod.saved(name) if name else None
-            if saved:
-                rows.append(f"  slurm: {saved[1].describe()}; teraflops cluster exec --name {name} -- sinfo")
-            for d in daemons:
-                rows.append(f"    {d['name']:<10} pid {d['pid']:<8} {slurm_mod.host(_node_index(d['namespace']))}")
-        print("\n".join(rows) or "no emulated nodes")
-        return 0
     slurm_options = [flag for flag, given in (("--scheduler", args.scheduler is not None),
                                               ("--accounting", args.accounting),
                                               ("--gpus-per-node", args.gpus_per_node is not None)) if given]
@@ -447,60 +403,63 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     if args.rate is not None and not 0.01 <= args.rate <= cl.MAX_RATE / 1e6:
         raise cl.ClusterError(f"--rate is in MB/s (1e6 bytes/s), between 0.01 and {cl.MAX_RATE / 1e6:g}; got {args.rate:g}. "
                               "Hint: --rate 25 makes 25 MB/s = 200 Mbit/s links.")
-    made = cl.Cluster(args.nodes, cl.Link(rate=None if args.rate is None else args.rate * 1e6),
-                      name=args.name or f"cli{caller}", owner_pid=caller, slurm=config)
-    held = ownership.read(made.name)
-    if held and ownership.alive(held) and held.get("pid") == caller and made.namespaces():
-        raise cl.ClusterError(f"your cluster {made.name!r} is already up. Hint: `teraflops cluster down` first, "
-                              "or --name another.")
-    made.up()
+    made = policy.up_for(caller, args.nodes, cl.Link(rate=None if args.rate is None else args.rate * 1e6),
+                         name=args.name, slurm=config)
     print(made.describe())
     print(f"cluster {made.name!r}, owner {ownership.describe(ownership.read(made.name))}; run a command on node i "
           f"with: teraflops cluster exec --node i -- <command>; remove with: teraflops cluster down")
     if made.slurm_ is not None:
         print(f"slurm: {made.slurm_.config.describe()}; daemons: " +
-              ", ".join(f"{d['name']} ({slurm_mod.host(_node_index(d['namespace']))})" for d in made.slurm_.daemons()))
+              ", ".join(f"{d['name']} ({slurm_mod.host(policy.node_index(d['namespace']))})"
+                        for d in made.slurm_.daemons()))
         print("try: teraflops cluster exec -- sinfo   (squeue, sbatch --wrap 'srun hostname', scancel, sacct)")
     return 0
 
 
-def _node_index(namespace: str) -> int:
-    """``teraflops-<name>-node<i>`` -> ``i``."""
-    return int(namespace.rsplit("-node", 1)[1])
-
-
-def _exec_target(name: str | None, caller: int) -> str:
-    """The cluster ``exec`` runs on: ``name``; else the caller's own (``cli<caller>``), else the only one up
-    with Slurm (else the only one up)."""
+def _cluster_down(args: argparse.Namespace, caller: int) -> int:
+    from teraflops import ownership
     from teraflops.nodes import cluster as cl
-    from teraflops.nodes import slurm as slurm_mod
+    from teraflops.nodes import ownership_policy as policy
 
-    groups = {n: found for n, found in cl.by_cluster().items() if n}
-    if name is not None:
-        if name not in groups:
-            raise cl.ClusterError(f"no cluster named {name!r} is up (up now: {', '.join(sorted(groups)) or 'none'}). "
-                                  "Hint: `teraflops cluster status` lists them.")
-        return name
-    if f"cli{caller}" in groups:
-        return f"cli{caller}"
-    with_slurm = [n for n in sorted(groups) if slurm_mod.saved(n) is not None]
-    candidates = with_slurm or sorted(groups)
-    if len(candidates) == 1:
-        return candidates[0]
-    if not candidates:
-        raise cl.ClusterError("no cluster is up. Hint: teraflops cluster up --nodes 3 --slurm")
-    raise cl.ClusterError(f"{len(candidates)} clusters are up ({', '.join(candidates)}) and none is your shell's. "
-                          f"Hint: choose one with --name, e.g. teraflops cluster exec --name {candidates[0]} -- sinfo")
+    done = policy.down_for(caller, name=args.name, all=args.all)
+    print(f"removed {len(done.removed)} namespace(s)" + (": " + ", ".join(done.removed) if done.removed else ""))
+    if done.processes:
+        print(f"stopped {done.processes} process(es) on them" +
+              (f", {len(done.daemons)} of them Slurm daemons ({', '.join(sorted(set(done.daemons)))})"
+               if done.daemons else ""))
+    if done.skipped:
+        print("left running (other owners'; --all removes them): " +
+              ", ".join(f"{d.name} of {ownership.describe(d.owner)}" for d in done.skipped))
+    if done.failed:
+        raise cl.ClusterError(f"could not remove {', '.join(done.failed)}. Hint: removing namespaces needs root (sudo).")
+    return 0
+
+
+def _cluster_status(args: argparse.Namespace, caller: int) -> int:
+    from teraflops import ownership
+    from teraflops.nodes import ownership_policy as policy
+
+    lines = []
+    for row in policy.status_rows():
+        others = f", {len(row.daemons)} of them Slurm daemons" if row.daemons else ""
+        lines.append(f"{row.name or '(leftover)':<20}  owner: {ownership.describe(row.owner):<28}  nodes: {row.nodes}  "
+                     f"running jobs: {row.jobs} ({row.processes} processes{others})")
+        if row.slurm is not None:
+            lines.append(f"  slurm: {row.slurm.describe()}; teraflops cluster exec --name {row.name} -- sinfo")
+        lines += [f"    {d.name:<10} pid {d.pid:<8} {d.host}" for d in row.daemons]
+    print("\n".join(lines) or "no emulated nodes")
+    return 0
 
 
 def _cluster_exec(args: argparse.Namespace, caller: int) -> int:
     """Run ``args.cmd`` on a node, stdin/stdout/stderr passed through; the command's exit code (128 + N
-    when signal N ended it, as a shell reports)."""
+    when signal N ended it, as a shell reports). A cluster taken down meanwhile is named in one line."""
     import signal
     import subprocess
+    import time
 
     from teraflops.nodes import cluster as cl
-    from teraflops.nodes import slurm as slurm_mod
+    from teraflops.nodes import ownership_policy as policy
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
     if not cmd:
@@ -510,17 +469,14 @@ def _cluster_exec(args: argparse.Namespace, caller: int) -> int:
     reason = cl.unavailable()
     if reason:
         raise cl.ClusterError(reason + ".")
-    name = _exec_target(args.name, caller)
-    if slurm_mod.saved(name) is not None:
-        attached = cl.attach(name).slurm_
-        nodes, argv = attached.cluster.nodes, lambda i: attached.login(i, os.getcwd())
-    else:  # nodes without Slurm: the node's network namespace
-        nodes = sum(1 for ns in cl.by_cluster().get(name, []) if "-node" in ns)
-        argv = lambda i: ["nsenter", f"--net=/run/netns/{cl.PREFIX}{name}-node{i}"]  # noqa: E731
-    if args.node >= nodes:
-        raise cl.ClusterError(f"cluster {name!r} has nodes 0-{nodes - 1}, got --node {args.node}.")
+    target = policy.joined(policy.exec_target(caller, args.name))
+    if args.node >= target.nodes:
+        raise cl.ClusterError(f"cluster {target.name!r} has nodes 0-{target.nodes - 1}, got --node {args.node}.")
+    argv = target.slurm_.login(args.node, os.getcwd()) if target.slurm_ is not None else \
+        ["nsenter", f"--net=/run/netns/{target.node_name(args.node)}"]  # nodes without Slurm: the node's namespace
+    started = time.time()
     try:
-        proc = subprocess.Popen(argv(args.node) + cmd)
+        proc = subprocess.Popen(argv + cmd)
     except OSError as e:
         raise cl.ClusterError(f"could not run nsenter ({e}). Hint: it is part of util-linux.") from e
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the command's (srun's own handling)
@@ -528,6 +484,9 @@ def _cluster_exec(args: argparse.Namespace, caller: int) -> int:
         code = proc.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
+    gone = target.taken_down(since=started) if code != 0 else None
+    if gone:
+        print(f"error: {gone}", file=sys.stderr)
     return 128 - code if code < 0 else code
 
 

@@ -19,50 +19,66 @@ from teraflops.launch.wire import read_json
 _NOISE = re.compile(r"warn|^\s|^\[?[WI]\d{4}|\[(INFO|WARNING)\]|^[*=-]+$", re.IGNORECASE)
 VICTIMS = (-signal.SIGTERM, -signal.SIGINT)  # how launchers stop the other ranks after a failure
 def diagnose(results: Path, nproc: int, code: int | None, timeout: float, launcher: str, fault: str | None,
-              hosts: Sequence[str] | None = None):
+             hosts: Sequence[str] | None = None):
     """(rank or None, one line: what happened, the rank's last error line, a hint). ``hosts``: each
     node's host name (by the ``node`` of the ranks' exit records), named for the failed rank."""
     exits = [read_json(results / f"rank{r}.exit") for r in range(nproc)]
-    failed = sorted((e["time"], e["rank"], e["returncode"]) for e in exits if e and e["returncode"])
-    failed = [f for f in failed if f[2] not in VICTIMS] or failed  # the first real failure
-    missing = [r for r in range(nproc) if not (results / f"rank{r}.json").exists()]
-    rc = failed[0][2] if failed else 0
-    if failed:
-        rank = failed[0][1]
-        node = next((e.get("node") for e in exits if e and e["rank"] == rank), None)
-        on = f"on {hosts[node]} " if hosts and isinstance(node, int) and 0 <= node < len(hosts) else ""
-        what = f"rank {rank} of {nproc} {on}" + (f"was killed by {signal.Signals(-rc).name}" if rc < 0
-                                              else f"exited with code {rc}")
-    elif code is None:
-        running = [r for r in range(nproc) if exits[r] is None]  # suspect first one that said something
-        rank = next((r for r in running if last_line(results / f"rank{r}.err")), (running or [None])[0])
-        what = f"timed out after {timeout:g} s with rank(s) {running} still running"
-    elif missing and (code == 0 or all(exits)):
-        rank, what = missing[0], f"rank {missing[0]} exited without a result (did it call write_result?)"
-    else:
-        rank, what = None, f"the {launcher} launcher exited with code {code}"
+    timeouts = {r: t for r in range(nproc) if (t := nccl_timeout(results / f"rank{r}.err"))}
+    if timeouts:  # NCCL's watchdog aborts the process: faulthandler's last line says only "Aborted"
+        return _nccl_line(timeouts, nproc)
+    rank, what, rc = _what_happened(results, exits, nproc, code, timeout, launcher, hosts)
     logs = [f"rank{rank}.err"] if rank is not None else sorted(  # the agents' logs, or the batch job's output
         p.name for p in [*results.glob("launcher*.log"), *results.glob("slurm-*.out")])
     line = next((found for found in map(last_line, (results / name for name in logs)) if found), "")
     others = [r for r, e in enumerate(exits) if r != rank and (e is None or e["returncode"] in VICTIMS)]
-    timeouts = {r: t for r in range(nproc) if (t := nccl_timeout(results / f"rank{r}.err"))}
-    if timeouts:  # NCCL's watchdog aborts the process: faulthandler's last line says only "Aborted"
-        first = min(timeouts)
-        late = [r for r in range(nproc) if r not in timeouts]
-        why = (f"rank(s) {late} never reached it (hung, crashed or much slower)" if late else
-               "every rank waited: the collectives did not match (different order or sizes) or the network is stuck")
-        return first, (f"rank {first} of {nproc}: {timeouts[first]}. Hint: {why}; raise the timeout only if the run "
-                       "is just slow.")
+    return rank, f"{what}" + (f': "{line}"' if line else "") + f". Hint: {_hint(rc, line, others, code, rank, fault)}."
+
+
+def _what_happened(results: Path, exits: list, nproc: int, code: int | None, timeout: float, launcher: str,
+                   hosts: Sequence[str] | None) -> tuple[int | None, str, int]:
+    """(the rank to blame or None, what happened to it, its exit status: 0 when none failed)."""
+    failed = sorted((e["time"], e["rank"], e["returncode"]) for e in exits if e and e["returncode"])
+    failed = [f for f in failed if f[2] not in VICTIMS] or failed  # the first real failure
+    if failed:
+        _, rank, rc = failed[0]
+        return rank, f"rank {rank} of {nproc} {_on(exits, rank, hosts)}" + (
+            f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"), rc
+    missing = [r for r in range(nproc) if not (results / f"rank{r}.json").exists()]
+    if code is None:
+        running = [r for r in range(nproc) if exits[r] is None]  # suspect first one that said something
+        rank = next((r for r in running if last_line(results / f"rank{r}.err")), (running or [None])[0])
+        return rank, f"timed out after {timeout:g} s with rank(s) {running} still running", 0
+    if missing and (code == 0 or all(exits)):
+        return missing[0], f"rank {missing[0]} exited without a result (did it call write_result?)", 0
+    return None, f"the {launcher} launcher exited with code {code}", 0
+
+
+def _on(exits: list, rank: int, hosts: Sequence[str] | None) -> str:
+    """``"on node1 "``: the host of the node ``rank``'s exit record names, where ``hosts`` are known; else ``""``."""
+    node = next((e.get("node") for e in exits if e and e["rank"] == rank), None)
+    return f"on {hosts[node]} " if hosts and isinstance(node, int) and 0 <= node < len(hosts) else ""
+
+
+def _nccl_line(timeouts: dict[int, str], nproc: int) -> tuple[int, str]:
+    """The first rank whose NCCL collective timed out, and the line that says so and who never came."""
+    first = min(timeouts)
+    late = [r for r in range(nproc) if r not in timeouts]
+    why = (f"rank(s) {late} never reached it (hung, crashed or much slower)" if late else
+           "every rank waited: the collectives did not match (different order or sizes) or the network is stuck")
+    return first, (f"rank {first} of {nproc}: {timeouts[first]}. Hint: {why}; raise the timeout only if the run "
+                   "is just slow.")
+
+
+def _hint(rc: int, line: str, others: list[int], code: int | None, rank: int | None, fault: str | None) -> str:
+    """What to look at next, from how the rank ended (``rc``) and its last error ``line``."""
     if rc == -signal.SIGKILL:
-        hint = "SIGKILL usually comes from the out-of-memory killer (see `dmesg`)"
-        hint += f", or from {FAULT_ENV}={fault}" if fault else ""
-    elif re.search(r"timed? ?out", line, re.IGNORECASE) and others:
-        hint = f"a collective timed out: rank(s) {others} never reached it (hung, crashed or much slower)"
-    elif code is None:
-        hint = "a rank stuck in a collective waits for one that never comes; if the run is just slow, raise timeout="
-    else:
-        hint = "the whole error is in " + (f"rank{rank}.err" if rank is not None else "launcher.log")
-    return rank, f"{what}" + (f': "{line}"' if line else "") + f". Hint: {hint}."
+        return "SIGKILL usually comes from the out-of-memory killer (see `dmesg`)" + (
+            f", or from {FAULT_ENV}={fault}" if fault else "")
+    if re.search(r"timed? ?out", line, re.IGNORECASE) and others:
+        return f"a collective timed out: rank(s) {others} never reached it (hung, crashed or much slower)"
+    if code is None:
+        return "a rank stuck in a collective waits for one that never comes; if the run is just slow, raise timeout="
+    return "the whole error is in " + (f"rank{rank}.err" if rank is not None else "launcher.log")
 
 
 _WATCHDOG = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d+), OpType=(\w+)"

@@ -14,15 +14,17 @@ directory per launch, kept when it fails): ``spec.json``, ``rank{r}.json``, ``ra
 :mod:`teraflops.launch.diagnosis`) once every process of the launch is gone and its port is free
 (and, for DeepSpeed on CPU, its shared-memory files are removed), also when the cell is interrupted.
 Faults can be injected on purpose (:mod:`teraflops.launch.faults`).
+
+:func:`launch` is a pipeline of named steps: :func:`teraflops.launch.plan.prepare` (check, place, the
+launch folder, the Spec, the environment: a frozen :class:`~teraflops.launch.plan.LaunchPlan`), a
+:class:`~teraflops.launch.plan.Starter` (:func:`starter_for`: torchrun agents,
+:mod:`teraflops.launch.agents`, or a Slurm batch job, :mod:`teraflops.launch.slurm_job`) started,
+:func:`wait`, :func:`read_results`, :func:`explain` (the one-line diagnosis) and :func:`teardown`.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -30,20 +32,15 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from teraflops.caches import extensions_dir, with_ninja
 from teraflops.errors import CourseError
-from teraflops.launch import leftovers, loopback, sbatch, wire
+from teraflops.launch import wire
+from teraflops.launch.agents import TorchrunAgents
 from teraflops.launch.diagnosis import diagnose
-from teraflops.launch.faults import FAULT_ENV, parse_fault
-from teraflops.launch.ops import clear_stale_build_lock, prepare_deepspeed_ops, remove_shm_buffers
-from teraflops.launch.placement import Placement, across, place
-from teraflops.launch.ports import free_port, port_in_use
-from teraflops.launch.processes import stop, stop_all
-from teraflops.launch.wire import RESULTS_ENV, read_json
-from teraflops.nodes.slurm import host as slurm_host
-from teraflops.teardown import uninterruptible
-
-_WRAPPER = Path(__file__).resolve().parent / "scripts" / "rank_wrapper.py"
+from teraflops.launch.ops import clear_stale_build_lock, remove_shm_buffers
+from teraflops.launch.plan import LaunchPlan, Starter, prepare
+from teraflops.launch.ports import port_in_use
+from teraflops.launch.slurm_job import SlurmBatchJob
+from teraflops.launch.wire import read_json
 
 
 class LaunchFailed(CourseError, RuntimeError):
@@ -101,128 +98,121 @@ def launch(module: str, ranks, *, launcher: str = "torchrun",
         LaunchFailed: a rank failed or wrote no result, or ``timeout`` passed.
         PlacementError: ``ranks`` cannot be placed (see :func:`~teraflops.launch.placement.place`).
     """
-    if launcher not in ("torchrun", "deepspeed"):
-        raise ValueError(f"launcher must be 'torchrun' or 'deepspeed', got {launcher!r}")
-    if cluster is not None and (launcher != "torchrun" or not getattr(cluster, "up_", False)):
-        raise CourseError("a multi-node launch needs launcher='torchrun' and a cluster that is up. "
-                          "Hint: with Cluster(2) as cl: launch(..., cluster=cl); DeepSpeed initialises inside torchrun ranks.")
-    slurm = getattr(cluster, "slurm_", None) if cluster is not None and submit is not False else None
-    if submit and slurm is None:
-        raise CourseError("submit=True needs a cluster that runs Slurm. Hint: Cluster(2, slurm=True); on a cluster "
-                          "without Slurm leave submit out and launch starts one torchrun agent per node itself.")
-    if not isinstance(ranks, Placement):
-        ranks = place(ranks * (1 if cluster is None else cluster.nodes) if isinstance(ranks, int) and not
-                      isinstance(ranks, bool) else ranks, cluster=cluster)
-    elif cluster is not None and ranks.nodes != cluster.nodes:
-        ranks = across(ranks, cluster)
-    where = ranks
-    if cluster is None and where.nodes != 1:
-        raise CourseError(f"the placement spreads {where.world_size} ranks over {where.nodes} nodes but no cluster "
-                          "was given. Hint: launch(..., cluster=cl) with the cluster it was placed on")
-    if slurm is not None and where.on_gpus and where.ranks_per_node > slurm.config.gpus_per_node:
-        raise CourseError(f"the run puts {where.ranks_per_node} GPU ranks on each node but the Slurm nodes declare "
-                          f"{slurm.config.gpus_per_node} GPUs each. Hint: Cluster(..., slurm=SlurmConfig("
-                          f"gpus_per_node={where.ranks_per_node})), or fewer ranks.")
-    fault = parse_fault({**os.environ, **(env or {})}.get(FAULT_ENV))  # a malformed spec fails here, not in a rank
-    if launcher == "deepspeed" or deepspeed:  # before anything that needs cleaning up
-        prepare_deepspeed_ops(cpu=not where.on_gpus)
-    world = where.world_size
-    if fault is not None and fault.rank >= world:
-        raise ValueError(f"{FAULT_ENV} names rank {fault.rank}, but the launch has ranks 0-{world - 1}")
-    leftovers.sweep()  # what launches of dead notebooks left: folders, /dev/shm buffers, torchelastic_* folders
-    port, results = port or free_port(), Path(tempfile.mkdtemp(prefix="teraflops-launch-"))
-    leftovers.record(results, port)
-    spec_path = None if spec is None else wire.write(spec, results / "spec.json")
-    course = {"TORCH_EXTENSIONS_DIR": str(extensions_dir()), RESULTS_ENV: str(results), "PYTHONUNBUFFERED": "1",
-              "PYTHONFAULTHANDLER": "1", **{k: v for k, v in with_ninja(os.environ).items() if k == "PATH"}}
-    user = {k: str(v) for k, v in (env or {}).items()}
-    child_env = {**os.environ, **course, **where.env, **leftovers.owner_env(), **user}
-    procs, keep, watchdog = [], False, None  # the results directory is kept for a LaunchFailed, which names it
-    job_id, follower, refused, final = None, None, None, None
+    plan = prepare(module, ranks, launcher=launcher, timeout=timeout, env=env, launcher_args=launcher_args,
+                   desc=desc, verbose=verbose, port=port, cluster=cluster, deepspeed=deepspeed, spec=spec,
+                   submit=submit)
+    starter = starter_for(plan)
+    failed, rank, why = False, None, ""
     try:
-        if slurm is not None:  # one batch job; Slurm's srun starts the agents
-            job = sbatch.BatchJob.of(where, [str(_WRAPPER), module, *_spec_args(spec_path)], torchrun=torchrun_command(), port=port,
-                                     time_s=timeout, output=str(results / sbatch.OUTPUT),
-                                     name=module.rsplit(".", 1)[-1], env={**course, **user},
-                                     cpus_per_node=slurm.config.cpus, torchrun_args=launcher_args,
-                                     log_dir=str(results / "torchelastic"))
-            script = results / sbatch.SCRIPT
-            script.write_text(job.script())
-            watchdog = leftovers.start_watchdog(results, port, [])  # stops the job's processes if we die
-            try:  # sbatch hands its environment (the owner's record for the ranks' wrappers) on to the job
-                job_id = sbatch.submit(slurm, script, env={**os.environ, **leftovers.owner_env()})
-            except sbatch.BatchJobError as e:
-                refused = str(e)
-            follower = sbatch.Follower(slurm, job_id) if job_id is not None else None
-            poll = follower.poll if follower is not None else None
-        else:
-            cmds = launch_commands(where, module, spec_path, launcher=launcher, port=port, rdzv_id=results.name,
-                                   launcher_args=launcher_args, cluster=cluster, log_dir=results / "torchelastic")
-            for node, node_cmd in enumerate(cmds):
-                node_env = {**child_env, **where.node_env[node], **user}
-                if cluster is not None:  # the node's own address: its stores listen there, nowhere else
-                    node_env[loopback.LISTEN_ENV] = cluster.address(node)
-                with open(results / ("launcher.log" if node == 0 else f"launcher{node}.log"), "wb") as log:
-                    procs.append(subprocess.Popen(node_cmd, env=node_env, stdin=subprocess.DEVNULL, stdout=log,
-                                                  stderr=subprocess.STDOUT, start_new_session=True))
-            watchdog = leftovers.start_watchdog(results, port, [p.pid for p in procs])  # stops it all if we die
-            poll = lambda: _launchers_code(procs)  # noqa: E731
-        code = 1 if refused else _wait(poll, results, timeout, desc or module.rsplit(".", 1)[-1], verbose)
-        out = [read_json(results / f"rank{r}.json") for r in range(world)]
-        if refused is None and code == 0 and None not in out:
-            if cluster is not None:
-                for r, got in enumerate(out):
-                    got["node"] = (read_json(results / f"rank{r}.exit") or {}).get("node")
+        starter.start()
+        code = wait(plan, starter)
+        out = read_results(plan, code)
+        if out is not None:
             return out if result is None else typed_results(out, result)
-        keep = True
-        hosts = None if slurm is None else [slurm_host(i) for i in range(where.nodes)]
-        rank, why = (None, refused) if refused else diagnose(results, world, code, timeout, launcher,
-                                                              child_env.get(FAULT_ENV), hosts=hosts)
-        last = follower.last if follower is not None else None
-        if last is not None and last.state == "PENDING" and last.reason in sbatch.UNSTARTABLE:
-            rank, why = None, (f"Slurm job {job_id} cannot start: it is PENDING ({last.reason}), asking for more "
-                               f"than the nodes or the partition have. Hint: compare the #SBATCH lines of "
-                               f"{sbatch.SCRIPT} with `sinfo -N -l` (https://slurm.schedmd.com/job_reason_codes.html).")
-        elif code is None and last is not None and last.state == "PENDING":
-            rank, why = None, (f"Slurm job {job_id} was still PENDING ({last.reason}) after {timeout:g} s: its "
-                               f"{where.nodes} nodes never came free. Hint: `squeue` shows the jobs holding them; "
-                               "scancel those or raise timeout=.")
-        gone = cluster.taken_down() if cluster is not None else None
-        why = f"{gone} {why}" if gone else why
+        failed = True  # the launch folder is kept: the error names it
+        rank, why = explain(plan, starter, code)
     finally:  # also on KeyboardInterrupt: nothing of this launch may outlive the call
-        try:
-            if job_id is not None:  # scancel (if it still runs) and wait until it has left its nodes
-                final = uninterruptible(sbatch.cancel, slurm, job_id)
-                sbatch.archive(slurm, job_id, results)  # the script outlives the launch folder
-                uninterruptible(stop, None, results)  # what proctrack/linuxproc lost track of
-            stop_all(procs, results)
-            deadline = time.monotonic() + 10
-            while cluster is None and port_in_use(port) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if launcher == "deepspeed":
-                remove_shm_buffers(port)
-            if launcher == "deepspeed" or deepspeed:
-                clear_stale_build_lock()
-        finally:  # a second Ctrl-C cuts the wait for the port short, not the clean-up of the folder
-            if watchdog is not None:
-                watchdog.kill()
-                watchdog.wait()
-            if not keep:
-                shutil.rmtree(results, ignore_errors=True)
-    if job_id is not None:
-        held = job_id in sbatch.queued(slurm)
-        why += f" {(final.describe() if final else f'Slurm job {job_id}')}" + (
-            f", still in squeue (scancel {job_id})." if held else ", nothing left allocated.")
-    err = LaunchFailed(f"{desc or module}: {why} Logs: {results}")
-    err.rank, err.logs, err.port = rank, results, port
-    raise err
+        teardown(plan, starter, keep=failed)
+    raise failure(plan, rank, why + starter.outcome())
 
 
-def torchrun_command() -> list[str]:
-    """This environment's torchrun, its stores listening on one address: ``python -m
-    teraflops.launch.loopback torch.distributed.run`` (the program of the ``torchrun`` script;
-    :mod:`teraflops.launch.loopback`)."""
-    return [sys.executable, "-m", "teraflops.launch.loopback", "torch.distributed.run"]
+def starter_for(plan: LaunchPlan) -> Starter:
+    """How ``plan``'s ranks start: one Slurm batch job on a cluster that runs Slurm (unless ``submit=False``),
+    else one launcher per node started here."""
+    return SlurmBatchJob(plan) if plan.slurm is not None else TorchrunAgents(plan)
+
+
+def wait(plan: LaunchPlan, starter: Starter) -> int | None:
+    """Wait behind a progress bar (rank 0's :func:`~teraflops.launch.rank.report_progress`) until the ranks
+    are done: their exit code (:meth:`Starter.poll`), None after ``plan.timeout`` s; 1 at once for a
+    starter that was refused."""
+    if starter.refused is not None:
+        return 1
+    start, offsets, shown = time.monotonic(), {}, None
+    with tqdm(desc=plan.label, unit="step", dynamic_ncols=True) as bar:  # the row's full width in JupyterLab
+        widgets = getattr(getattr(bar, "container", None), "children", ())
+        if len(widgets) == 3:  # tqdm's notebook bar: [description, bar, counts]; a long description squeezed
+            widgets[1].layout.min_width = "12em"  # the bar to 30 px, so it wraps below it instead
+        while True:
+            code, progress = starter.poll(), read_json(plan.results / "progress.json")
+            if progress:
+                if bar.total != progress["total"]:  # tqdm's notebook bar only takes its width in reset(total=)
+                    bar.reset(total=progress["total"])
+                bar.n = progress["done"]
+            if shown != (bar.n, int(time.monotonic() - start)):  # redraw on progress and every second
+                shown = (bar.n, int(time.monotonic() - start))
+                bar.refresh()
+            if plan.verbose:
+                _echo(plan.results, offsets)
+            if code is not None or time.monotonic() - start > plan.timeout:
+                return code
+            time.sleep(0.2)
+
+
+def _echo(results: Path, offsets: dict) -> None:
+    """Print the whole lines the launch's logs gained since the last call (``offsets``: bytes read per file)."""
+    for f in sorted(p for p in results.iterdir() if p.suffix in (".log", ".out", ".err")):
+        with open(f, "rb") as fh:
+            fh.seek(offsets.get(f, 0))
+            data = fh.read()
+        data = data[: data.rfind(b"\n") + 1]  # whole lines only
+        offsets[f] = offsets.get(f, 0) + len(data)
+        for line in data.decode(errors="replace").splitlines():
+            tqdm.write(f"[{f.name}] {line}")
+
+
+def read_results(plan: LaunchPlan, code: int | None) -> list[dict] | None:
+    """Every rank's result dict (with ``"node"`` on a cluster) when the ranks ended with ``code`` 0 and each
+    wrote one; else None (the launch failed)."""
+    out = [read_json(plan.results / f"rank{r}.json") for r in range(plan.world)]
+    if code != 0 or None in out:
+        return None
+    if plan.cluster is not None:
+        for r, got in enumerate(out):
+            got["node"] = (read_json(plan.results / f"rank{r}.exit") or {}).get("node")
+    return out
+
+
+def explain(plan: LaunchPlan, starter: Starter, code: int | None) -> tuple[int | None, str]:
+    """``(rank or None, one line)`` of a failed launch: the starter's refusal, else
+    :func:`~teraflops.launch.diagnosis.diagnose` (as the starter amends it), after who took the cluster
+    down if someone did."""
+    if starter.refused is not None:
+        rank, why = None, starter.refused
+    else:
+        rank, why = diagnose(plan.results, plan.world, code, plan.timeout, plan.launcher, plan.fault,
+                             hosts=starter.hosts)
+    rank, why = starter.explain(code, rank, why)
+    gone = plan.cluster.taken_down(since=plan.started) if plan.cluster is not None else None
+    return rank, (f"{gone} {why}" if gone else why)
+
+
+def teardown(plan: LaunchPlan, starter: Starter, keep: bool) -> None:
+    """Stop every process of the launch, wait until its port is free (one node), remove DeepSpeed's
+    shared-memory buffers and a stale build lock, stop the watchdog and remove the launch folder
+    unless ``keep`` (a failure's logs)."""
+    try:
+        starter.stop()
+        deadline = time.monotonic() + 10
+        while plan.cluster is None and port_in_use(plan.port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if plan.launcher == "deepspeed":
+            remove_shm_buffers(plan.port)
+        if plan.deepspeed:
+            clear_stale_build_lock()
+    finally:  # a second Ctrl-C cuts the wait for the port short, not the clean-up of the folder
+        if starter.watchdog is not None:
+            starter.watchdog.kill()
+            starter.watchdog.wait()
+        if not keep:
+            shutil.rmtree(plan.results, ignore_errors=True)
+
+
+def failure(plan: LaunchPlan, rank: int | None, why: str) -> LaunchFailed:
+    """The :class:`LaunchFailed` of ``plan``: its title, ``why``, the logs' folder."""
+    err = LaunchFailed(f"{plan.title}: {why} Logs: {plan.results}")
+    err.rank, err.logs, err.port = rank, plan.results, plan.port
+    return err
 
 
 def typed_results(out: list[dict], cls) -> list:
@@ -231,82 +221,3 @@ def typed_results(out: list[dict], cls) -> list:
     names = {f.name for f in fields(cls)}
     return [wire.from_json(cls, {k: v for k, v in got.items() if k != "node" or k in names}, f"{cls.__name__} of rank {r}")
             for r, got in enumerate(out)]
-
-
-def _spec_args(spec_path: Path | None) -> list[str]:
-    """A rank's command-line arguments: ``--spec PATH``, or none for a launch without a Spec."""
-    return [] if spec_path is None else ["--spec", str(spec_path)]
-
-
-def launch_commands(where, module: str, spec_path: Path | None = None, *, launcher: str = "torchrun",
-                    port: int = 29500, rdzv_id: str = "teraflops", launcher_args: Sequence[str] = (),
-                    cluster=None, log_dir: Path | None = None) -> list[list[str]]:
-    """The command line of each node's launcher for placement ``where`` (one per node; what
-    :func:`launch` starts): torchrun (``torch.distributed.run``) with ``--nproc-per-node``, or
-    DeepSpeed's launcher with ``--num_gpus``; on emulated nodes, inside the node's namespace with
-    c10d rendezvous on node 0 (``is_host`` and ``--local-addr`` said, as torch finds both by hostname,
-    which a namespace shares with the machine). torchrun runs as :func:`torchrun_command` (its stores
-    listen on one address), and one-node c10d gets ``--local-addr 127.0.0.1``: rank 0's agent hosts
-    the store it shares with the ranks on its local address, by default its host name
-    (``dynamic_rendezvous.py``, ``_create_tcp_store_server``). Each rank runs ``launch/scripts/rank_wrapper.py
-    MODULE --spec SPEC_PATH`` (nothing after MODULE without ``spec_path``). ``log_dir``: torchrun's
-    ``--log-dir`` (inside the launch folder: no ``/tmp/torchelastic_*`` per launch)."""
-    nproc = str(where.ranks_per_node)
-    tail = [*launcher_args, str(_WRAPPER), module, *_spec_args(spec_path)]
-    if launcher == "deepspeed":
-        return [[sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", nproc, "--master_addr",
-                 "127.0.0.1", "--master_port", str(port), "--no_local_rank", *tail]]
-    cmd = [*torchrun_command(), "--nproc-per-node", nproc, *(["--log-dir", str(log_dir)] if log_dir is not None else [])]
-    if cluster is not None:
-        cmd += ["--nnodes", str(where.nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                f"{cluster.address(0)}:{port}", "--rdzv-id", rdzv_id]
-        return [[*cluster.prefix(node), *cmd, "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr",
-                 cluster.address(node), *tail] for node in range(where.nodes)]
-    if any(a.startswith("--rdzv") for a in launcher_args):
-        cmd += [] if any("endpoint" in a for a in launcher_args) else ["--rdzv-endpoint", f"127.0.0.1:{port}"]
-        cmd += [] if any(a.startswith(("--local-addr", "--local_addr")) for a in launcher_args) else \
-            ["--local-addr", "127.0.0.1"]
-    else:
-        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-    return [cmd + tail]
-
-
-def _launchers_code(procs) -> int | None:
-    """The launchers' exit code: the first non-zero one as soon as any fails, 0 when all are done."""
-    codes = [p.poll() for p in procs]
-    failed = [c for c in codes if c not in (None, 0)]
-    return failed[0] if failed else (0 if None not in codes else None)
-
-
-def _wait(poll, results: Path, timeout: float, desc: str, verbose: bool) -> int | None:
-    """Wait behind a progress bar until ``poll()`` (the launchers' or the batch job's exit code, None
-    while they run) says they are done: that code, or None after ``timeout`` s."""
-    start, offsets, shown = time.monotonic(), {}, None
-    with tqdm(desc=desc, unit="step", dynamic_ncols=True) as bar:  # the row's full width in JupyterLab
-        widgets = getattr(getattr(bar, "container", None), "children", ())
-        if len(widgets) == 3:  # tqdm's notebook bar: [description, bar, counts]; a long description squeezed
-            widgets[1].layout.min_width = "12em"  # the bar to 30 px, so it wraps below it instead
-        while True:
-            code, progress = poll(), read_json(results / "progress.json")
-            if progress:
-                if bar.total != progress["total"]:  # tqdm's notebook bar only takes its width in reset(total=)
-                    bar.reset(total=progress["total"])
-                bar.n = progress["done"]
-            if shown != (bar.n, int(time.monotonic() - start)):  # redraw on progress and every second
-                shown = (bar.n, int(time.monotonic() - start))
-                bar.refresh()
-            for f in sorted(p for p in results.iterdir() if p.suffix in (".log", ".out", ".err")) if verbose else ():
-                with open(f, "rb") as fh:
-                    fh.seek(offsets.get(f, 0))
-                    data = fh.read()
-                data = data[: data.rfind(b"\n") + 1]  # whole lines only
-                offsets[f] = offsets.get(f, 0) + len(data)
-                for line in data.decode(errors="replace").splitlines():
-                    tqdm.write(f"[{f.name}] {line}")
-            if code is not None or time.monotonic() - start > timeout:
-                return code
-            time.sleep(0.2)
-
-
-
-

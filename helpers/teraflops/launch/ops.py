@@ -166,21 +166,26 @@ def prepare_deepspeed_ops(timeout: float = 900, cpu: bool | None = None) -> None
         code, elapsed = _build_once(ext, log_path, timeout)
         if code == 0:
             break
-        line = last_line(log_path)
         if code is not None and code > 0 and others and attempt == 0 and not _compiler_error(log_path):
             continue  # we waited on the other build's lock; it ended without the op: build it ourselves
-        if code is None:
-            what = f"not done after {timeout:g} s"
-        elif code < 0:
-            what = f"the build was killed by {signal.Signals(-code).name} after {elapsed:.0f} s"
-        else:
-            what = f'"{line}"'
-        if others:
-            what += f" (after waiting for another build of it, pid {', '.join(map(str, others))}, that did not finish it)"
-        missing = [tool for tool in ("g++", "ninja") if shutil.which(tool) is None]
-        hint = (f"it needs {' and '.join(missing)} (apt install g++; pip install ninja)" if missing else
-                "the compiler's whole error is in the log" if code and code > 0 else "run it again")
-        raise OpBuildFailed(f"compiling DeepSpeed's {SHM_OP} op failed: {what}. Hint: {hint}; "
-                            f"DeepSpeed cannot start on CPU without it. Log: {log_path}")
+        raise _build_failed(code, elapsed, timeout, others, log_path)
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.touch()
+
+
+def _build_failed(code: int | None, elapsed: float, timeout: float, others: list[int], log_path: Path) -> OpBuildFailed:
+    """The one line of a failed build of the op: how it ended (exit ``code``, None at ``timeout``), the
+    other builds it waited for, what to do."""
+    if code is None:
+        what = f"not done after {timeout:g} s"
+    elif code < 0:
+        what = f"the build was killed by {signal.Signals(-code).name} after {elapsed:.0f} s"
+    else:
+        what = f'"{last_line(log_path)}"'
+    if others:
+        what += f" (after waiting for another build of it, pid {', '.join(map(str, others))}, that did not finish it)"
+    missing = [tool for tool in ("g++", "ninja") if shutil.which(tool) is None]
+    hint = (f"it needs {' and '.join(missing)} (apt install g++; pip install ninja)" if missing else
+            "the compiler's whole error is in the log" if code and code > 0 else "run it again")
+    return OpBuildFailed(f"compiling DeepSpeed's {SHM_OP} op failed: {what}. Hint: {hint}; "
+                         f"DeepSpeed cannot start on CPU without it. Log: {log_path}")

@@ -135,33 +135,16 @@ def place(ranks: int | None = None, *, cpu_ranks: int | None = None, min_ranks: 
         machine = detect()
     environ = os.environ if environ is None else environ
     nodes = 1 if cluster is None else int(cluster.nodes)
-    for name, v in (("ranks", ranks), ("cpu_ranks", cpu_ranks)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise PlacementError(f"{name} must be a positive int (a world size), got {v!r}")
+    _check_world_sizes(ranks=ranks, cpu_ranks=cpu_ranks)
     n_gpus = machine.gpu_count if gpus else 0
     want_gpu = ranks if ranks is not None else (n_gpus - n_gpus % nodes)
-    fits_gpus = n_gpus >= 2 and min_ranks <= want_gpu <= n_gpus and want_gpu % nodes == 0
-    if fits_gpus:
-        world, backend = want_gpu, "nccl"
-        ids = visible_gpu_ids(n_gpus, environ)
-        per = world // nodes
-        gpu_ids = tuple(tuple(ids[i * per:(i + 1) * per]) for i in range(nodes))
-        note = f"{world} NCCL ranks, one per GPU" + (f", {per} per node on distinct GPUs" if nodes > 1 else "")
+    if n_gpus >= 2 and min_ranks <= want_gpu <= n_gpus and want_gpu % nodes == 0:
+        world, backend, gpu_ids, note = _on_gpus(want_gpu, nodes, visible_gpu_ids(n_gpus, environ))
     else:
         world = ranks if ranks is not None else cpu_ranks
         if world is None:
             raise PlacementError("a run of CPU ranks needs a world size. Hint: place(ranks=N) or place(cpu_ranks=N)")
-        backend, gpu_ids = "gloo", tuple(() for _ in range(nodes))
-        if machine.gpu_count == 0:
-            note = f"{world} CPU ranks with gloo"
-        elif not gpus:
-            note = f"{world} CPU ranks with gloo, GPUs hidden (asked for CPU ranks)"
-        elif machine.gpu_count == 1:
-            note = f"one GPU cannot host two NCCL ranks, so {world} CPU ranks with gloo, the GPU hidden"
-        else:
-            need = f"at least {min_ranks}" if min_ranks > machine.gpu_count else str(max(world, min_ranks))
-            note = (f"this run needs {need} ranks and there are {machine.gpu_count} GPUs (one NCCL rank per GPU), "
-                    f"so {world} CPU ranks with gloo, the GPUs hidden")
+        backend, gpu_ids, note = "gloo", tuple(() for _ in range(nodes)), _cpu_note(world, machine, gpus, min_ranks)
     if world < min_ranks:
         raise PlacementError(f"{world} ranks are too few: this run needs at least {min_ranks}. "
                              f"Hint: ranks={min_ranks} or more")
@@ -170,21 +153,54 @@ def place(ranks: int | None = None, *, cpu_ranks: int | None = None, min_ranks: 
                              f"Hint: use a multiple of {nodes} ranks")
     env = {BACKEND_ENV: backend, "TRITON_INTERPRET": "0" if backend == "nccl" else "1",
            "OMP_NUM_THREADS": str(max(1, machine.cpu_cores // world))}
-    node_env = []
-    for i in range(nodes):
-        visible = ",".join(gpu_ids[i])  # "" hides every GPU from a CPU rank
-        extra = {"CUDA_VISIBLE_DEVICES": visible, VISIBLE_ENV: visible} if (machine.gpu_count or backend == "nccl") \
-            else {}
-        if cluster is None:
-            if sys.platform == "linux":
-                extra.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})  # one machine: loopback only
-        else:
-            from teraflops.nodes.cluster import IFNAME
+    hide = bool(machine.gpu_count) or backend == "nccl"  # CUDA_VISIBLE_DEVICES set wherever there are GPUs to hide
+    node_env = tuple(_node_env(i, gpu_ids[i], hide, cluster) for i in range(nodes))
+    return Placement(world, nodes, backend, gpu_ids, env, node_env, note)
 
-            extra.update({NODE_ENV: str(i), "GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME,
-                          "NCCL_HOSTID": cluster.node_name(i), "NCCL_IB_DISABLE": "1"})
-        node_env.append(extra)
-    return Placement(world, nodes, backend, gpu_ids, env, tuple(node_env), note)
+
+def _check_world_sizes(**sizes) -> None:
+    """Each of ``sizes`` that is given is a positive int (a world size), else PlacementError naming it."""
+    for name, v in sizes.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise PlacementError(f"{name} must be a positive int (a world size), got {v!r}")
+
+
+def _on_gpus(world: int, nodes: int, ids: list[str]) -> tuple[int, str, tuple[tuple[str, ...], ...], str]:
+    """(world, "nccl", each node's GPUs, the note) for one NCCL rank per GPU, ``world // nodes`` per node."""
+    per = world // nodes
+    gpu_ids = tuple(tuple(ids[i * per:(i + 1) * per]) for i in range(nodes))
+    note = f"{world} NCCL ranks, one per GPU" + (f", {per} per node on distinct GPUs" if nodes > 1 else "")
+    return world, "nccl", gpu_ids, note
+
+
+def _cpu_note(world: int, machine, gpus: bool, min_ranks: int) -> str:
+    """Why a run gets ``world`` CPU ranks with gloo, in one line."""
+    if machine.gpu_count == 0:
+        return f"{world} CPU ranks with gloo"
+    if not gpus:
+        return f"{world} CPU ranks with gloo, GPUs hidden (asked for CPU ranks)"
+    if machine.gpu_count == 1:
+        return f"one GPU cannot host two NCCL ranks, so {world} CPU ranks with gloo, the GPU hidden"
+    need = f"at least {min_ranks}" if min_ranks > machine.gpu_count else str(max(world, min_ranks))
+    return (f"this run needs {need} ranks and there are {machine.gpu_count} GPUs (one NCCL rank per GPU), "
+            f"so {world} CPU ranks with gloo, the GPUs hidden")
+
+
+def _node_env(i: int, gpu_ids: tuple[str, ...], hide: bool, cluster) -> dict:
+    """What node ``i``'s ranks get on top of the placement's ``env``: their GPUs (``""`` hides every GPU
+    from a CPU rank, where ``hide``), and the sockets they talk on (loopback on one machine; the node's
+    ``eth0``, its own ``NCCL_HOSTID``, on emulated nodes)."""
+    visible = ",".join(gpu_ids)
+    extra = {"CUDA_VISIBLE_DEVICES": visible, VISIBLE_ENV: visible} if hide else {}
+    if cluster is None:
+        if sys.platform == "linux":
+            extra.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})  # one machine: loopback only
+        return extra
+    from teraflops.nodes.cluster import IFNAME
+
+    extra.update({NODE_ENV: str(i), "GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME,
+                  "NCCL_HOSTID": cluster.node_name(i), "NCCL_IB_DISABLE": "1"})
+    return extra
 
 
 def across(placement: Placement, cluster, *, machine=None, environ=None) -> Placement:

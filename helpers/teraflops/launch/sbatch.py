@@ -105,10 +105,7 @@ class BatchJob:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise BatchJobError(f"{field} must be an int >= {lo}, got {value!r}.")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
-            raise BatchJobError(f"port must be a TCP port in [1, 65535], got {self.port!r}.")
-        if not isinstance(self.time_s, (int, float)) or not 0 < self.time_s < math.inf:
-            raise BatchJobError(f"time_s must be a positive number of seconds, got {self.time_s!r}. Hint: time_s=300.")
+        self._check_port_and_time()
         if not self.program or not self.torchrun:
             raise BatchJobError("a batch job needs a program for its ranks and a torchrun command.")
         if self.node_env and len(self.node_env) != self.nodes:
@@ -116,6 +113,12 @@ class BatchJob:
         bad = [k for k, _ in (*self.env, *(kv for node in self.node_env for kv in node)) if not _VAR.fullmatch(k)]
         if bad:
             raise BatchJobError(f"environment variable names must be shell identifiers, got {bad[0]!r}.")
+
+    def _check_port_and_time(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
+            raise BatchJobError(f"port must be a TCP port in [1, 65535], got {self.port!r}.")
+        if not isinstance(self.time_s, (int, float)) or not 0 < self.time_s < math.inf:
+            raise BatchJobError(f"time_s must be a positive number of seconds, got {self.time_s!r}. Hint: time_s=300.")
 
     @classmethod
     def of(cls, where, program: Sequence[str], *, torchrun: Sequence[str], port: int, time_s: float, output: str,

@@ -60,65 +60,70 @@ def _decode(tp, value, where: str):
         return value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        errors = []
-        for option in options:
-            try:
-                return _decode(option, value, where)
-            except SpecError as e:
-                errors.append(e)
-        if len(options) == 1:
-            raise errors[0]
-        raise SpecError(f"{where}: expected {_name(tp)}, got {_show(value)}")
+        return _decode_union(tp, args, value, where)
     if dataclasses.is_dataclass(tp):
         return from_json(tp, value, where)
-    if tp is type(None):
-        if value is not None:
-            raise SpecError(f"{where}: expected null, got {_show(value)}")
-        return None
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise SpecError(f"{where}: expected bool, got {_show(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(f"{where}: expected int, got {_show(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(f"{where}: expected float, got {_show(value)}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise SpecError(f"{where}: expected str, got {_show(value)}")
-        return value
+    if tp in _SCALARS:
+        if not _SCALARS[tp](value):
+            raise SpecError(f"{where}: expected {'null' if tp is type(None) else tp.__name__}, got {_show(value)}")
+        return float(value) if tp is float else value
     if origin in (list, tuple) or tp in (list, tuple):
-        if not isinstance(value, list):
-            raise SpecError(f"{where}: expected a list ({_name(tp)}), got {_show(value)}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise SpecError(f"{where}: expected {len(args)} items ({_name(tp)}), got {len(value)}")
-            return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-        item = args[0] if args else object
-        out = [_decode(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(out) if (origin or tp) is tuple else out
+        return _decode_sequence(tp, origin, args, value, where)
     if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise SpecError(f"{where}: expected a dict ({_name(tp)}), got {_show(value)}")
-        key_tp, val_tp = args or (str, object)
-        out = {}
-        for k, v in value.items():
-            if key_tp is int:
-                if not (isinstance(k, str) and k.lstrip("-").isdigit()):
-                    raise SpecError(f"{where}: expected int keys, got key {k!r}")
-                key = int(k)
-            else:
-                key = k
-            out[key] = _decode(val_tp, v, f"{where}[{k!r}]")
-        return out
+        return _decode_dict(tp, args, value, where)
     raise SpecError(f"{where}: type {_name(tp)} cannot come from JSON (declare it with the types of teraflops.launch.wire)")
+
+
+# What a JSON value must be to stand for each scalar type (a bool is no int or float here, though Python's is)
+_SCALARS = {
+    type(None): lambda v: v is None,
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+}
+
+
+def _decode_union(tp, args, value, where: str):
+    """``X | Y | None``: None if allowed, else the first option that decodes (one option: its own error)."""
+    if value is None and type(None) in args:
+        return None
+    options = [a for a in args if a is not type(None)]
+    errors = []
+    for option in options:
+        try:
+            return _decode(option, value, where)
+        except SpecError as e:
+            errors.append(e)
+    if len(options) == 1:
+        raise errors[0]
+    raise SpecError(f"{where}: expected {_name(tp)}, got {_show(value)}")
+
+
+def _decode_sequence(tp, origin, args, value, where: str):
+    """``list[X]``, ``tuple[X, ...]`` or a fixed ``tuple[X, Y]`` from a JSON list, item by item."""
+    if not isinstance(value, list):
+        raise SpecError(f"{where}: expected a list ({_name(tp)}), got {_show(value)}")
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise SpecError(f"{where}: expected {len(args)} items ({_name(tp)}), got {len(value)}")
+        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    item = args[0] if args else object
+    out = [_decode(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return tuple(out) if (origin or tp) is tuple else out
+
+
+def _decode_dict(tp, args, value, where: str):
+    """``dict[K, V]`` from a JSON object; ``int`` keys from their digits."""
+    if not isinstance(value, dict):
+        raise SpecError(f"{where}: expected a dict ({_name(tp)}), got {_show(value)}")
+    key_tp, val_tp = args or (str, object)
+    out = {}
+    for k, v in value.items():
+        if key_tp is int and not (isinstance(k, str) and k.lstrip("-").isdigit()):
+            raise SpecError(f"{where}: expected int keys, got key {k!r}")
+        out[int(k) if key_tp is int else k] = _decode(val_tp, v, f"{where}[{k!r}]")
+    return out
 
 
 def _name(tp) -> str:

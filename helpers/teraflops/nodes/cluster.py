@@ -7,7 +7,8 @@ man ``veth(4)``) from the node's ``eth0`` to a switch port. Every name starts wi
 :data:`PREFIX`, so :func:`down` (``teraflops cluster down``) finds and removes whatever a crashed
 run left. Each cluster belongs to an owner process (:mod:`teraflops.ownership`: pid, start time and
 user, recorded before any namespace is made): on a shared machine nobody's ``up`` or ``down``
-touches a live cluster of another owner (only the host's ``teraflops cluster down --all`` does).
+touches a live cluster of another owner (only the host's ``teraflops cluster down --all`` does;
+:mod:`teraflops.nodes.ownership_policy` holds those rules).
 
 A link's settings apply in both directions (on the node's ``eth0`` and on its switch port), with
 traffic control (man ``tc(8)``):
@@ -271,6 +272,19 @@ def down(grace: float = 3.0, only: list[str] | None = None) -> list[str]:
     also when nothing is left: ``teraflops cluster down``.
     """
     found = namespaces() if only is None else list(only)
+    _stop_processes(found, grace)
+    for ns in found:
+        _ip("netns", "del", ns, check=False)
+    left = set(namespaces())
+    for name in {cluster_of(ns) for ns in found} - {None}:
+        if not any(cluster_of(ns) == name for ns in left):
+            slurm_mod.remove_state(name)  # a Slurm cluster's files, once its daemons are gone
+    return [ns for ns in found if ns not in left]
+
+
+def _stop_processes(found: list[str], grace: float) -> None:
+    """SIGTERM every process in namespaces ``found`` (SIGKILL to :func:`teraflops.nodes.slurm.kill_at_once`'s),
+    then SIGKILL what is left after ``grace`` s; returns once they are gone or the second grace is over."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         victims = {p for ns in found for p in pids(ns)}
         hard = slurm_mod.kill_at_once(victims) if sig == signal.SIGTERM else set()
@@ -284,14 +298,7 @@ def down(grace: float = 3.0, only: list[str] | None = None) -> list[str]:
             victims = {p for p in victims if _alive(p)}
             time.sleep(0.05)
         if not victims:
-            break
-    for ns in found:
-        _ip("netns", "del", ns, check=False)
-    left = set(namespaces())
-    for name in {cluster_of(ns) for ns in found} - {None}:
-        if not any(cluster_of(ns) == name for ns in left):
-            slurm_mod.remove_state(name)  # a Slurm cluster's files, once its daemons are gone
-    return [ns for ns in found if ns not in left]
+            return
 
 
 def _down_uninterrupted(names: list[str]) -> None:
@@ -325,8 +332,9 @@ class Cluster:
         link: every node's link (one :class:`Link`), or one per node (a list).
         name: the cluster's part of its namespaces' names (default: unique to this process and
             cluster), so that clusters do not meet; each has its own bridge (the same subnet on each).
-        owner_pid: the process the cluster belongs to (default: this one). While it lives, no other
-            owner's ``up`` of the same name or ``teraflops cluster down`` touches the cluster.
+        owner_pid: the process the cluster belongs to (default: this one; ``teraflops cluster up`` gives
+            the leader of its caller's login session, :mod:`teraflops.nodes.ownership_policy`). While it
+            lives, no other owner's ``up`` of the same name or ``teraflops cluster down`` touches the cluster.
         slurm: ``True`` or a :class:`teraflops.nodes.slurm.SlurmConfig`: also run a Slurm cluster on the nodes
             (:mod:`teraflops.nodes.slurm`; then ``cl.slurm_`` is its :class:`~teraflops.nodes.slurm.Slurm`).
 
@@ -338,7 +346,7 @@ class Cluster:
     nodes: int
     link: Link | list[Link] = field(default_factory=Link)
     name: str = field(default_factory=lambda: f"{os.getpid()}c{next(_COUNTER)}")
-    owner_pid: int | None = None  # the process it belongs to (default: this one; the CLI gives its shell)
+    owner_pid: int | None = None  # the process it belongs to (default: this one; the CLI: the login session's leader)
     slurm: bool | slurm_mod.SlurmConfig = False
     slurm_: slurm_mod.Slurm | None = field(init=False, default=None)
     links: list[Link] = field(init=False, default_factory=list)
@@ -478,11 +486,14 @@ class Cluster:
         held = ownership.read(self.name)
         return bool(held) and held.get("pid") == (self.owner_pid or os.getpid())
 
-    def taken_down(self) -> str | None:
-        """Why this cluster is gone though it was up (one line: who removed it), else None."""
-        if not self.up_ or len(self.namespaces()) == self.nodes + 1:
-            return None
+    def taken_down(self, since: float | None = None) -> str | None:
+        """Why this cluster is gone though it was up (one line: who removed it), else None. ``since``
+        (Unix seconds): a ``down --all`` noted after it counts even while its namespaces are still
+        being removed (it marks the cluster before it stops the processes on it)."""
         by = ownership.taken_down_by(self.name)
+        noted = by is not None and since is not None and by.get("time", 0) >= since
+        if not self.up_ or (not noted and len(self.namespaces()) == self.nodes + 1):
+            return None
         who = f"{ownership.describe(by).replace(', gone', '')} with `teraflops cluster down --all`" if by else "someone"
         return f"cluster {self.name!r} was taken down by {who} while the job ran."
 
