@@ -542,3 +542,59 @@ def test_a_python_behind_a_folder_others_cannot_enter_is_named():
         assert warmup.closed_to_others([env / "python"]) is None
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_package_others_cannot_read_is_named_in_one_warning_line():
+    """Issue 24: a clone in a mode-700 folder (``mktemp -d``, a home) imports for root, not for learners."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from teraflops.course import warmup
+
+    base = Path(tempfile.mkdtemp(prefix="teraflops-closed-"))  # not under pytest's tmp_path: that is mode 700
+    try:
+        base.chmod(0o755)
+        package = base / "home" / "me" / "clone" / "helpers" / "teraflops"
+        (package / "launch").mkdir(parents=True)
+        for f in (package / "__init__.py", package / "launch" / "rank.py"):
+            f.write_text("")
+            f.chmod(0o644)
+        for d in (base / "home", base / "home" / "me", base / "home" / "me" / "clone", package.parent, package,
+                  package / "launch"):
+            d.chmod(0o755)
+        assert warmup.package_closed_to_others(package) is None and warmup.access_warnings([base], package) == []
+        (base / "home" / "me").chmod(0o700)  # a clone in a home only its owner enters
+        assert warmup.package_closed_to_others(package) == base / "home" / "me"
+        line, = warmup.access_warnings([base], package)
+        assert f"other users cannot enter {base / 'home' / 'me'}, on the way to the course's package" in line
+        assert "\n" not in line and "cannot import teraflops" in line
+        (base / "home" / "me").chmod(0o711)  # others may pass through: enough on the way
+        assert warmup.package_closed_to_others(package) is None
+        package.parent.chmod(0o711)  # but Python's import lists the folder it imports from
+        assert warmup.package_closed_to_others(package) == package.parent
+        assert warmup.access_warnings([base], package)[0].startswith(f"other users cannot read {package.parent},")
+        package.parent.chmod(0o755)
+        (package / "launch" / "rank.py").chmod(0o600)  # one module only its owner reads
+        assert warmup.package_closed_to_others(package) == package / "launch" / "rank.py"
+        (package / "launch" / "rank.py").chmod(0o644)
+        (package / "__pycache__").mkdir(mode=0o700)  # bytecode others cannot read: Python reads the source
+        assert warmup.package_closed_to_others(package) is None
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_warmup_prints_each_access_warning_as_one_line_before_building(monkeypatch, tmp_path, capsys):
+    import argparse
+
+    from teraflops.course import cli, warmup
+
+    built = []
+    monkeypatch.setattr(warmup, "access_warnings", lambda: ["other users cannot read /x/helpers, on the way to the "
+                                                            "course's package: ..."])
+    monkeypatch.setattr(warmup, "build_warm_cache", lambda dest: built.append("op") or tmp_path / "op")
+    monkeypatch.setattr(warmup, "build_compile_cache", lambda dest: built.append("compile") or ["Unit 4 decode"])
+    assert cli._cmd_warmup(argparse.Namespace(dest=str(tmp_path))) == 0
+    out = capsys.readouterr()
+    assert out.err == "warning: other users cannot read /x/helpers, on the way to the course's package: ...\n"
+    assert built == ["op", "compile"] and "compiled: Unit 4 decode" in out.out
