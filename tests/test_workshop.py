@@ -2,12 +2,14 @@
 run with it, a host's warm cache, builds that say why they failed."""
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from traversal import course_paths, traversable
 
 from teraflops.nodes import cluster as cl
 from teraflops import ownership
@@ -19,7 +21,7 @@ TRIALS = int(os.environ.get("TERAFLOPS_UP_TRIALS", "2"))  # 20 by hand: TERAFLOP
 
 def _shell(*args: str) -> subprocess.Popen:
     """A shell that runs `teraflops cluster ARGS`, prints its exit code and stays (it owns the cluster)."""
-    line = " ".join([sys.executable, "-m", "teraflops", "cluster", *args])
+    line = shlex.join([sys.executable, "-m", "teraflops", "cluster", *args])  # a Python in a path with a space
     return subprocess.Popen(["sh", "-c", f"{line}; echo rc=$?; exec sleep 120"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -374,7 +376,8 @@ import teraflops  # seeds the compile caches from the host's
 from teraflops import caches, sizing
 from teraflops.compilation import decode
 from teraflops.parallelization import zero
-from teraflops.sizing import PRESETS, data_parallel_plan
+from teraflops.launch.placement import data_parallel_plan
+from teraflops.sizing import PRESETS
 
 t0 = time.perf_counter()
 runs = zero.run_zero(stages=(1,), plan=data_parallel_plan(PRESETS["tiny"]), steps=2)  # a first ZeRO run
@@ -413,22 +416,9 @@ def _probe(call: str) -> bool:
             or re.search(r"/tmp\w+/(test\.c|test\.o) ", f"{call} ") is not None)
 
 
-def _as_user(user: str, argv: list, stage) -> list:
-    """``argv`` run as ``user``; where this interpreter lies in a folder others cannot enter (here
-    /root/.pyenv), in a mount namespace of its own that shows just the interpreter's folder there,
-    as a workshop's shared environment would be (the host's mounts are not touched)."""
-    from pathlib import Path
-
-    from teraflops.course.warmup import closed_to_others
-
-    prefix = Path(os.path.realpath(sys.executable)).parents[1]
-    shut = closed_to_others([prefix.parent])  # the first folder above the prefix that others cannot enter
-    run = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--", *argv]
-    if shut is None:
-        return run
-    script = (f"mount --bind {prefix} {stage} && mount -t tmpfs -o mode=755 tmpfs {shut} && mkdir -p {prefix} && "
-              f'mount --bind {stage} {prefix} && exec "$@"')
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *run]
+def _as_user(user: str, argv: list) -> list:
+    """``argv`` run as ``user``, no supplementary groups."""
+    return ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--", *argv]
 
 
 @pytest.mark.slow
@@ -452,7 +442,7 @@ def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
 
     base = Path(tempfile.mkdtemp(prefix="teraflops-warm-test-"))
     base.chmod(0o755)
-    warm, home, tools, stage = base / "warm", base / "home", base / "bin", base / "stage"
+    warm, home, tools = base / "warm", base / "home", base / "bin"
     user = f"tfwarm{os.getpid() % 100000}"
     subprocess.run(["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/usr/sbin/nologin", user],
                    check=True, capture_output=True)
@@ -470,7 +460,7 @@ def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
                               env={**os.environ, "PATH": f"{tools}:{Path(sys.executable).parent}:{os.environ['PATH']}"})
         assert host.returncode == 0, host.stdout[-2000:] + host.stderr[-2000:]
         uid = pwd.getpwnam(user).pw_uid
-        for folder in (home, home / "tmp", stage):
+        for folder in (home, home / "tmp"):
             folder.mkdir()
             os.chown(folder, uid, uid)
         (base / "learner.py").write_text(_LEARNER)
@@ -482,10 +472,13 @@ def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
                # = bool(os.getenv("CI")), torch/_functorch/config.py), and that config is part of AOTAutograd's
                # cache key; under CI=true (a CI machine) a learner without it missed every AOTAutograd entry
                **{k: v for k, v in os.environ.items() if k in ("CUDA_VISIBLE_DEVICES", "CI")}}
-        learner = subprocess.Popen(_as_user(user, [sys.executable, str(base / "learner.py")], stage), env=env,
-                                   cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True, stdin=subprocess.DEVNULL)
-        out, err = learner.communicate(timeout=600)
+        # the learner runs this Python and imports this clone: folders on the way that others cannot enter (a
+        # pyenv under /root, a clone in a mode-700 mktemp folder) are opened to them for the run, then closed
+        with traversable(course_paths()):
+            learner = subprocess.Popen(_as_user(user, [sys.executable, str(base / "learner.py")]), env=env,
+                                       cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       start_new_session=True, stdin=subprocess.DEVNULL)
+            out, err = learner.communicate(timeout=600)
         assert learner.returncode == 0, out[-2000:] + err[-3000:]
         got = json.loads(out.strip().splitlines()[-1])
         assert got["stages"] == [1]
