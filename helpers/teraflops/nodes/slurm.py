@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
-import shlex
 import subprocess
 import time
 from dataclasses import asdict, dataclass, replace
