@@ -1,4 +1,8 @@
-"""Unit 3's checks: the references pass, plausible wrong answers fail with the hint that names them."""
+"""Unit 3's checks: answers written here from the exercises' definitions pass, plausible wrong answers fail
+with the hint that names them."""
+
+import math
+import statistics
 
 import numpy as np
 import pytest
@@ -8,12 +12,72 @@ from teraflops.errors import ExerciseFailed, NotAttempted
 from teraflops.grading import unit03 as check
 
 
-def test_references_pass(capsys):
-    check.idle_fraction(stragglers.idle_fraction)
-    check.straggler_detector(detection.flag_stragglers)
-    check.rebalance(stragglers.rebalance)
-    check.backfill_policy(queue_sim.backfill)
+# --- the exercises as a learner writes them, from their definitions (not the package's references) -------
+
+def idle_fraction(step_s, wait_s):
+    """Per rank: total seconds waiting over total seconds of its steps."""
+    steps, ranks = len(step_s), len(step_s[0])
+    return [sum(wait_s[t][r] for t in range(steps)) / sum(step_s[t][r] for t in range(steps)) for r in range(ranks)]
+
+
+def flag_stragglers(busy_s):
+    """Iglewicz & Hoaglin's modified z-score 0.6745 (x - median) / MAD of each rank's mean busy time, the
+    MAD floored at 5 % of the median; ranks above 3.5."""
+    means = [statistics.fmean(column) for column in zip(*np.asarray(busy_s).tolist())]
+    median = statistics.median(means)
+    mad = max(statistics.median(abs(x - median) for x in means), 0.05 * median)
+    return [r for r, x in enumerate(means) if 0.6745 * (x - median) / mad > 3.5]
+
+
+def rebalance(speeds, global_batch):
+    """Shares proportional to speed, floored (at least 1); the samples left go to the largest remainders,
+    and samples the raised ranks took come back from the largest micro-batch."""
+    share = [global_batch * s / sum(speeds) for s in speeds]
+    sizes = [max(1, math.floor(x)) for x in share]
+    by_remainder = sorted(range(len(share)), key=lambda r: share[r] - math.floor(share[r]), reverse=True)
+    for r in by_remainder[:max(0, global_batch - sum(sizes))]:
+        sizes[r] += 1
+    while sum(sizes) > global_batch:
+        sizes[sizes.index(max(sizes))] -= 1
+    return sizes
+
+
+def backfill_policy(queue, cluster, now):
+    """EASY backfill: jobs in order while they fit; behind the first that does not (the head), a job that
+    fits now and leaves the head's earliest start where it was."""
+    chosen = []
+    for i, job in enumerate(queue):
+        if not cluster.fits(job, assuming=chosen):
+            break
+        chosen.append(job)
+    else:
+        return chosen
+    head = queue[i]
+    reservation = cluster.earliest_start(head, assuming=chosen)
+    for job in queue[i + 1:]:
+        if cluster.fits(job, assuming=chosen) and cluster.earliest_start(head, assuming=[*chosen, job]) <= reservation:
+            chosen.append(job)
+    return chosen
+
+
+def test_answers_written_from_the_definitions_pass(capsys):
+    """Each check compares with the package's reference: these answers, written here, pass only where the
+    reference agrees with the exercise's definition (passing the reference itself would hold by construction)."""
+    check.idle_fraction(idle_fraction)
+    check.straggler_detector(flag_stragglers)
+    check.rebalance(rebalance)
+    check.backfill_policy(backfill_policy)
     assert capsys.readouterr().out.count("passed") == 4
+
+
+def test_the_references_the_checks_use_give_the_hand_computed_values():
+    """What the checks compare with, on cases worked out by hand."""
+    step = np.array([[1.0, 1.0], [3.0, 3.0]])
+    wait = np.array([[0.5, 0.0], [0.5, 1.5]])
+    assert stragglers.idle_fraction(step, wait).tolist() == [0.25, 0.375]  # (0.5 + 0.5) / 4, (0 + 1.5) / 4
+    # [1, 1, 1, 1.3]: median 1, MAD 0 floored at 0.05, z of the last 0.6745 * 0.3 / 0.05 = 4.05 > 3.5
+    assert list(detection.flag_stragglers(np.tile([1.0, 1.0, 1.0, 1.3], (3, 1)))) == [3]
+    assert list(detection.flag_stragglers(np.tile([1.0, 1.0, 1.0, 1.25], (3, 1)))) == []  # z = 3.37
 
 
 @pytest.mark.parametrize("wrong, hint", [

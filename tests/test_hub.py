@@ -19,7 +19,6 @@ import secrets
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import textwrap
@@ -34,12 +33,12 @@ from urllib import error, parse, request
 import nbformat
 import psutil
 import pytest
+from traversal import course_paths, traversable
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "<!-- hub-config: tests/test_hub.py runs the next block -->"
 LAB = "03_orchestration.ipynb"
 PREFIX = "tfhub"  # throw-away users are tfhub<pid of the test process><a|b>
-GRANTS = Path("/var/tmp/teraflops-test-hub")  # <pid>.json: the modes a run changed, until it puts them back
 STEP_S = 120  # the most one step may take (a server's start, a cell, a grading) before the test fails
 
 
@@ -129,53 +128,15 @@ def _remove_user(name: str) -> None:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def _restore_modes(record: Path) -> None:
-    """Put back the modes a run's record lists, where they are still as that run left them."""
-    for path, mode in json.loads(record.read_text() or "[]"):
-        try:
-            if stat.S_IMODE(os.stat(path).st_mode) == mode | stat.S_IXOTH:
-                os.chmod(path, mode)
-        except FileNotFoundError:
-            pass
-    record.unlink(missing_ok=True)
-
-
 def _sweep_dead_runs() -> None:
-    """What a killed run of this test left (its pid no longer alive) goes first: its users, and the modes
-    it changed (:func:`_traversable`) back as they were."""
+    """The throw-away users of a killed run of this test (its pid no longer alive) go first (the modes it
+    changed are put back by :func:`traversal.traversable` itself)."""
     import pwd
 
     for entry in pwd.getpwall():
         m = re.fullmatch(rf"{PREFIX}(\d+)[ab]", entry.pw_name)
         if m and not psutil.pid_exists(int(m.group(1))):
             _remove_user(entry.pw_name)
-    for record in GRANTS.glob("*.json") if GRANTS.is_dir() else []:
-        if record.stem.isdigit() and not psutil.pid_exists(int(record.stem)):
-            _restore_modes(record)
-
-
-@contextmanager
-def _traversable(paths):
-    """Directories on the way to ``paths`` that other users cannot enter get o+x (enter, not list) for
-    the test, then their mode back: the learners' servers run the course's Python and package from
-    here, and a Python under /root (pyenv's, say) is closed to them. Each change is recorded in
-    ``GRANTS`` before it is made, so a killed run's changes are undone by the next run."""
-    GRANTS.mkdir(parents=True, exist_ok=True)
-    record = GRANTS / f"{os.getpid()}.json"
-    changed: list[tuple[str, int]] = []
-    try:
-        for path in paths:
-            target = Path(path).resolve()
-            for d in [*reversed(target.parents), target]:
-                mode = stat.S_IMODE(d.stat().st_mode)
-                if d.is_dir() and not mode & stat.S_IXOTH and str(d) not in [c for c, _ in changed]:
-                    changed.append((str(d), mode))
-                    record.write_text(json.dumps(changed))
-                    os.chmod(d, mode | stat.S_IXOTH)
-        yield
-    finally:
-        if record.exists():
-            _restore_modes(record)
 
 
 @pytest.fixture
@@ -201,7 +162,7 @@ def learners():
             os.chmod(home, 0o700)
             shutil.copytree(ROOT / "labs", home / "labs")
             subprocess.run(["chown", "-R", f"{name}:", str(home / "labs")], check=True, timeout=30)
-        with _traversable([sys.executable, sys.prefix, ROOT / "helpers"]):
+        with traversable(course_paths()):  # the learners' servers run this Python and import this course
             yield users
     finally:
         for name in names:

@@ -73,3 +73,27 @@ def test_a_check_made_to_fail_exits_non_zero_with_one_line_naming_it(tmp_path):
     assert out.returncode == 1
     failed = [line for line in out.stdout.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 1 and failed[0].startswith("FAILED ceilings: ValueError") and "needs a CUDA GPU" in failed[0]
+
+
+def test_the_registry_holds_every_check_once_in_the_tables_order():
+    """``@preflight.register`` is the one place a check is declared: ``teraflops preflight`` and
+    ``pytest -m gpu`` (tests/test_preflight_gpu.py) both read :data:`preflight.CHECKS`."""
+    assert [(c.name, c.gpus) for c in preflight.CHECKS] == [
+        ("device", 0), ("triton-flash", 0), ("fused-rmsnorm", 0), ("ceilings", 0), ("attention-sweep", 0),
+        ("profiler-verdicts", 0), ("decode", 0), ("ladder-contention", 0), ("triage", 0), ("zero", 0),
+        ("collectives", 0), ("remedies", 2), ("stragglers", 2), ("elastic", 2)]
+    assert preflight.CHECKS[0].fn is preflight.check_device_facts
+    with pytest.raises(ValueError, match="named 'zero' is registered already"):
+        preflight.register("zero", "again")(lambda: (0, "", ""))
+    assert len(preflight.CHECKS) == 14
+
+
+def test_a_checks_gpu_path_is_skipped_with_the_reason_preflight_gives():
+    zero, = (c for c in preflight.CHECKS if c.name == "zero")
+    elastic, = (c for c in preflight.CHECKS if c.name == "elastic")
+    assert zero.unmet(0) is None  # preflight runs its CPU equivalent
+    assert zero.unmet(0, gpu_path=True) == "needs 1 GPU, this machine has 0 (`teraflops preflight` runs its CPU equivalent here)"
+    assert zero.unmet(1, gpu_path=True) is None
+    assert elastic.unmet(0) == elastic.unmet(0, gpu_path=True) == (
+        "needs 2 GPUs, this machine has 0 (the CPU test suite runs its gloo version)")
+    assert elastic.unmet(1) == "needs 2 GPUs, this machine has 1" and elastic.unmet(2) is None

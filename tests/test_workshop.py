@@ -3,12 +3,14 @@ run with it, a host's warm cache, builds that say why they failed."""
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from traversal import course_paths, traversable
 
 from teraflops.nodes import cluster as cl
 from teraflops import ownership
@@ -21,7 +23,7 @@ TRIALS = int(os.environ.get("TERAFLOPS_UP_TRIALS", "2"))  # 20 by hand: TERAFLOP
 def _shell(*args: str) -> subprocess.Popen:
     """A learner's terminal: a shell leading a login session of its own that runs `teraflops cluster ARGS`,
     prints its exit code and stays (the session, so the shell, owns the cluster)."""
-    line = " ".join([sys.executable, "-m", "teraflops", "cluster", *args])
+    line = shlex.join([sys.executable, "-m", "teraflops", "cluster", *args])  # a Python in a path with a space
     return subprocess.Popen(["sh", "-c", f"{line}; echo rc=$?; exec sleep 120"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -603,22 +605,9 @@ def _probe(call: str) -> bool:
             or re.search(r"/tmp\w+/(test\.c|test\.o) ", f"{call} ") is not None)
 
 
-def _as_user(user: str, argv: list, stage) -> list:
-    """``argv`` run as ``user``; where this interpreter lies in a folder others cannot enter (here
-    /root/.pyenv), in a mount namespace of its own that shows just the interpreter's folder there,
-    as a workshop's shared environment would be (the host's mounts are not touched)."""
-    from pathlib import Path
-
-    from teraflops.course.warmup import closed_to_others
-
-    prefix = Path(os.path.realpath(sys.executable)).parents[1]
-    shut = closed_to_others([prefix.parent])  # the first folder above the prefix that others cannot enter
-    run = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--", *argv]
-    if shut is None:
-        return run
-    script = (f"mount --bind {prefix} {stage} && mount -t tmpfs -o mode=755 tmpfs {shut} && mkdir -p {prefix} && "
-              f'mount --bind {stage} {prefix} && exec "$@"')
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *run]
+def _as_user(user: str, argv: list) -> list:
+    """``argv`` run as ``user``, no supplementary groups."""
+    return ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--", *argv]
 
 
 @pytest.mark.slow
@@ -642,7 +631,7 @@ def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
 
     base = Path(tempfile.mkdtemp(prefix="teraflops-warm-test-"))
     base.chmod(0o755)
-    warm, home, tools, stage = base / "warm", base / "home", base / "bin", base / "stage"
+    warm, home, tools = base / "warm", base / "home", base / "bin"
     user = f"tfwarm{os.getpid() % 100000}"
     subprocess.run(["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/usr/sbin/nologin", user],
                    check=True, capture_output=True)
@@ -660,7 +649,7 @@ def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
                               env={**os.environ, "PATH": f"{tools}:{Path(sys.executable).parent}:{os.environ['PATH']}"})
         assert host.returncode == 0, host.stdout[-2000:] + host.stderr[-2000:]
         uid = pwd.getpwnam(user).pw_uid
-        for folder in (home, home / "tmp", stage):
+        for folder in (home, home / "tmp"):
             folder.mkdir()
             os.chown(folder, uid, uid)
         (base / "learner.py").write_text(_LEARNER)
@@ -672,10 +661,13 @@ def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
                # = bool(os.getenv("CI")), torch/_functorch/config.py), and that config is part of AOTAutograd's
                # cache key; under CI=true (a CI machine) a learner without it missed every AOTAutograd entry
                **{k: v for k, v in os.environ.items() if k in ("CUDA_VISIBLE_DEVICES", "CI")}}
-        learner = subprocess.Popen(_as_user(user, [sys.executable, str(base / "learner.py")], stage), env=env,
-                                   cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True, stdin=subprocess.DEVNULL)
-        out, err = learner.communicate(timeout=600)
+        # the learner runs this Python and imports this clone: folders on the way that others cannot enter (a
+        # pyenv under /root, a clone in a mode-700 mktemp folder) are opened to them for the run, then closed
+        with traversable(course_paths()):
+            learner = subprocess.Popen(_as_user(user, [sys.executable, str(base / "learner.py")]), env=env,
+                                       cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       start_new_session=True, stdin=subprocess.DEVNULL)
+            out, err = learner.communicate(timeout=600)
         assert learner.returncode == 0, out[-2000:] + err[-3000:]
         got = json.loads(out.strip().splitlines()[-1])
         assert got["stages"] == [1]
@@ -732,3 +724,59 @@ def test_a_python_behind_a_folder_others_cannot_enter_is_named():
         assert warmup.closed_to_others([env / "python"]) is None
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_package_others_cannot_read_is_named_in_one_warning_line():
+    """Issue 24: a clone in a mode-700 folder (``mktemp -d``, a home) imports for root, not for learners."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from teraflops.course import warmup
+
+    base = Path(tempfile.mkdtemp(prefix="teraflops-closed-"))  # not under pytest's tmp_path: that is mode 700
+    try:
+        base.chmod(0o755)
+        package = base / "home" / "me" / "clone" / "helpers" / "teraflops"
+        (package / "launch").mkdir(parents=True)
+        for f in (package / "__init__.py", package / "launch" / "rank.py"):
+            f.write_text("")
+            f.chmod(0o644)
+        for d in (base / "home", base / "home" / "me", base / "home" / "me" / "clone", package.parent, package,
+                  package / "launch"):
+            d.chmod(0o755)
+        assert warmup.package_closed_to_others(package) is None and warmup.access_warnings([base], package) == []
+        (base / "home" / "me").chmod(0o700)  # a clone in a home only its owner enters
+        assert warmup.package_closed_to_others(package) == base / "home" / "me"
+        line, = warmup.access_warnings([base], package)
+        assert f"other users cannot enter {base / 'home' / 'me'}, on the way to the course's package" in line
+        assert "\n" not in line and "cannot import teraflops" in line
+        (base / "home" / "me").chmod(0o711)  # others may pass through: enough on the way
+        assert warmup.package_closed_to_others(package) is None
+        package.parent.chmod(0o711)  # but Python's import lists the folder it imports from
+        assert warmup.package_closed_to_others(package) == package.parent
+        assert warmup.access_warnings([base], package)[0].startswith(f"other users cannot read {package.parent},")
+        package.parent.chmod(0o755)
+        (package / "launch" / "rank.py").chmod(0o600)  # one module only its owner reads
+        assert warmup.package_closed_to_others(package) == package / "launch" / "rank.py"
+        (package / "launch" / "rank.py").chmod(0o644)
+        (package / "__pycache__").mkdir(mode=0o700)  # bytecode others cannot read: Python reads the source
+        assert warmup.package_closed_to_others(package) is None
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_warmup_prints_each_access_warning_as_one_line_before_building(monkeypatch, tmp_path, capsys):
+    import argparse
+
+    from teraflops.course import cli, warmup
+
+    built = []
+    monkeypatch.setattr(warmup, "access_warnings", lambda: ["other users cannot read /x/helpers, on the way to the "
+                                                            "course's package: ..."])
+    monkeypatch.setattr(warmup, "build_warm_cache", lambda dest: built.append("op") or tmp_path / "op")
+    monkeypatch.setattr(warmup, "build_compile_cache", lambda dest: built.append("compile") or ["Unit 4 decode"])
+    assert cli._cmd_warmup(argparse.Namespace(dest=str(tmp_path))) == 0
+    out = capsys.readouterr()
+    assert out.err == "warning: other users cannot read /x/helpers, on the way to the course's package: ...\n"
+    assert built == ["op", "compile"] and "compiled: Unit 4 decode" in out.out

@@ -3,8 +3,8 @@
 A lecture notebook ends with a few numbers worth a line in the run summary (achieved TFLOP/s,
 a speed-up, peak memory). It hands them over with::
 
-    from teraflops import report
-    report.record("matmul_tflops", tflops, "TFLOP/s", label="fp16 matmul")
+    from teraflops import headlines
+    headlines.record("matmul_tflops", tflops, "TFLOP/s", label="fp16 matmul")
 
 The runner points the environment variable ``TERAFLOPS_REPORT`` at a fresh JSON file before it
 starts the notebook's kernel and reads that file back with :func:`read` when the notebook ends.

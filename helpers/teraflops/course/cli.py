@@ -354,13 +354,10 @@ def _cmd_labs(args: argparse.Namespace) -> int:
 
 def _cmd_warmup(args: argparse.Namespace) -> int:
     from teraflops.caches import WARM_ENV, warm_dir
-    from teraflops.course.warmup import build_compile_cache, build_warm_cache, closed_to_others
+    from teraflops.course.warmup import access_warnings, build_compile_cache, build_warm_cache
 
-    closed = closed_to_others()
-    if closed is not None:
-        print(f"warning: other users cannot enter {closed}, on the way to this Python ({sys.executable}): "
-              f"learners' kernels cannot run it. Hint: install the course's environment where every user can "
-              f"read it (e.g. /opt/teraflops)", file=sys.stderr)
+    for line in access_warnings():
+        print(f"warning: {line}", file=sys.stderr)
     dest = args.dest or warm_dir()
     op = build_warm_cache(dest)
     compiled = build_compile_cache(dest)

@@ -47,6 +47,41 @@ class Check:
     fn: Callable[[], tuple]
     gpus: int = 0
 
+    def unmet(self, gpus: int, gpu_path: bool = False) -> str | None:
+        """Why this check cannot run on a machine with ``gpus`` GPUs (one line), or None if it can.
+
+        ``gpu_path``: its GPU path must run (``pytest -m gpu``, ``tests/test_preflight_gpu.py``), which
+        needs at least one GPU; ``teraflops preflight`` runs a check with ``gpus=0`` on a CPU machine as
+        its CPU equivalent instead."""
+        need = max(self.gpus, 1) if gpu_path else self.gpus
+        if need <= gpus:
+            return None
+        why = f"needs {need} GPU{'s' if need != 1 else ''}, this machine has {gpus}"
+        if gpus == 0:
+            why += (" (the CPU test suite runs its gloo version)" if self.gpus >= 2 else
+                    " (`teraflops preflight` runs its CPU equivalent here)")
+        return why
+
+
+CHECKS: list[Check] = []  # the registry, in the order the table prints it: @register adds each check
+
+
+def register(name: str, label: str, gpus: int = 0):
+    """Decorator: add the function, ``fn() -> (value, unit, detail)``, to :data:`CHECKS` as the check
+    ``name`` (``--only`` and the table use it; ``label`` says what it covers) needing ``gpus`` GPUs.
+    The one place a check is declared: ``teraflops preflight`` and ``pytest -m gpu``
+    (``tests/test_preflight_gpu.py``) both run what it registers.
+
+    Raises:
+        ValueError: a check of that name is registered already.
+    """
+    def add(fn: Callable[[], tuple]) -> Callable[[], tuple]:
+        if any(c.name == name for c in CHECKS):
+            raise ValueError(f"a preflight check named {name!r} is registered already")
+        CHECKS.append(Check(name, label, fn, gpus))
+        return fn
+    return add
+
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -80,6 +115,7 @@ def _sync() -> None:
 # ---- the checks ------------------------------------------------------------------------------------
 
 
+@register("device", "compute capability, bf16 support, preset dtype")
 def check_device_facts():
     """Compute capability and bf16 support against the fitted preset's dtype (bf16 only on sm80+)."""
     import torch
@@ -102,6 +138,7 @@ def check_device_facts():
     return f"sm{g.capability[0]}{g.capability[1]}", "", f"{m.summary()}; preset dtype {preset().dtype}"
 
 
+@register("triton-flash", "Triton FlashAttention vs SDPA")
 def check_triton_flash():
     """The course's Triton FlashAttention forward against SDPA (causal and not)."""
     import torch
@@ -122,6 +159,7 @@ def check_triton_flash():
     return worst, "max abs error", f"N=256, d=64, {str(dtype).removeprefix('torch.')}, causal and not"
 
 
+@register("fused-rmsnorm", "fused Triton RMSNorm vs eager and F.rms_norm")
 def check_fused_rmsnorm():
     """The fused Triton RMSNorm against the eager chain and F.rms_norm, timed side by side."""
     from teraflops.compilation.fused import compare
@@ -132,6 +170,7 @@ def check_fused_rmsnorm():
     return worst, "max abs error", ", ".join(f"{r['impl']} {r['gb_per_s']:.3g} GB/s" for r in rows)
 
 
+@register("ceilings", "peak FLOP/s, copy bandwidth, ridge point")
 def check_ceilings():
     """Peak matmul FLOP/s and copy bandwidth; on a GPU, not above its datasheet (an emulated dtype
     or a wrong datasheet row would show here)."""
@@ -154,6 +193,7 @@ def check_ceilings():
     return c.peak_flops / c.bandwidth, "FLOP/byte (ridge)", note
 
 
+@register("attention-sweep", "attention sweep to naive's OOM and on")
 def check_attention_sweep():
     """SDPA, Triton and naive attention; on a GPU the sweep goes past naive attention's
     out-of-memory point, SDPA runs there, and the memory is handed back."""
@@ -188,6 +228,7 @@ def check_attention_sweep():
     return n_oom, "N of naive's OOM", f"naive OOM at N={n_oom} as a data point, SDPA ran on; {leaked >> 20} MiB left"
 
 
+@register("profiler-verdicts", "transformer block: a verdict per operator")
 def check_profiler_verdicts():
     """A transformer block profiled: every operator gets a verdict (math, memory or framework)."""
     import torch
@@ -218,6 +259,7 @@ def check_profiler_verdicts():
     return len(verdicts), "ops", f"{len(verdicts)} ops, verdicts {sorted(kinds)}"
 
 
+@register("decode", "eager vs compiled decode, launches, OOM step")
 def check_decode():
     """Eager against compiled decode: identical greedy tokens, launches per token counted, a prompt
     made on the CPU for a model on the GPU; on a GPU, one out-of-memory step in the batch sweep."""
@@ -256,6 +298,7 @@ def check_decode():
     return launches.total, "launches/token", note
 
 
+@register("ladder-contention", "bandwidth ladder and contention")
 def check_ladder_and_contention():
     """The bandwidth ladder and k streams sharing one link: every rung and round measured > 0."""
     from teraflops.ceilings import bandwidth_ladder
@@ -271,6 +314,7 @@ def check_ladder_and_contention():
     return len(rungs), "rungs", f"{len(rungs)} rungs, contention at k = 1, 2"
 
 
+@register("triage", "triage verdicts of three workloads")
 def check_triage_verdicts():
     """Three in-process workloads profiled on this device and triaged: each gets its unit's verdict."""
     import tempfile
@@ -300,6 +344,7 @@ def _tiny_plan():
     return data_parallel_plan(tiny)
 
 
+@register("zero", "tiny ZeRO 0 and 3 under the placement")
 def check_zero():
     """A tiny ZeRO run (stages 0 and 3) under the placement: same losses, stage 3 holds 1/N of the
     parameters on each rank and sends what the paper's 3Ψ counts per use of each parameter (±10 %)."""
@@ -320,6 +365,7 @@ def check_zero():
     return diff, "max loss difference", f"{z3.world_size} ranks ({z3.backend}), stage 3 holds {held} of {z3.psi}"
 
 
+@register("collectives", "all-reduce and all-gather on the placement's ranks")
 def check_collectives():
     """All-reduce and all-gather over the placement's ranks: correct results, busbw > 0."""
     from teraflops.hardware.collectives import sweep
@@ -333,6 +379,7 @@ def check_collectives():
     return best / 1e9, "GB/s busbw", f"{rows[0]['ranks']} ranks ({rows[0]['backend']}), {len(rows)} points"
 
 
+@register("remedies", "DDP remedies on NCCL ranks", gpus=2)
 def check_remedies():
     """DDP with fp16 compression against plain DDP on NCCL ranks: half the bytes per step."""
     from teraflops.hardware.remedies import run
@@ -344,6 +391,7 @@ def check_remedies():
     return ratio, "bytes ratio", f"{out.ranks} ranks ({out.backend})"
 
 
+@register("stragglers", "injected straggler and the detector", gpus=2)
 def check_stragglers():
     """A 200 ms straggler injected: the detector names it (placement: NCCL with 3 GPUs or more)."""
     from teraflops.orchestration.detection import MIN_RANKS, flag_stragglers
@@ -361,6 +409,7 @@ def check_stragglers():
     return len(flagged), "flagged", f"{out.world_size} ranks ({out.backend}): {plan.note}"
 
 
+@register("elastic", "elastic restart after a SIGKILL", gpus=2)
 def check_elastic():
     """A rank SIGKILLed mid-run, torchrun restarts the job: final loss equals an uninterrupted run."""
     from teraflops.orchestration.elastic import run
@@ -371,26 +420,9 @@ def check_elastic():
     return diff, "loss difference", f"{out.ranks} ranks, killed at step {out.kill_step}"
 
 
-CHECKS = (
-    Check("device", "compute capability, bf16 support, preset dtype", check_device_facts),
-    Check("triton-flash", "Triton FlashAttention vs SDPA", check_triton_flash),
-    Check("fused-rmsnorm", "fused Triton RMSNorm vs eager and F.rms_norm", check_fused_rmsnorm),
-    Check("ceilings", "peak FLOP/s, copy bandwidth, ridge point", check_ceilings),
-    Check("attention-sweep", "attention sweep to naive's OOM and on", check_attention_sweep),
-    Check("profiler-verdicts", "transformer block: a verdict per operator", check_profiler_verdicts),
-    Check("decode", "eager vs compiled decode, launches, OOM step", check_decode),
-    Check("ladder-contention", "bandwidth ladder and contention", check_ladder_and_contention),
-    Check("triage", "triage verdicts of three workloads", check_triage_verdicts),
-    Check("zero", "tiny ZeRO 0 and 3 under the placement", check_zero),
-    Check("collectives", "all-reduce and all-gather on the placement's ranks", check_collectives),
-    Check("remedies", "DDP remedies on NCCL ranks", check_remedies, gpus=2),
-    Check("stragglers", "injected straggler and the detector", check_stragglers, gpus=2),
-    Check("elastic", "elastic restart after a SIGKILL", check_elastic, gpus=2),
-)
-
-
-def run(checks=CHECKS, only=None, progress: bool = True) -> list[CheckResult]:
-    """Run ``checks`` (or those named in ``only``) in order; one :class:`CheckResult` each.
+def run(checks=None, only=None, progress: bool = True) -> list[CheckResult]:
+    """Run ``checks`` (default: every registered one, :data:`CHECKS`), or those named in ``only``, in
+    order; one :class:`CheckResult` each.
 
     A check that needs more GPUs than this machine has is skipped with the reason; any exception
     is a failure, reported in one line (the exception's type and first line).
@@ -400,6 +432,7 @@ def run(checks=CHECKS, only=None, progress: bool = True) -> list[CheckResult]:
     """
     from teraflops.machine import detect
 
+    checks = list(CHECKS if checks is None else checks)
     if only:
         unknown = sorted(set(only) - {c.name for c in checks})
         if unknown:
@@ -409,9 +442,8 @@ def run(checks=CHECKS, only=None, progress: bool = True) -> list[CheckResult]:
     gpus = detect().gpu_count
     out = []
     for c in checks:
-        if c.gpus > gpus:
-            why = f"needs {c.gpus} GPUs, this machine has {gpus}" + (" (the CPU test suite runs its gloo version)"
-                                                                   if gpus == 0 else "")
+        why = c.unmet(gpus)
+        if why:
             out.append(CheckResult(c.name, c.label, "skipped", why, 0.0))
             if progress:
                 print(f"  skip  {c.name}: {why}", flush=True)

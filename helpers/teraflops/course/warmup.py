@@ -5,8 +5,8 @@ Where the warm cache lives and how a learner's process seeds its own caches from
 :func:`teraflops.launch.ops.prepare_deepspeed_ops`) and the course's ``torch.compile`` kernels
 (:func:`build_compile_cache` running :func:`compile_course` in a fresh process). Run it as root, in
 the learners' Python environment and with their environment variables (torch reads a few into its
-cache keys); :func:`closed_to_others` finds a folder on the way to this Python that learners cannot
-enter.
+cache keys); :func:`access_warnings` says where learners could not run this Python
+(:func:`closed_to_others`) or import the course (:func:`package_closed_to_others`).
 """
 
 from __future__ import annotations
@@ -170,3 +170,49 @@ def closed_to_others(paths=None) -> Path | None:
                 if folder.is_dir() and not folder.stat().st_mode & stat.S_IXOTH:
                     return folder
     return None
+
+
+def package_closed_to_others(package=None) -> Path | None:
+    """The first path that keeps other users from importing the course's own package ``package``
+    (default: the folder ``teraflops`` is imported from, ``teraflops.__file__``'s; an editable install
+    points into the clone), else None: a folder on the way to it that others cannot enter
+    (:func:`closed_to_others`), or the folder it is imported from, the package or a folder or file in it
+    that others cannot read (listing a folder needs read and search permission; Python's import lists
+    them). A clone in a mode-700 ``mktemp -d`` folder or a home directory, say. ``__pycache__`` is left
+    out: Python falls back to the source where it cannot read the bytecode."""
+    if package is None:
+        import teraflops
+
+        package = Path(teraflops.__file__).parent
+    package = Path(os.path.realpath(package))
+    closed = closed_to_others([package])
+    if closed is not None:
+        return closed
+    listable = stat.S_IROTH | stat.S_IXOTH
+    inside = sorted(p for p in package.rglob("*") if "__pycache__" not in p.relative_to(package).parts)
+    for path in [package.parent, package, *inside]:
+        with suppress(OSError):
+            mode = path.stat().st_mode
+            if path.is_dir() and mode & listable != listable or path.is_file() and not mode & stat.S_IROTH:
+                return path
+    return None
+
+
+def access_warnings(python=None, package=None) -> list[str]:
+    """One line for each reason learners, running as other users, could not use what this warmup
+    builds: a folder on the way to this Python (``python``: its real interpreter and ``sys.prefix``)
+    that they cannot enter, a path of the course's package (``package``, :func:`package_closed_to_others`)
+    that they cannot enter or read. Each names the folder or file and what to do."""
+    out = []
+    closed = closed_to_others(python)
+    if closed is not None:
+        out.append(f"other users cannot enter {closed}, on the way to this Python ({sys.executable}): learners' "
+                   "kernels cannot run it. Hint: install the course's environment where every user can read it "
+                   "(e.g. /opt/teraflops)")
+    shut = package_closed_to_others(package)
+    if shut is not None:
+        verb = "enter" if shut.is_dir() and not shut.stat().st_mode & stat.S_IXOTH else "read"
+        out.append(f"other users cannot {verb} {shut}, on the way to the course's package: learners cannot import "
+                   "teraflops (an editable install points into the clone). Hint: clone the course where every user "
+                   f"can read it (e.g. /opt/teraflops), or chmod o+rx the folders on the way")
+    return out

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -265,7 +266,7 @@ class Slurm:
     def _in_node(self, i: int, cmd: list[str]) -> list[str]:
         """``cmd`` in node ``i``: its network namespace, a UTS namespace named ``node<i>`` and a mount
         namespace whose ``/etc/hosts`` is the cluster's."""
-        wrapper = f'hostname {host(i)} && mount --bind {self.dir}/hosts /etc/hosts && exec "$@"'
+        wrapper = f'hostname {host(i)} && mount --bind {shlex.quote(str(self.dir / "hosts"))} /etc/hosts && exec "$@"'
         return ["nsenter", f"--net=/run/netns/{self.cluster.node_name(i)}", "unshare", "--uts", "--mount",
                 "--propagation", "private", "sh", "-c", wrapper, "sh", *cmd]
 
