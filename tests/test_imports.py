@@ -148,3 +148,73 @@ def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function(tmp_path):
     assert find_cycles(graph) == [["teraflops.a", "teraflops.b", "teraflops.sub.c", "teraflops.a"]]
     (root / "sub" / "c.py").write_text("x = 1\n")
     assert find_cycles(import_graph(root)) == []
+
+
+# --- where an import may hide inside a function, and which names cross a module's border -------------
+
+LAZY_OK = {"teraflops", "teraflops.course.cli"}  # start-up must stay torch-free: `import teraflops`, the CLI
+LAZY_MARK = "# lazy:"  # any other function-level import says why on its line
+
+
+def hidden_imports(root: Path = PACKAGE) -> list[str]:
+    """``path:line`` of every import of the package's own modules inside a function (or any block that
+    is not the module's top level) outside :data:`LAZY_OK` that does not carry :data:`LAZY_MARK`."""
+    found = []
+    for name, path in module_names(root).items():
+        if name in LAZY_OK:
+            continue
+        source = path.read_text()
+        tree = ast.parse(source)
+        lines = source.splitlines()
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                ours = getattr(node, "level", 0) or any(n.split(".")[0] == "teraflops" for n in names)
+                if ours and LAZY_MARK not in lines[node.lineno - 1]:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def private_crossings(root: Path = PACKAGE) -> list[str]:
+    """``path:line`` of every use of another module's underscore name: ``from m import _x`` or ``m._x``
+    with ``m`` a module of the package."""
+    found = []
+    for name, path in module_names(root).items():
+        tree = ast.parse(path.read_text())
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "teraflops":
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{path.relative_to(root.parent)}:{node.lineno}: from {node.module} import {a.name}")
+                    modules.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name for a in node.names if a.name.split(".")[0] == "teraflops"}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in modules):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_imports_of_the_package_sit_at_the_top_of_each_module():
+    bad = hidden_imports()
+    assert not bad, ("imports inside functions hide dependencies from the file's header; move them to the top, "
+                     f"or say why on the line with {LAZY_MARK!r}:\n  " + "\n  ".join(bad))
+
+
+def test_no_module_uses_another_modules_private_names():
+    bad = private_crossings()
+    assert not bad, "underscore names used outside their module (make them public or move them):\n  " + "\n  ".join(bad)
+
+
+def test_both_rules_bite(tmp_path):
+    root = tmp_path / "teraflops"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "a.py").write_text("_secret = 1\n\ndef f():\n    from teraflops import b  # lazy: a reason\n")
+    (root / "b.py").write_text("from teraflops.a import _secret\nfrom teraflops import a\n\ndef g():\n"
+                               "    from . import a\n    return a._secret\n")
+    assert hidden_imports(root) == ["teraflops/b.py:5: from . import a"]
+    assert private_crossings(root) == ["teraflops/b.py:1: from teraflops.a import _secret", "teraflops/b.py:6: a._secret"]

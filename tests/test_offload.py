@@ -113,9 +113,9 @@ def test_bandwidth_is_measured_once_per_call(monkeypatch):
 @NEEDS_DS
 @pytest.mark.parametrize("psi, nd, layer, nodes", [(7_000_000_000, 8, LAYER, 1), (70_000_000_000, 16, None, 2)])
 def test_deepspeed_rows_are_what_its_estimators_return(psi, nd, layer, nodes):
-    from teraflops.parallelization.model_states import _deepspeed_estimators
+    from teraflops.parallelization.model_states import deepspeed_estimators
 
-    zero2, zero3 = _deepspeed_estimators()
+    zero2, zero3 = deepspeed_estimators()
     rows = off.deepspeed_offload_check(psi, nd, layer, nodes)
     assert [(r["stage"], r["mode"]) for r in rows] == [(2, "optimizer"), (3, "optimizer"), (3, "params")]
     n, lay = nd // nodes, layer or 0

@@ -27,7 +27,7 @@ from teraflops.datasheets import pcie_link, published_for
 from teraflops.errors import CourseError
 from teraflops.machine import detect
 from teraflops.sizing import preset
-from teraflops.tables import GB
+from teraflops.tables import GB, table
 from teraflops.timing import benchmark
 
 
@@ -290,8 +290,6 @@ def bandwidth_ladder(nbytes: int | None = None, min_run_time: float = 0.3) -> li
 def ladder_table(rows: list[dict]) -> str:
     """:func:`bandwidth_ladder` rows as a table: measured and published GB/s (GB = 1e9 bytes), the
     fraction of the published figure reached, how bytes are counted and a note; sources numbered below."""
-    from teraflops.tables import table
-
     sources = list(dict.fromkeys(r["source"] for r in rows if r["source"]))
     body = table([(r["what"], "skipped" if r["bandwidth"] is None else r["bandwidth"] / GB,
                    "-" if r["published"] is None else r["published"] / GB,

@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from functools import lru_cache
 
+from teraflops.models import GPT
+
 HEADROOM = 0.8  # fraction of the GPU's memory a workload may plan to use
 MiB = 2**20
 
@@ -44,8 +46,6 @@ def gpt_params(vocab: int, d_model: int, layers: int, heads: int, seq_len: int) 
     """Parameter elements of :class:`teraflops.models.GPT` of these sizes (built on the meta
     device: the real module's count, no memory)."""
     import torch
-
-    from teraflops.models import GPT
 
     with torch.device("meta"):
         return GPT(vocab, d_model, layers, heads, seq_len).num_params()

@@ -17,7 +17,7 @@ Three ways to choose the lines (:func:`listing`):
       ...
       # end mechanism
 
-  ``listing(flash_triton._flash_fwd_tiles, "online softmax")``;
+  ``listing(flash_triton.flash_fwd_tiles, "online softmax")``;
 * a line selector, for a helper that carries no markers: ``start`` and ``stop`` are pieces of text of
   the first and the last line to show (``stop`` omitted: to the end of the object).
 
@@ -80,7 +80,7 @@ class Listing:
 
     @property
     def where(self) -> str:
-        """``"teraflops/compilation/fused.py, lines 48–62, in _rmsnorm_kernel (docstring left out)"``."""
+        """``"teraflops/compilation/fused.py, lines 48–62, in rmsnorm_kernel (docstring left out)"``."""
         lines = f"line {self.first}" if self.first == self.last else f"lines {self.first}–{self.last}"
         return f"{self.path}, {lines}, in {self.qualname}" + (" (docstring left out)" if self.docstring_left_out else "")
 

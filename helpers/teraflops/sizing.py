@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from teraflops.gpu_fit import fit_preset
 from teraflops.machine import detect
 
 MiB = 2**20
@@ -428,7 +429,6 @@ def preset(name: str | None = None) -> Preset:
         gpus = detect().gpus
         if not gpus:
             raise ValueError(f"preset {name!r} needs a CUDA GPU and none is visible")
-        from teraflops.gpu_fit import fit_preset
 
         p = fit_preset(p, min(gpus, key=lambda g: g.memory_bytes))  # sized for the smallest GPU a rank may get
     return p

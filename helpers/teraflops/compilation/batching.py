@@ -45,7 +45,9 @@ import torch
 
 from teraflops import widgets
 from teraflops.errors import CourseError
+from teraflops.models import GPT
 from teraflops.tables import table
+from teraflops.timing import benchmark, format_seconds
 
 __all__ = ["BatchingError", "BatchLatency", "measure_batch_latency", "ServerResult", "simulate_server", "sweep",
            "batching_table", "plot_tradeoff", "cost_per_million_tokens", "dynamic_batch_policy"]
@@ -110,16 +112,12 @@ class BatchLatency:
         return [(b, t, b / t, t / b) for b, t in zip(self.batch_sizes, self.seconds)]
 
     def __str__(self) -> str:
-        from teraflops.timing import format_seconds
-
         head = f"{self.label}\n" if self.label else ""
         return head + table([(b, format_seconds(t), r, format_seconds(p)) for b, t, r, p in self.rows()],
                             ["batch", "time/call", "requests/s", "time/request"])
 
 
 def _default_model(seq_len: int):
-    from teraflops.models import GPT
-
     torch.manual_seed(0)
     model = GPT(vocab_size=256, d_model=128, n_layers=2, n_heads=4, max_seq_len=max(64, seq_len)).eval()
     return model
@@ -154,7 +152,6 @@ def measure_batch_latency(model_fn: Callable | None = None, batch_sizes: Sequenc
     if not sizes or sizes[0] != 1 or any(b >= c for b, c in zip(sizes, sizes[1:])):
         raise BatchingError(f"batch_sizes must be strictly increasing and start at 1; got {sizes}. "
                             "Hint: e.g. (1, 2, 4, 8, 16, 32)")
-    from teraflops.timing import benchmark
 
     if model_fn is None:
         model_fn = _default_model(seq_len).to(device)

@@ -38,12 +38,16 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-
 import torch.nn as nn
 
+from teraflops.ceilings import measure_copy_bandwidth
 from teraflops.errors import CourseError, ShapeError
+from teraflops.model_definition import attention
+from teraflops.model_definition.profiling import METADATA_OPS
 from teraflops.models import KVCache, Llama
-from teraflops.model_definition.profiling import _METADATA_OPS
+from teraflops.sizing import preset
+from teraflops.tables import table
+from teraflops.timing import benchmark
 
 # Any nn.Module with ``max_seq_len``, ``new_cache(batch, max_seq_len=None, dtype=None) -> KVCache`` and
 # ``forward(tokens, cache=None, input_pos=None) -> logits``: models.GPT and models.Llama.
@@ -55,8 +59,6 @@ def decode_model(p=None, dtype: torch.dtype | None = None, seed: int = 0) -> Lla
     """The Unit 4 decode model: a :class:`~teraflops.models.Llama` of the preset's ``decode``
     sizes (default :func:`teraflops.sizing.preset`), in eval mode, on the preset's device, in
     ``dtype`` (default the preset's ``dtype``); weights from ``seed``."""
-    from teraflops.sizing import preset
-
     p = p or preset()
     model = Llama(p.decode.vocab, p.decode.d_model, p.decode.layers, p.decode.heads, p.decode.max_seq_len,
                   seed=seed)
@@ -287,7 +289,7 @@ def profile_step(step_fn: StepFn, model: Model, cache: KVCache, warmup: int = 2)
     return list(prof.events())
 
 
-VIEW_OPS = _METADATA_OPS  # aten ops that only make a new view of the same memory: no kernel runs
+VIEW_OPS = METADATA_OPS  # aten ops that only make a new view of the same memory: no kernel runs
 
 
 def inside_aten_op(event) -> bool:
@@ -387,8 +389,6 @@ def step_seconds(step_fn: StepFn, model: Model, cache: KVCache, min_run_time: fl
     """Median seconds of one decode step at position 0 (:func:`teraflops.timing.benchmark`,
     i.e. ``torch.utils.benchmark``; the cache is rewritten at the same position every call, and
     since the cache is static every step costs the same wherever it writes)."""
-    from teraflops.timing import benchmark
-
     device = cache.layers[0].k.device
     token = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
     pos = torch.tensor([0], device=device)
@@ -453,17 +453,13 @@ def batch_sweep(model: Model, batches, cache_len: int | None = None, step_fn: St
     batch's cache is freed before the next one is allocated, so the peak is one cache, not two,
     and the batch that runs out of memory is the first whose own cache and step do not fit.
     """
-    from teraflops.ceilings import measure_copy_bandwidth
-
     device = _device(model)
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(128 * 2**20 if device.type == "cpu" else 2**31, str(device.type))
-    from teraflops.model_definition.attention import _is_oom, release_cached_memory
 
     batches = list(batches)
     with recompile_limit(len(batches)):
-        return _sweep(model, batches, cache_len, step_fn, bandwidth, min_run_time, device, _is_oom,
-                      release_cached_memory)
+        return _sweep(model, batches, cache_len, step_fn, bandwidth, min_run_time, device)
 
 
 def recompile_limit(n: int):
@@ -478,7 +474,7 @@ def recompile_limit(n: int):
     return cfg.patch(**{name: max(int(n), getattr(cfg, name))})
 
 
-def _sweep(model, batches, cache_len, step_fn, bandwidth, min_run_time, device, _is_oom, release_cached_memory):
+def _sweep(model, batches, cache_len, step_fn, bandwidth, min_run_time, device):
     rows = []
     for b in batches:
         cache = oom = None  # the previous batch's cache is freed before this one is allocated
@@ -487,12 +483,12 @@ def _sweep(model, batches, cache_len, step_fn, bandwidth, min_run_time, device, 
             t = step_seconds(step_fn, model, cache, min_run_time)
             nbytes = decode_bytes_per_step(model, cache)
         except (RuntimeError, MemoryError) as e:
-            if not _is_oom(e):
+            if not attention.is_oom(e):
                 raise
             oom = True
         cache = None
         if oom:  # outside the except: the traceback no longer holds the failed step's tensors
-            release_cached_memory(device)
+            attention.release_cached_memory(device)
             warnings.warn(f"batch {b}: out of memory (its KV cache alone is {_cache_bytes(model, int(b), cache_len) / 1e9:.3g} "
                           "GB); the sweep stops at the largest batch that fit: the memory ceiling of decode", stacklevel=2)
             break
@@ -510,8 +506,6 @@ def _cache_bytes(model: Model, batch: int, cache_len: int | None) -> int:
 
 def batch_table(rows: list[BatchRow]) -> str:
     """The sweep as a table: batch, ms/token, tokens/s, MB read per step, GB/s, % of copy bandwidth."""
-    from teraflops.tables import table
-
     return table([(r.batch, r.step_seconds * 1e3, r.tokens_per_s, r.bytes_per_step / 1e6,
                    r.achieved_bandwidth / 1e9, 100 * r.utilisation) for r in rows],
                  ["batch", "ms/step", "tokens/s", "MB read/step", "GB/s", "% of copy bw"])

@@ -38,7 +38,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from teraflops.errors import DTypeError, ShapeError  # noqa: E402
+from teraflops.model_definition.flash_triton import tensor_core_dtype
 from teraflops.tables import table  # noqa: E402
+from teraflops.timing import benchmark, format_seconds
 
 __all__ = ["rmsnorm_triton", "rmsnorm_eager", "bytes_moved", "Traffic", "compare", "fused_table", "MAX_D"]
 
@@ -46,7 +48,7 @@ MAX_D = 65536  # longest row one program keeps on chip (64 K fp32 = 256 KiB of r
 
 
 @triton.jit
-def _rmsnorm_kernel(X, W, Y, stride_x, stride_y, D, eps, BLOCK_D: tl.constexpr):
+def rmsnorm_kernel(X, W, Y, stride_x, stride_y, D, eps, BLOCK_D: tl.constexpr):
     """One program = one row: load x (D elements) and w once, reduce on chip, store y once.
 
     Grid: ``(rows,)``. ``BLOCK_D`` is ``D`` rounded up to a power of two; the tail is masked.
@@ -145,7 +147,7 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> 
     # warps per row: the heuristic of Triton's layer-norm tutorial (more warps for longer rows)
     warps = min(max(block // 256, 1), 8)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        _rmsnorm_kernel[(rows,)](x2, w, y, x2.stride(0), y.stride(0), d, float(eps), BLOCK_D=block,
+        rmsnorm_kernel[(rows,)](x2, w, y, x2.stride(0), y.stride(0), d, float(eps), BLOCK_D=block,
                                  num_warps=warps)
     return y.reshape(x.shape)
 
@@ -250,7 +252,6 @@ def _time(fn, compiled: bool, min_run_time: float) -> float:
     flushed between calls), teraflops.timing.benchmark (torch.utils.benchmark) on a CPU."""
     if compiled:
         return float(triton.testing.do_bench(fn, return_mode="median")) * 1e-3  # do_bench gives ms
-    from teraflops.timing import benchmark
 
     return benchmark(fn, min_run_time=min_run_time).median
 
@@ -283,7 +284,6 @@ def compare(shape=None, dtype=None, *, eps: float = 1e-6, library: bool = True,
     device = "cuda" if compiled else "cpu"
     shape = tuple(shape) if shape is not None else ((16384, 4096) if compiled else (256, 1000))
     if dtype is None:  # bf16 where the GPU has it natively (sm80+), fp16 on older GPUs (a T4 emulates bf16)
-        from teraflops.model_definition.flash_triton import tensor_core_dtype
 
         dtype = tensor_core_dtype(torch.cuda.get_device_capability()) if compiled else torch.float32
     g = torch.Generator().manual_seed(seed)
@@ -310,8 +310,6 @@ def compare(shape=None, dtype=None, *, eps: float = 1e-6, library: bool = True,
 
 def fused_table(rows: list[dict]) -> str:
     """The :func:`compare` rows as a text table: time, modelled MB, GB/s and speedup over eager."""
-    from teraflops.timing import format_seconds
-
     out = table([(r["impl"], "x".join(map(str, r["shape"])), _dtype_name(r["dtype"]),
                   r["mode"] if r["impl"] == "fused Triton" else "PyTorch", format_seconds(r["time_s"]),
                   r["bytes"] / 1e6, r["gb_per_s"], r["speedup"], r["max_err"]) for r in rows],

@@ -46,8 +46,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from teraflops.data import markov_tokens
 from teraflops.errors import DTypeError, ShapeError
+from teraflops.models import GPT, lm_loss
 from teraflops.tables import table
+from teraflops.timing import benchmark
 
 QMAX = 127  # symmetric int8 range [-127, 127]
 MODES = ("fp32", "bf16", "fp16", "int8", "torchao")
@@ -313,9 +316,6 @@ def train_small_gpt(steps: int = 150, *, vocab_size: int = 256, d_model: int = 1
         ``(model, (eval_inputs, eval_targets))``: the fp32 GPT in eval mode, and int64
         ``(num_eval, seq_len)`` held-out tokens and their next-token targets.
     """
-    from teraflops.data import markov_tokens
-    from teraflops.models import GPT, lm_loss
-
     torch.manual_seed(seed)
     pool = steps * batch_size
     x, y = markov_tokens(pool + num_eval, seq_len, vocab_size=vocab_size, seed=seed)
@@ -359,8 +359,6 @@ def accuracy(reference_model: nn.Module, model: nn.Module, inputs: torch.Tensor,
 def forward_tokens_per_s(model: nn.Module, inputs: torch.Tensor, min_run_time: float = 0.3) -> float:
     """Tokens per second of one forward pass over ``inputs`` (batch × seq_len tokens), median of
     :func:`teraflops.timing.benchmark`. A forward-pass throughput (prefill-like), not decode speed."""
-    from teraflops.timing import benchmark
-
     t = benchmark(lambda: model(inputs), min_run_time=min_run_time)
     return inputs.numel() / t.median
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import nbformat
 
+from teraflops.course.runner import make_client
 from teraflops.errors import PLACEHOLDER_MESSAGE, CourseError
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
@@ -142,8 +143,6 @@ def refresh_outputs(path: str | Path, timeout: int = 600) -> Path:
     Raises:
         nbclient.exceptions.CellExecutionError: a cell failed (the file is left untouched).
     """
-    from teraflops.course.runner import make_client
-
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     make_client(nb, path, timeout).execute()

@@ -28,7 +28,25 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from teraflops import __version__, machine
+from teraflops.ceilings import bandwidth_ladder, measure_ceilings
+from teraflops.compilation.decode import batch_sweep, compile_decode, generate, launches_per_token
+from teraflops.compilation.fused import compare
+from teraflops.datasheets import published_for
 from teraflops.errors import CourseError
+from teraflops.gpu_fit import supports_bf16
+from teraflops.hardware import collectives, contention, remedies
+from teraflops.launch.placement import data_parallel_plan
+from teraflops.model_definition.attention import attention_sweep, sdpa
+from teraflops.model_definition.flash_triton import flash_attention
+from teraflops.model_definition.profiling import profile_ops
+from teraflops.models import Llama, TransformerBlock
+from teraflops.orchestration import elastic, stragglers
+from teraflops.orchestration.detection import MIN_RANKS, flag_stragglers
+from teraflops.parallelization.zero import expected_comm_bytes, max_loss_difference, run_zero, trained_gpt
+from teraflops.sizing import PRESETS, preset
+from teraflops.triage.verdict import measured_launch_floor, triage
+from teraflops.triage.workloads import profile
 
 
 class CheckFailed(CourseError, AssertionError):
@@ -100,9 +118,7 @@ def _need(ok: bool, what: str) -> None:
 
 
 def _device() -> str:
-    from teraflops.machine import detect
-
-    return detect().device
+    return machine.detect().device
 
 
 def _sync() -> None:
@@ -120,11 +136,7 @@ def check_device_facts():
     """Compute capability and bf16 support against the fitted preset's dtype (bf16 only on sm80+)."""
     import torch
 
-    from teraflops.gpu_fit import supports_bf16
-    from teraflops.machine import detect
-    from teraflops.sizing import preset
-
-    m = detect()
+    m = machine.detect()
     if not m.gpus:
         return m.cpu_cores, "cores", f"CPU only, {m.cpu_cores} cores, Triton {m.triton}"
     g = min(m.gpus, key=lambda x: x.memory_bytes)
@@ -143,9 +155,6 @@ def check_triton_flash():
     """The course's Triton FlashAttention forward against SDPA (causal and not)."""
     import torch
 
-    from teraflops.model_definition.attention import sdpa
-    from teraflops.model_definition.flash_triton import flash_attention
-
     dev = _device()
     dtype = torch.float16 if dev == "cuda" else torch.float32  # the interpreter has no 16-bit dot
     g = torch.Generator(device=dev).manual_seed(0)
@@ -162,8 +171,6 @@ def check_triton_flash():
 @register("fused-rmsnorm", "fused Triton RMSNorm vs eager and F.rms_norm")
 def check_fused_rmsnorm():
     """The fused Triton RMSNorm against the eager chain and F.rms_norm, timed side by side."""
-    from teraflops.compilation.fused import compare
-
     rows = compare(shape=(4096, 1024) if _device() == "cuda" else (64, 256), min_run_time=0.05)
     worst = max(r["max_err"] or 0.0 for r in rows)
     _need(worst <= 5e-2, f"fused RMSNorm's max error {worst:.3g} > 5e-2")
@@ -174,15 +181,11 @@ def check_fused_rmsnorm():
 def check_ceilings():
     """Peak matmul FLOP/s and copy bandwidth; on a GPU, not above its datasheet (an emulated dtype
     or a wrong datasheet row would show here)."""
-    from teraflops.ceilings import measure_ceilings
-    from teraflops.datasheets import published_for
-    from teraflops.machine import detect
-
     dev = _device()
     c = measure_ceilings(matmul_n=2048 if dev == "cuda" else 256, copy_bytes=(256 if dev == "cuda" else 16) << 20)
     _need(c.peak_flops > 0 and c.bandwidth > 0, f"ceilings not positive: {c}")
     note = f"peak {c.peak_flops / 1e12:.3g} TFLOP/s, copy {c.bandwidth / 1e9:.3g} GB/s"
-    sheet = published_for(detect().gpu_name) if dev == "cuda" else None
+    sheet = published_for(machine.detect().gpu_name) if dev == "cuda" else None
     if sheet is not None:  # a measured peak above the datasheet: a wrong row, or the probe's dtype
         import torch
 
@@ -198,8 +201,6 @@ def check_attention_sweep():
     """SDPA, Triton and naive attention; on a GPU the sweep goes past naive attention's
     out-of-memory point, SDPA runs there, and the memory is handed back."""
     import torch
-
-    from teraflops.model_definition.attention import attention_sweep
 
     dev = _device()
     if dev != "cuda":
@@ -233,11 +234,6 @@ def check_profiler_verdicts():
     """A transformer block profiled: every operator gets a verdict (math, memory or framework)."""
     import torch
 
-    from teraflops.ceilings import measure_ceilings
-    from teraflops.models import TransformerBlock
-    from teraflops.model_definition.profiling import profile_ops
-    from teraflops.triage.verdict import measured_launch_floor
-
     dev = _device()
     dtype = torch.bfloat16 if dev == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False) else (
         torch.float16 if dev == "cuda" else torch.float32)
@@ -266,9 +262,6 @@ def check_decode():
     import warnings
 
     import torch
-
-    from teraflops.compilation.decode import batch_sweep, compile_decode, generate, launches_per_token
-    from teraflops.models import Llama
 
     dev = _device()
     # fp32: fp16 kernels of eager and Inductor differ by ~1e-3 and can flip a near-tied argmax
@@ -301,15 +294,12 @@ def check_decode():
 @register("ladder-contention", "bandwidth ladder and contention")
 def check_ladder_and_contention():
     """The bandwidth ladder and k streams sharing one link: every rung and round measured > 0."""
-    from teraflops.ceilings import bandwidth_ladder
-    from teraflops.hardware.contention import sweep
-
     dev = _device()
     rungs = [r for r in bandwidth_ladder(nbytes=(64 if dev == "cuda" else 8) << 20, min_run_time=0.05)
              if not str(r.get("note", "")).startswith("skipped")]  # a CPU machine has no host-device link
     empty = [r["what"] for r in rungs if not (r["bandwidth"] or 0) > 0]
     _need(rungs and not empty, f"ladder rung(s) {empty or 'all'} measured no bandwidth")
-    rows = sweep(ks=(1, 2), nbytes=(64 if dev == "cuda" else 4) << 20, seconds=0.1, repeats=1)
+    rows = contention.sweep(ks=(1, 2), nbytes=(64 if dev == "cuda" else 4) << 20, seconds=0.1, repeats=1)
     _need(len(rows) == 2, f"contention: {len(rows)} rounds, expected 2")
     return len(rungs), "rungs", f"{len(rungs)} rungs, contention at k = 1, 2"
 
@@ -318,9 +308,6 @@ def check_ladder_and_contention():
 def check_triage_verdicts():
     """Three in-process workloads profiled on this device and triaged: each gets its unit's verdict."""
     import tempfile
-
-    from teraflops.triage.verdict import triage
-    from teraflops.triage.workloads import profile
 
     want = {"matmul": "compute", "naive_attention": "memory", "decode": "overhead"}
     got = {}
@@ -334,12 +321,8 @@ def check_triage_verdicts():
 
 def _tiny_plan():
     """The tiny model on this machine's placement: NCCL ranks with 2 GPUs or more, else CPU ranks."""
-    from teraflops.machine import detect
-    from teraflops.sizing import PRESETS
-    from teraflops.launch.placement import data_parallel_plan
-
     tiny = PRESETS["tiny"]
-    if detect().gpu_count >= 2:
+    if machine.detect().gpu_count >= 2:
         tiny = replace(tiny, name="tiny-gpu", device="cuda")
     return data_parallel_plan(tiny)
 
@@ -348,8 +331,6 @@ def _tiny_plan():
 def check_zero():
     """A tiny ZeRO run (stages 0 and 3) under the placement: same losses, stage 3 holds 1/N of the
     parameters on each rank and sends what the paper's 3Ψ counts per use of each parameter (±10 %)."""
-    from teraflops.parallelization.zero import expected_comm_bytes, max_loss_difference, run_zero, trained_gpt
-
     plan = _tiny_plan()
     runs = run_zero(stages=(0, 3), plan=plan, steps=3, timeout=300)
     diff = max_loss_difference(runs)
@@ -368,9 +349,7 @@ def check_zero():
 @register("collectives", "all-reduce and all-gather on the placement's ranks")
 def check_collectives():
     """All-reduce and all-gather over the placement's ranks: correct results, busbw > 0."""
-    from teraflops.hardware.collectives import sweep
-
-    rows = sweep(("all_reduce", "all_gather"), sizes=[1 << 16, 1 << 20], iters=3, warmup=1, min_iters=1,
+    rows = collectives.sweep(("all_reduce", "all_gather"), sizes=[1 << 16, 1 << 20], iters=3, warmup=1, min_iters=1,
                  timeout=180)
     wrong = sum(r["wrong"] for r in rows)
     _need(wrong == 0, f"{wrong} wrong elements")
@@ -382,9 +361,7 @@ def check_collectives():
 @register("remedies", "DDP remedies on NCCL ranks", gpus=2)
 def check_remedies():
     """DDP with fp16 compression against plain DDP on NCCL ranks: half the bytes per step."""
-    from teraflops.hardware.remedies import run
-
-    out = run(("baseline", "fp16"), micro_batches=4, accum=1, plan=_tiny_plan(), timeout=300)
+    out = remedies.run(("baseline", "fp16"), micro_batches=4, accum=1, plan=_tiny_plan(), timeout=300)
     base, fp16 = out.rows
     ratio = fp16["bytes_per_step"] / base["bytes_per_step"]
     _need(abs(ratio - 0.5) < 0.05, f"fp16 compression sent {ratio:.2f}× the baseline's bytes, expected 0.5")
@@ -394,14 +371,9 @@ def check_remedies():
 @register("stragglers", "injected straggler and the detector", gpus=2)
 def check_stragglers():
     """A 200 ms straggler injected: the detector names it (placement: NCCL with 3 GPUs or more)."""
-    from teraflops.orchestration.detection import MIN_RANKS, flag_stragglers
-    from teraflops.sizing import PRESETS
-    from teraflops.launch.placement import data_parallel_plan
-    from teraflops.orchestration.stragglers import run
-
     tiny = PRESETS["tiny"]
     plan = data_parallel_plan(replace(tiny, name="tiny-gpu", device="cuda"), ranks_cpu=4, min_ranks=MIN_RANKS)
-    out = run(plan, delays_ms=(0, 200), steps=4, experiments=("sweep",), timeout=300)
+    out = stragglers.run(plan, delays_ms=(0, 200), steps=4, experiments=("sweep",), timeout=300)
     late = out.sweep[-1]
     flagged = flag_stragglers(late.busy)
     slow = late.busy.shape[1] - 1 if late.injection.rank is None else late.injection.rank
@@ -411,10 +383,8 @@ def check_stragglers():
 
 @register("elastic", "elastic restart after a SIGKILL", gpus=2)
 def check_elastic():
-    """A rank SIGKILLed mid-run, torchrun restarts the job: final loss equals an uninterrupted run."""
-    from teraflops.orchestration.elastic import run
-
-    out = run(plan=_tiny_plan(), steps=8, checkpoint_every=3, kill_step=5, timeout=300)
+    """A rank SIGKILLed mid-elastic.run, torchrun restarts the job: final loss equals an uninterrupted elastic.run."""
+    out = elastic.run(plan=_tiny_plan(), steps=8, checkpoint_every=3, kill_step=5, timeout=300)
     diff = abs(out.losses[-1] - out.reference_losses[-1])
     _need(diff < 1e-4, f"final loss after the restart differs by {diff:.3g}")
     return diff, "loss difference", f"{out.ranks} ranks, killed at step {out.kill_step}"
@@ -430,8 +400,6 @@ def run(checks=None, only=None, progress: bool = True) -> list[CheckResult]:
     Raises:
         CourseError: ``only`` names a check that does not exist.
     """
-    from teraflops.machine import detect
-
     checks = list(CHECKS if checks is None else checks)
     if only:
         unknown = sorted(set(only) - {c.name for c in checks})
@@ -439,7 +407,7 @@ def run(checks=None, only=None, progress: bool = True) -> list[CheckResult]:
             raise CourseError(f"no preflight check named {', '.join(unknown)}. "
                               f"Hint: one of {', '.join(c.name for c in checks)}")
         checks = [c for c in checks if c.name in only]
-    gpus = detect().gpu_count
+    gpus = machine.detect().gpu_count
     out = []
     for c in checks:
         why = c.unmet(gpus)
@@ -479,8 +447,6 @@ def table(results: list[CheckResult]) -> str:
 
 def results_json(machine, results: list[CheckResult]) -> dict:
     """The report card's reference format (module docstring), with every check's outcome."""
-    from teraflops import __version__
-
     numbers = {r.name: {"value": r.value, "unit": r.unit, "label": r.label}
                for r in results if r.status == "passed" and r.value is not None}
     return {"gpu": machine.gpu_name, "teraflops": __version__, "machine": machine.summary(),
@@ -489,9 +455,7 @@ def results_json(machine, results: list[CheckResult]) -> dict:
 
 def main(out_dir: str | Path = "build/preflight", only=None) -> int:
     """Run the checks, print the table and a verdict line, write ``results.json``; 0 iff none failed."""
-    from teraflops.machine import detect
-
-    m = detect()
+    m = machine.detect()
     print(f"teraflops preflight on {m.summary()}", flush=True)
     start = time.perf_counter()
     results = run(only=only)

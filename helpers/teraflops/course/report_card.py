@@ -23,7 +23,9 @@ import html
 import json
 from pathlib import Path
 
-from teraflops.course.runner import NotebookResult, format_value
+from teraflops import __version__
+from teraflops.course.runner import MACHINE_FILE, NotebookResult, format_value
+from teraflops.headlines import MAX_HEADLINES
 
 REFERENCE_DIR = Path(__file__).resolve().parents[1] / "reference"
 HEADLINE_TAG = "headline"
@@ -83,8 +85,6 @@ def unit_of(name: str) -> int | None:
 
 def read_machine(out_dir: Path | str | None) -> dict:
     """``machine.json`` of a run (:func:`teraflops.course.runner.machine_context`), or ``{}``."""
-    from teraflops.course.runner import MACHINE_FILE
-
     try:
         data = json.loads((Path(out_dir) / MACHINE_FILE).read_text())
     except (OSError, ValueError, TypeError):
@@ -113,8 +113,6 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
            context: dict | None = None) -> str:
     """The report card's HTML for ``results`` of ``teraflops run`` on ``machine``; ``context`` is the
     run's ``machine.json`` (:func:`read_machine`: ceilings, busy warning)."""
-    from teraflops.headlines import MAX_HEADLINES
-
     references = load_references() if references is None else references
     context = context or {}
     passed = sum(r.ok for r in results)
@@ -165,8 +163,6 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
 def results_json(machine, results: list[NotebookResult]) -> dict:
     """This run's headline numbers in the reference format of the module docstring; ``"gpu"`` is the
     GPU's name, or ``None`` on a CPU (a CPU run is never a reference)."""
-    from teraflops import __version__
-
     return {"gpu": machine.gpu_name, "teraflops": __version__,
             "notebooks": {r.name: r.headline for r in results if r.ok and r.headline}}
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from teraflops import headlines
 from teraflops.errors import CourseError
-from teraflops.machine import Machine
+from teraflops.machine import Machine, busy_warning
 
 __all__ = [
     "CellFailure",
@@ -346,8 +346,7 @@ def machine_context(out_dir: Path) -> dict[str, str]:
     (``$TERAFLOPS_CEILINGS``), so that all units of one run share one roof."""
     import json
 
-    from teraflops import ceilings
-    from teraflops.machine import busy_warning
+    from teraflops import ceilings  # lazy: torch-free start of `teraflops grade`/`labs`, which import the runner
 
     out_dir.mkdir(parents=True, exist_ok=True)
     busy = busy_warning()

@@ -23,10 +23,15 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
+import teraflops
 from teraflops import caches
 from teraflops.caches import COMPILE, STAMP, WARM_ENV, readable_by_all, versions
+from teraflops.compilation import decode, fused
 from teraflops.errors import CourseError
 from teraflops.launch.ops import prepare_deepspeed_ops
+from teraflops.machine import triton_mode
+from teraflops.model_definition import attention
+from teraflops.sizing import preset
 
 
 def build_warm_cache(dest: Path | None = None) -> Path:
@@ -71,10 +76,6 @@ def compile_course() -> list[str]:
     """
     import torch
 
-    from teraflops.compilation import decode
-    from teraflops.machine import triton_mode
-    from teraflops.sizing import preset
-
     p, done = preset(), []
     if p.device == "cpu":
         torch.set_num_threads(1)  # as the Unit 4 lecture's first cell
@@ -85,9 +86,6 @@ def compile_course() -> list[str]:
         decode.recompile_demo(seq_lens=(8, 9, 10), dynamic=dynamic)
     done.append("Unit 4 recompile_demo (lengths 8, 9, 10; dynamic False, None, True)")
     if p.device == "cuda" and triton_mode() == "compiled":
-        from teraflops.compilation import fused
-        from teraflops.model_definition import attention
-
         a = p.attention
         for n in a.seq_lens:  # the lecture's attention_sweep calls it so
             q = torch.randn(a.batch, a.heads, n, a.head_dim, device="cuda", dtype=a.dtype)
@@ -181,8 +179,6 @@ def package_closed_to_others(package=None) -> Path | None:
     them). A clone in a mode-700 ``mktemp -d`` folder or a home directory, say. ``__pycache__`` is left
     out: Python falls back to the source where it cannot read the bytecode."""
     if package is None:
-        import teraflops
-
         package = Path(teraflops.__file__).parent
     package = Path(os.path.realpath(package))
     closed = closed_to_others([package])

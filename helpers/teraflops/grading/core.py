@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from teraflops.errors import CourseError, ExerciseFailed, NotAttempted
+from teraflops.errors import PLACEHOLDER_MESSAGE, CourseError, ExerciseFailed, NotAttempted
+from teraflops.machine import detect, triton_mode
 
 PASS_MARK = "✓"
 
@@ -58,8 +59,6 @@ def _first_line(e: BaseException) -> str:
 def _looks_unattempted(e: BaseException) -> bool:
     """Only the lab's own placeholder counts (a NotImplementedError raised by torch does not). A
     compiled Triton kernel cannot raise, so there it surfaces inside a compilation error."""
-    from teraflops.errors import PLACEHOLDER_MESSAGE
-
     return PLACEHOLDER_MESSAGE in str(e) or (type(e) is NotImplementedError and not str(e))
 
 
@@ -184,8 +183,6 @@ def check_cases(fn, what: str, unit: str, cases, reference, mistakes, default_hi
 def kernel_setting() -> tuple[str, torch.dtype, float]:
     """(device, dtype, tolerance) for checking a learner's Triton kernel: fp32 within 1e-5 on the CPU
     under Triton's interpreter (which has no bf16/fp16 math); fp16 within 2e-3 when compiled on a GPU."""
-    from teraflops.machine import detect, triton_mode
-
     if triton_mode() == "interpreter":
         return "cpu", torch.float32, 1e-5
     return detect().device, torch.float16, 2e-3

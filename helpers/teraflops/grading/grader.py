@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from teraflops.course.runner import execute_cells, make_client
 from teraflops.errors import CourseError
 from teraflops.grading import unit01, unit02, unit03, unit04, unit05, unit06  # noqa: F401 - registers the units' exercises
 from teraflops.grading.core import PASS_MARK, REGISTRY, Exercise
@@ -144,8 +145,6 @@ def grade(path: str | Path, timeout: int = 600, unit: int | None = None) -> Grad
         CourseError: not a notebook, no way to tell its unit, or a unit without exercises.
     """
     import nbformat
-
-    from teraflops.course.runner import execute_cells, make_client
 
     path = Path(path)
     if not path.is_file():

@@ -16,10 +16,13 @@ import shutil
 
 import numpy as np
 
+from teraflops.grading.core import exercise, fail, reveal
+from teraflops.nodes import cluster as cl
+from teraflops.nodes import slurm
 from teraflops.orchestration.detection import flag_stragglers as reference_flags
 from teraflops.orchestration.queue_sim import Job, fifo, make_trace, simulate
+from teraflops.orchestration.slurm_queue import parse_jobs
 from teraflops.orchestration.stragglers import idle_fraction as reference_idle
-from teraflops.grading.core import exercise, fail, reveal
 
 
 def _array(what: str, got, shape: tuple) -> np.ndarray:
@@ -377,10 +380,6 @@ def batch_script(fn) -> None:
 
 def _submit_and_check(fn, work) -> None:
     import time
-
-    from teraflops.nodes import cluster as cl
-    from teraflops.nodes import slurm
-    from teraflops.orchestration.slurm_queue import parse_jobs
 
     report = work / "report.sh"
     report.write_text(_REPORT)

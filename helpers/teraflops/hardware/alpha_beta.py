@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from teraflops.hardware.collectives import (CollectiveInputError, _check_collective, _check_positive, _check_ranks,
+from teraflops.hardware.collectives import (CollectiveInputError, check_collective, check_positive, check_ranks,
     bus_factor)
 from teraflops.datasheets import PUBLISHED_LINKS
 from teraflops.tables import GB, fmt_bytes, fmt_seconds
@@ -67,7 +67,7 @@ class AlphaBeta:
 
     def predict(self, size_bytes):
         """Predicted time (s) of a ``size_bytes`` message: ``alpha + size / bandwidth``."""
-        s = _check_positive("size_bytes", size_bytes)
+        s = check_positive("size_bytes", size_bytes)
         out = self.alpha + s / self.bandwidth
         return float(out) if out.ndim == 0 else out
 
@@ -103,7 +103,7 @@ def fit_alpha_beta(sizes, seconds, *, weighting: str = "ordinary", collective: s
         CollectiveInputError: mismatched lengths, fewer than 2 distinct sizes, values not > 0, an
             unknown weighting, or times that do not grow with size (fitted ``β = 1/B <= 0``).
     """
-    s, t = _check_positive("sizes", sizes), _check_positive("seconds", seconds)
+    s, t = check_positive("sizes", sizes), check_positive("seconds", seconds)
     if s.shape != t.shape or s.ndim != 1 or len(np.unique(s)) < 2:
         raise CollectiveInputError(f"need sizes and seconds of the same length with >= 2 distinct sizes, got "
                                    f"{s.shape} and {t.shape}. Hint: pass one time per size, e.g. from a sweep's rows")
@@ -134,7 +134,7 @@ def fit_rows(rows: list[dict], collective: str = "all_reduce", **kwargs) -> Alph
     Raises:
         CollectiveInputError: no rows of that collective (or fewer than 2 sizes).
     """
-    _check_collective(collective)
+    check_collective(collective)
     mine = [r for r in rows if r["collective"] == collective]
     if len(mine) < 2:
         raise CollectiveInputError(f"the rows hold {len(mine)} sizes of {collective!r}. "
@@ -184,9 +184,9 @@ def ring_allreduce_seconds(size_bytes, n: int, bandwidth: float, alpha: float = 
     Raises:
         CollectiveInputError: a value out of range.
     """
-    _check_ranks(n)
-    s = _check_positive("size_bytes", size_bytes)
-    _check_positive("bandwidth", bandwidth)
+    check_ranks(n)
+    s = check_positive("size_bytes", size_bytes)
+    check_positive("bandwidth", bandwidth)
     if isinstance(alpha, (bool, np.bool_)) or not (isinstance(alpha, numbers.Real) and 0 <= alpha < math.inf):
         raise CollectiveInputError(f"alpha must be a latency >= 0 in seconds, got {alpha!r}. "
                                    "Hint: alpha=0 gives the bandwidth-only ceiling")

@@ -44,8 +44,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from teraflops import machine
 from teraflops.errors import CourseError
+from teraflops.launch import launcher
+from teraflops.launch.placement import place
 from teraflops.launch.rank import RankIdentity
+from teraflops.sizing import PRESETS, preset
 from teraflops.tables import GB, fmt, fmt_bytes, table
 
 WORKER = "teraflops.workers.collective_sweep"
@@ -67,19 +71,23 @@ BUS_FACTOR = {
 }
 
 
-def _check_collective(collective: str) -> None:
+def check_collective(collective: str) -> None:
+    """Raise :class:`CollectiveInputError` (one line) unless ``collective`` is one of :data:`BUS_FACTOR`'s."""
     if collective not in BUS_FACTOR:
         raise CollectiveInputError(f"unknown collective {collective!r}. Hint: choose one of {', '.join(BUS_FACTOR)} "
                                    "(snake_case, as torch.distributed names them)")
 
 
-def _check_ranks(n) -> None:
+def check_ranks(n) -> None:
+    """Raise :class:`CollectiveInputError` (one line) unless ``n`` is an integer number of ranks >= 2."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
         raise CollectiveInputError(f"n must be an integer number of ranks >= 2, got {n!r}. "
                                    "Hint: with one rank there is nothing to communicate")
 
 
-def _check_positive(name: str, values) -> np.ndarray:
+def check_positive(name: str, values) -> np.ndarray:
+    """``values`` (a number or a sequence) as a float64 array, every element finite and > 0; else
+    :class:`CollectiveInputError` naming ``name`` (bytes, seconds and bytes/s are the units)."""
     flat = values if isinstance(values, (list, tuple, np.ndarray)) else [values]
     if any(isinstance(v, (bool, np.bool_, str, bytes)) for v in np.asarray(flat, dtype=object).reshape(-1)):
         raise CollectiveInputError(f"{name} must be numbers, got {values!r}. "
@@ -101,8 +109,8 @@ def bus_factor(collective: str, n: int) -> float:
     Raises:
         CollectiveInputError: unknown collective, or ``n`` not an integer >= 2.
     """
-    _check_collective(collective)
-    _check_ranks(n)
+    check_collective(collective)
+    check_ranks(n)
     return BUS_FACTOR[collective](int(n))
 
 
@@ -112,7 +120,7 @@ def algbw(size_bytes, seconds):
     Works on scalars and arrays. Raises:
         CollectiveInputError: a size or time that is not > 0.
     """
-    s, t = _check_positive("size_bytes", size_bytes), _check_positive("seconds", seconds)
+    s, t = check_positive("size_bytes", size_bytes), check_positive("seconds", seconds)
     out = s / t
     return float(out) if out.ndim == 0 else out
 
@@ -132,8 +140,6 @@ def busbw(size_bytes, seconds, collective: str, n: int):
 def default_sizes(p=None, ranks: int | None = None) -> list[int]:
     """Powers of two from the preset's ``collective.min_bytes`` to ``collective.max_bytes`` (bytes); on
     a CPU, capped so that every rank's buffers (~3× the size) fit in a quarter of the available memory."""
-    from teraflops.sizing import preset
-
     p = p or preset()
     top = p.collective.max_bytes
     if p.device == "cpu":
@@ -204,13 +210,9 @@ class SweepResult(RankIdentity):
 
 def _sweep_placement(ranks, cluster):
     """The placement of a sweep and the preset that sizes it (the CPU preset for CPU ranks)."""
-    from teraflops.launch.placement import place
-    from teraflops.machine import detect
-    from teraflops.sizing import PRESETS, preset
-
     if ranks is not None:
-        _check_ranks(ranks)
-    p, gpus = preset(), detect().gpu_count
+        check_ranks(ranks)
+    p, gpus = preset(), machine.detect().gpu_count
     if cluster is not None and ranks is None:
         ranks = cluster.nodes
     if cluster is None and gpus >= 2 and ranks is not None and ranks > gpus:
@@ -222,7 +224,7 @@ def _sweep_placement(ranks, cluster):
                   gpus=cluster is None and p.device == "cuda")
     if not where.on_gpus:
         where = where.with_env(OMP_NUM_THREADS=1)  # one torch thread per gloo rank
-    _check_ranks(where.world_size)
+    check_ranks(where.world_size)
     return where, (p if where.on_gpus else cpu)
 
 
@@ -317,13 +319,11 @@ def sweep(collectives=COLLECTIVES, sizes=None, ranks: int | None = None, iters: 
 
     Warns (``UserWarning``) naming the sizes the ranks skipped because they did not fit in GPU memory.
     """
-    from teraflops.launch.launcher import launch
-
     where, q = _sweep_placement(ranks, cluster)
     spec = sweep_spec(q, where.world_size, collectives, sizes, iters=iters, min_iters=min_iters, warmup=warmup,
                       volume_bytes=volume_bytes)
     start = time.perf_counter()
-    results = launch(WORKER, where, spec=spec, result=SweepResult, timeout=timeout, verbose=verbose, cluster=cluster,
+    results = launcher.launch(WORKER, where, spec=spec, result=SweepResult, timeout=timeout, verbose=verbose, cluster=cluster,
                      desc=f"{', '.join(spec.collectives)} on {where.world_size} ranks")
     wall, r0 = time.perf_counter() - start, results[0]
     if r0.skipped:

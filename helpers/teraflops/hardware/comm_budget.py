@@ -25,7 +25,7 @@ import math
 import numpy as np
 
 from teraflops.hardware.alpha_beta import AlphaBeta, ring_allreduce_seconds
-from teraflops.hardware.collectives import CollectiveInputError, _check_positive, _check_ranks
+from teraflops.hardware.collectives import CollectiveInputError, check_positive, check_ranks
 from teraflops import widgets
 from teraflops.datasheets import PUBLISHED_LINKS, cross_node_link, published_peak
 from teraflops.tables import GB, fmt, fmt_seconds, table
@@ -39,7 +39,7 @@ def train_flops(params, tokens):
     Raises:
         CollectiveInputError: a count not > 0.
     """
-    p, t = _check_positive("params", params), _check_positive("tokens", tokens)
+    p, t = check_positive("params", params), check_positive("tokens", tokens)
     out = 6.0 * p * t
     return float(out) if out.ndim == 0 else out
 
@@ -51,7 +51,7 @@ def comm_fraction(sync_seconds, compute_seconds):
     Raises:
         CollectiveInputError: a sync time < 0 or a compute time not > 0.
     """
-    k = _check_positive("compute_seconds", compute_seconds)
+    k = check_positive("compute_seconds", compute_seconds)
     c = np.asarray(sync_seconds, dtype=np.float64) if not isinstance(sync_seconds, (bool, str)) else None
     if c is None or c.size == 0 or not np.all(np.isfinite(c)) or np.any(c < 0):
         raise CollectiveInputError(f"sync_seconds must be finite times >= 0, got {sync_seconds!r}. "
@@ -73,8 +73,8 @@ def accumulation_for_fraction(sync_seconds: float, micro_batch_seconds: float, t
     Raises:
         CollectiveInputError: a time not > 0 or ``target`` not strictly between 0 and 1.
     """
-    sync = float(_check_positive("sync_seconds", sync_seconds))
-    micro = float(_check_positive("micro_batch_seconds", micro_batch_seconds))
+    sync = float(check_positive("sync_seconds", sync_seconds))
+    micro = float(check_positive("micro_batch_seconds", micro_batch_seconds))
     if isinstance(target, bool) or not isinstance(target, (int, float, np.floating)) or not 0 < target < 1:
         raise CollectiveInputError(f"target must be a fraction strictly between 0 and 1, got {target!r}. "
                                    "Hint: 0.1 asks that communication take at most 10% of the step")
@@ -127,19 +127,19 @@ def gradient_sync_rows(params=(1e9, 7e9, 13e9, 70e9), n: int = 8, bytes_per_grad
         CollectiveInputError: ``n < 2``, parameters, bytes, tokens or peak not > 0, ``mfu`` not in
             (0, 1], a fit of another collective or without its rank count.
     """
-    _check_ranks(n)
-    counts = np.atleast_1d(_check_positive("params", params))
+    check_ranks(n)
+    counts = np.atleast_1d(check_positive("params", params))
     if np.ndim(bytes_per_grad) != 0:
         raise CollectiveInputError(f"bytes_per_grad must be one number, got {bytes_per_grad!r}. "
                                    "Hint: 2 for bf16 gradients, 4 for fp32")
-    _check_positive("bytes_per_grad", bytes_per_grad)
+    check_positive("bytes_per_grad", bytes_per_grad)
     if fit is not None and (fit.collective != "all_reduce" or fit.ranks is None):
         raise CollectiveInputError("fit must be an all-reduce fit that knows its rank count. "
                                    "Hint: fit_rows(rows, 'all_reduce') on a sweep's rows")
-    peak = _h100_peak() if peak_flops is None else float(_check_positive("peak_flops", peak_flops))
+    peak = _h100_peak() if peak_flops is None else float(check_positive("peak_flops", peak_flops))
     _check_fraction("mfu", mfu)
     if tokens_per_gpu is not None:
-        _check_positive("tokens_per_gpu", tokens_per_gpu)
+        check_positive("tokens_per_gpu", tokens_per_gpu)
     names = [link.name for link in links] + (["measured"] if fit is not None else [])
     rows = []
     for p in counts:
@@ -193,10 +193,10 @@ def comm_bound_tokens(n: int, bandwidth: float, bytes_per_grad: float = 2, peak_
     Raises:
         CollectiveInputError: a value out of range.
     """
-    _check_ranks(n)
-    b = float(_check_positive("bandwidth", bandwidth))
-    per = float(_check_positive("bytes_per_grad", bytes_per_grad))
-    peak = _h100_peak() if peak_flops is None else float(_check_positive("peak_flops", peak_flops))
+    check_ranks(n)
+    b = float(check_positive("bandwidth", bandwidth))
+    per = float(check_positive("bytes_per_grad", bytes_per_grad))
+    peak = _h100_peak() if peak_flops is None else float(check_positive("peak_flops", peak_flops))
     return 2 * (n - 1) / n * per * peak * _check_fraction("mfu", mfu) / (6 * b)
 
 

@@ -56,10 +56,12 @@ import time
 import numpy as np
 import torch
 
+from teraflops.ceilings import measure_copy_bandwidth
 from teraflops.errors import CourseError
 from teraflops.machine import detect
 from teraflops.sizing import preset
 from teraflops.tables import GB, table
+from teraflops.timing import benchmark
 
 KS = (1, 2, 4, 8)  # concurrent streams per round
 # Per-stream buffer and round length: the preset's copies.contention_bytes and copies.contention_seconds
@@ -234,9 +236,6 @@ def sweep(ks=KS, nbytes: int | None = None, seconds: float | None = None, *, kin
         ContentionError: bad ``ks``/``nbytes``/``seconds``/``repeats``/``kind``, ``"h2d"``/``"d2d"``
             without a GPU, or a copy stream that failed.
     """
-    from teraflops.ceilings import measure_copy_bandwidth
-    from teraflops.timing import benchmark
-
     machine = detect()
     kind = kind or ("h2d" if machine.device == "cuda" else "copy")
     if nbytes is None or seconds is None:

@@ -21,9 +21,10 @@ fitted busbw of 49.8, 23.6 and 9.4 MB/s (R² ≥ 0.97), α 1.6-5.8 ms.
 
 from __future__ import annotations
 
+from teraflops.datasheets import ETHERNET_25G, PUBLISHED_LINKS, PublishedLink
 from teraflops.hardware.alpha_beta import fit_rows
 from teraflops.hardware.collectives import BUS_FACTOR, sweep
-from teraflops.datasheets import ETHERNET_25G, PUBLISHED_LINKS, PublishedLink
+from teraflops.nodes.cluster import Cluster
 from teraflops.tables import table
 
 SCALE = 1e-3  # an emulated link runs at the published rate × SCALE: GB/s become MB/s
@@ -89,8 +90,6 @@ def hierarchy(cluster, sizes=SIZES[-4:], **sweep_kwargs) -> list[dict]:
     Returns:
         One dict per level: ``level``, ``ranks``, ``nodes``, ``peak_busbw`` (bytes/s over ``sizes``).
     """
-    from teraflops.nodes.cluster import Cluster
-
     if cluster.nodes != 2:
         raise ValueError(f"hierarchy() needs a cluster of 2 nodes, got {cluster.nodes}. Hint: Cluster(2)")
 

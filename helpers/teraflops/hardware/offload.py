@@ -42,10 +42,13 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from teraflops import ceilings
 from teraflops.datasheets import PUBLISHED_LINKS, NoDatasheetError, published_peak
 from teraflops.errors import CourseError
+from teraflops.hardware.comm_budget import train_flops
 from teraflops.machine import detect
-from teraflops.parallelization.model_states import _deepspeed_estimators, memory_capacities, model_states
+from teraflops.parallelization.model_states import deepspeed_estimators, memory_capacities, model_states
+from teraflops.sizing import preset
 from teraflops.tables import GB, fmt, fmt_bytes, table
 
 OFFLOAD_MODES = ("none", "optimizer", "params")
@@ -149,11 +152,8 @@ def host_link_bandwidth(nbytes: int | None = None) -> tuple[float, str]:
     without one there is no PCIe to measure: the published PCIe Gen5 x16 figure per direction
     (:data:`teraflops.datasheets.PUBLISHED_LINKS`)."""
     if detect().device == "cuda":
-        from teraflops.ceilings import measure_host_device_copy
-        from teraflops.sizing import preset
-
         n = preset().copies.ladder_bytes if nbytes is None else nbytes
-        return measure_host_device_copy(n, pinned=True), f"measured pinned H2D, {fmt_bytes(n)}"
+        return ceilings.measure_host_device_copy(n, pinned=True), f"measured pinned H2D, {fmt_bytes(n)}"
     return next(l.bandwidth for l in PUBLISHED_LINKS if l.name == HOST_LINK), f"published {HOST_LINK}, no GPU here"
 
 
@@ -185,8 +185,6 @@ def offload_rows(params=(1e9, 7e9, 13e9, 70e9), nd: int = 8, tokens_per_gpu: int
     Raises:
         OffloadError: a bad count, mode or rate, no models, or ``mfu`` outside (0, 1].
     """
-    from teraflops.hardware.comm_budget import train_flops
-
     counts = [params] if isinstance(params, (numbers.Real, str)) or params is None else list(params)
     for p in counts or [None]:
         _check(p, nd, mode, nodes)
@@ -261,7 +259,7 @@ def deepspeed_offload_check(psi: int, nd: int, largest_layer_params: int | None 
         OffloadError: as :func:`offload_memory`. ImportError: DeepSpeed is not installed.
     """
     offload_memory(psi, nd, "params", largest_layer_params=largest_layer_params, nodes=nodes)  # validates
-    zero2, zero3 = _deepspeed_estimators()
+    zero2, zero3 = deepspeed_estimators()
     total, layer, per_node = int(round(psi)), int(largest_layer_params or 0), nd // nodes
     cases = [(2, "optimizer", zero2(total, per_node, nodes, cpu_offload=True), "GPU 2Ψ; CPU Ψ·max(4N, 16)·1.5"),
              (3, "optimizer", zero3(total, layer, per_node, nodes, cpu_offload=True, cpu_offload_params=False,

@@ -159,6 +159,6 @@ def run_module(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    from teraflops.launch.loopback import run_module as _run  # one module object for install's state
+    from teraflops.launch import loopback  # lazy: under -m this file is __main__; one module object keeps install's state
 
-    _run(sys.argv[1:])
+    loopback.run_module(sys.argv[1:])

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from teraflops.errors import CourseError
+from teraflops.machine import detect
+from teraflops.nodes.cluster import IFNAME
 from teraflops.sizing import PRESETS, Preset, preset
 
 BACKEND_ENV = "TERAFLOPS_BACKEND"  # "nccl" or "gloo": what init_worker joins with
@@ -130,8 +132,6 @@ def place(ranks: int | None = None, *, cpu_ranks: int | None = None, min_ranks: 
             split evenly over the nodes; no world size given for CPU ranks.
     """
     if machine is None:
-        from teraflops.machine import detect
-
         machine = detect()
     environ = os.environ if environ is None else environ
     nodes = 1 if cluster is None else int(cluster.nodes)
@@ -196,7 +196,6 @@ def _node_env(i: int, gpu_ids: tuple[str, ...], hide: bool, cluster) -> dict:
         if sys.platform == "linux":
             extra.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})  # one machine: loopback only
         return extra
-    from teraflops.nodes.cluster import IFNAME
 
     extra.update({NODE_ENV: str(i), "GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME,
                   "NCCL_HOSTID": cluster.node_name(i), "NCCL_IB_DISABLE": "1"})

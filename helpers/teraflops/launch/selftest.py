@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from teraflops.launch.launcher import launch
 from teraflops.launch.rank import RankIdentity
 
 WORKER = "teraflops.workers.selftest"
@@ -63,8 +64,6 @@ def run(ranks=2, spec: SelftestSpec | None = None, **launch_kwargs) -> list[Self
     Raises:
         LaunchFailed: a rank crashed, hung, or the launch took over its ``timeout``.
     """
-    from teraflops.launch.launcher import launch
-
     spec = SelftestSpec() if spec is None else spec
     deepspeed = launch_kwargs.pop("deepspeed", False) or spec.deepspeed
     return launch(WORKER, ranks, spec=spec, result=SelftestResult, deepspeed=deepspeed, **launch_kwargs)

@@ -32,6 +32,11 @@ import torch.nn.functional as F
 
 from teraflops import widgets
 from teraflops.errors import DTypeError, ShapeError
+from teraflops.machine import triton_mode
+from teraflops.memory import peak_memory
+from teraflops.model_definition.flash_triton import flash_attention
+from teraflops.tables import table
+from teraflops.timing import benchmark, format_seconds
 
 IMPLEMENTATIONS = ("naive", "sdpa", "triton")
 
@@ -95,8 +100,6 @@ def sdpa_backend(q, k, v, causal: bool = False) -> str:
 
 def triton_attention(q, k, v, causal: bool = False) -> torch.Tensor:
     """The course's Triton FlashAttention forward (see :mod:`teraflops.model_definition.flash_triton`)."""
-    from teraflops.model_definition.flash_triton import flash_attention
-
     return flash_attention(q, k, v, causal=causal)
 
 
@@ -148,7 +151,9 @@ class AttentionResult:
         return 4 * batch * heads * self.seq_len**2 * head_dim / self.seconds / 1e12
 
 
-def _is_oom(e: BaseException) -> bool:
+def is_oom(e: BaseException) -> bool:
+    """True if ``e`` is an out-of-memory error: CUDA's ``OutOfMemoryError`` or a message saying so (the CPU
+    allocator's, the Triton launcher's), so that an OOM becomes a data point instead of a crash."""
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
@@ -171,10 +176,6 @@ def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torc
     """
     from tqdm.auto import tqdm
 
-    from teraflops.machine import triton_mode
-    from teraflops.memory import peak_memory
-    from teraflops.timing import benchmark
-
     results = []
     bar = tqdm(total=len(seq_lens) * len(impls), desc="attention sweep", disable=not progress)
     for n in seq_lens:
@@ -194,7 +195,7 @@ def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torc
                 t = benchmark(lambda: fn(q, k, v), min_run_time=0.0 if slow else min_run_time, warmup=0)
                 results.append(AttentionResult(impl, n, t.median, peak, err))
             except Exception as e:  # noqa: BLE001 - only OOM is a data point; everything else re-raises
-                if not _is_oom(e):
+                if not is_oom(e):
                     raise
                 results.append(AttentionResult(impl, n, None, None, None, oom=True))
                 oom = True
@@ -211,9 +212,6 @@ def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torc
 
 def sweep_table(results: list[AttentionResult], batch: int, heads: int, head_dim: int, elem_bytes: int) -> str:
     """Per N and implementation: time, TFLOP/s, measured peak MiB, modelled peak MiB, max error."""
-    from teraflops.tables import table
-    from teraflops.timing import format_seconds
-
     rows = []
     for r in results:
         model = (naive_peak_bytes if r.impl == "naive" else flash_peak_bytes)(batch, heads, r.seq_len, head_dim, elem_bytes)

@@ -67,7 +67,7 @@ _INTERPRETER_BLOCK_N = 64
 
 
 @triton.jit
-def _flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
+def flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
                      stride_kn, stride_kd, stride_vn, stride_vd,
                      lo, hi, offs_m, offs_n, offs_d, N_CTX, qk_scale,
                      BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
@@ -151,24 +151,24 @@ def _flash_fwd_kernel(Q, K, V, O, LSE, sm_scale,
     if CAUSAL:
         # key tiles strictly left of the diagonal: every key <= every query row of the tile
         diag = start_m * BLOCK_M
-        acc, l_i, m_i = _flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
+        acc, l_i, m_i = flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
                                          stride_kn, stride_kd, stride_vn, stride_vd,
                                          0, diag, offs_m, offs_n, offs_d, N_CTX, qk_scale,
                                          BLOCK_N, False, False, INPUT_PRECISION)
         # the diagonal tile(s): causal mask, and the end of the sequence; nothing after it
-        acc, l_i, m_i = _flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
+        acc, l_i, m_i = flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
                                          stride_kn, stride_kd, stride_vn, stride_vd,
                                          diag, tl.minimum(diag + BLOCK_M, N_CTX),
                                          offs_m, offs_n, offs_d, N_CTX, qk_scale,
                                          BLOCK_N, True, True, INPUT_PRECISION)
     else:
         n_full = (N_CTX // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
+        acc, l_i, m_i = flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
                                          stride_kn, stride_kd, stride_vn, stride_vd,
                                          0, n_full, offs_m, offs_n, offs_d, N_CTX, qk_scale,
                                          BLOCK_N, False, False, INPUT_PRECISION)
         # the last, partial key tile (an empty loop when N_CTX is a multiple of BLOCK_N)
-        acc, l_i, m_i = _flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
+        acc, l_i, m_i = flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
                                          stride_kn, stride_kd, stride_vn, stride_vd,
                                          n_full, N_CTX, offs_m, offs_n, offs_d, N_CTX, qk_scale,
                                          BLOCK_N, True, False, INPUT_PRECISION)

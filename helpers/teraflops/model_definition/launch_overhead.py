@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from teraflops.model_definition.profiling import count_ops
 from teraflops.tables import table
 from teraflops.timing import Timing, benchmark, format_seconds
 
@@ -66,8 +67,6 @@ class ChainVsFused:
 def chain_vs_fused(numel: int, device: str, dtype: torch.dtype = torch.float32,
                    min_run_time: float = 0.1) -> ChainVsFused:
     """Time :func:`gelu_chain` against :func:`gelu_fused` on ``numel`` elements; count their operators."""
-    from teraflops.model_definition.profiling import count_ops
-
     x = torch.randn(numel, device=device, dtype=dtype)
     # Same function? Checked in fp32: in bf16 the chain rounds after each of its eight ops.
     torch.testing.assert_close(gelu_chain(x.float()), gelu_fused(x.float()), rtol=1e-4, atol=1e-4)

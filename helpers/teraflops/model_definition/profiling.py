@@ -29,11 +29,12 @@ from torch.utils._pytree import tree_flatten
 
 from teraflops.ceilings import Ceilings
 from teraflops.tables import table
+from teraflops.timing import format_seconds
 
 VERDICTS = ("math", "memory", "framework overhead")
 
 # Ops that only re-describe memory (no kernel, no traffic): not counted as launches.
-_METADATA_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "as_strided", "permute",
+METADATA_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "as_strided", "permute",
                  "unsqueeze", "squeeze", "reshape", "alias", "detach", "slice", "select",
                  "split", "split_with_sizes", "unbind", "_reshape_alias", "lift_fresh"}
 
@@ -51,7 +52,7 @@ class _OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = _op_name(func)
-        if name not in _METADATA_OPS:
+        if name not in METADATA_OPS:
             self.calls[name] += 1
             tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
             self.nbytes[name] += sum(t.numel() * t.element_size() for t in tensors)
@@ -170,8 +171,6 @@ def profile_ops(fn: Callable[[], object], device: str, warmup: int = 2) -> list[
 
 def ops_table(rows: list[OpRow], c: Ceilings, launch_floor: float, top: int = 12) -> str:
     """Top operators: calls, time, GFLOP, MB (1e6 bytes), FLOP/byte and verdict."""
-    from teraflops.timing import format_seconds
-
     total = sum(r.seconds for r in rows) or 1.0
     body = [(r.name, r.calls, format_seconds(r.seconds), f"{100 * r.seconds / total:.0f}%", r.flops / 1e9,
              r.nbytes / 1e6, r.intensity, r.verdict(c, launch_floor)) for r in rows[:top]]

@@ -24,6 +24,7 @@ import torch
 
 from teraflops.ceilings import Ceilings
 from teraflops.tables import table
+from teraflops.timing import benchmark
 
 SOFTMAX_FLOPS_PER_ELEMENT = 5
 
@@ -96,8 +97,6 @@ class RooflinePoint:
 
 
 def _measure(name: str, fn: Callable, flops: float, nbytes: float, min_run_time: float) -> RooflinePoint:
-    from teraflops.timing import benchmark
-
     return RooflinePoint(name, flops, nbytes, benchmark(fn, min_run_time=min_run_time).median)
 
 

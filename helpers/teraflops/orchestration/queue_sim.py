@@ -168,7 +168,11 @@ def greedy(queue: list[Job], cluster: ClusterView, now: float) -> list[Job]:
     return chosen
 
 
-def _easy(order: list[Job], cluster: ClusterView) -> list[Job]:
+def easy_order(order: list[Job], cluster: ClusterView) -> list[Job]:
+    """EASY backfill's pick from a queue already in priority ``order``: the jobs that start now in
+    order while they fit, then any later job that fits now and leaves the head's reservation (its
+    earliest start, :meth:`ClusterView.earliest_start`) where it was. :func:`backfill` uses it in
+    submission order, :func:`fair_share` in fair-share order."""
     chosen = fifo(order, cluster, cluster.now)
     if len(chosen) == len(order):
         return chosen
@@ -189,7 +193,7 @@ def backfill(queue: list[Job], cluster: ClusterView, now: float) -> list[Job]:
     at its earliest start. A later job may start now only if it fits now and does not push the
     head's earliest start later: it ends before the reservation, or uses GPUs the head will not
     need. Only the head is protected; the jobs behind it may be overtaken."""
-    return _easy(list(queue), cluster)
+    return easy_order(list(queue), cluster)
 
 
 def fair_share(queue: list[Job], cluster: ClusterView, now: float, shares: dict[str, float] | None = None) -> list[Job]:
@@ -205,7 +209,7 @@ def fair_share(queue: list[Job], cluster: ClusterView, now: float, shares: dict[
     shares = shares or {}
     if any(not v > 0 for v in shares.values()):
         raise SchedulingError(f"fair-share shares must be > 0, got {shares}. Hint: a user with no share gets a small one")
-    return _easy(sorted(queue, key=lambda j: cluster.usage(j.user) / shares.get(j.user, 1.0)), cluster)
+    return easy_order(sorted(queue, key=lambda j: cluster.usage(j.user) / shares.get(j.user, 1.0)), cluster)
 
 
 # --------------------------------------------------------------------------- the simulator

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from teraflops.errors import CourseError
+from teraflops.nodes.cluster import Cluster
+from teraflops.nodes.slurm import SlurmConfig
+from teraflops.orchestration import queue_sim
 from teraflops.orchestration.queue_sim import Job, JobRun, SimResult, fair_share, measure, simulate
 from teraflops.tables import table
 
@@ -175,8 +178,6 @@ def run_mix(slurm, mix=LECTURE_MIX, timeout: float = 120) -> QueueRun:
     Raises:
         QueueError: a submission failed, a job failed, or not every job ended within ``timeout`` s.
     """
-    from teraflops.orchestration import queue_sim
-
     gpn, nodes = slurm.config.gpus_per_node, slurm.cluster.nodes
     jobs = [j.job() for j in mix]
     queue_sim.check_trace(jobs, nodes, gpn)
@@ -453,8 +454,6 @@ def _concurrently(tasks: dict, desc: str) -> dict:
 
     from tqdm.auto import tqdm
 
-    from teraflops.nodes.cluster import Cluster
-
     out, errors = {}, []
     bar = tqdm(total=len(tasks), desc=desc, unit="cluster")
 
@@ -495,8 +494,6 @@ def run_policies(mix=LECTURE_MIX, schedulers=("fifo", "backfill"), nodes: int = 
     Raises:
         QueueError, teraflops.nodes.cluster.ClusterError, teraflops.nodes.slurm.SlurmError: from any of the runs.
     """
-    from teraflops.nodes.slurm import SlurmConfig
-
     tasks = {s: (nodes, SlurmConfig(scheduler=s, gpus_per_node=gpus_per_node), lambda sl: run_mix(sl, mix, timeout))
              for s in schedulers}
     out = _concurrently(tasks, f"job mix on Slurm ({', '.join(schedulers)})")
@@ -511,8 +508,6 @@ def run_lecture(mix=LECTURE_MIX, with_fair_share: bool = True, timeout: float = 
     Raises:
         QueueError, teraflops.nodes.cluster.ClusterError, teraflops.nodes.slurm.SlurmError: from any of the runs.
     """
-    from teraflops.nodes.slurm import SlurmConfig
-
     tasks = {s: (3, SlurmConfig(scheduler=s, accounting=True), lambda sl: run_mix(sl, mix, timeout))
              for s in ("fifo", "backfill")}  # accounting: starts and ends from sacct
     if with_fair_share:

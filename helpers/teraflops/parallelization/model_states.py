@@ -28,9 +28,9 @@ import numbers
 from dataclasses import dataclass
 
 from teraflops import widgets
+from teraflops.datasheets import PUBLISHED
 from teraflops.machine import GiB  # noqa: F401 - re-exported: one home for the unit
 from teraflops.tables import GB, fmt, fmt_count, table
-
 
 STAGE_NAMES = ("DP (replicated)", "P_os", "P_os+g", "P_os+g+p")  # the paper's names for stages 0-3
 
@@ -279,7 +279,7 @@ def deepspeed_estimates(psi: int, nd: int, largest_layer_params: int | None = No
     if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer <= psi:
         raise ValueError(f"largest_layer_params must be an integer between 0 and psi, got {largest_layer_params!r}. "
                          "Hint: the parameters of the biggest single module, often the embedding (vocab × hidden)")
-    estimate_zero2, estimate_zero3 = _deepspeed_estimators()
+    estimate_zero2, estimate_zero3 = deepspeed_estimators()
     total = int(round(psi))
     _, zero2_gpu = estimate_zero2(total, num_gpus_per_node=nd, num_nodes=1, cpu_offload=False)
     _, zero3_gpu, _ = estimate_zero3(total, layer, num_gpus_per_node=nd, num_nodes=1, cpu_offload=False,
@@ -292,7 +292,7 @@ def deepspeed_estimates(psi: int, nd: int, largest_layer_params: int | None = No
     return rows
 
 
-def _deepspeed_estimators():
+def deepspeed_estimators():
     """Import DeepSpeed's two estimators (a few seconds) without its import-time log lines
     (e.g. "Setting accelerator to CPU"). Logging is paused rather than redirected: DeepSpeed's
     logger binds ``sys.stdout`` when it is created, and later messages must still show."""
@@ -316,8 +316,6 @@ def memory_capacities() -> list[tuple[str, float]]:
     141 GB (H200), from the datasheet table :data:`teraflops.datasheets.PUBLISHED`, drawn as printed.
     What a GPU reports in bytes (``torch.cuda.mem_get_info``) need not equal the datasheet figure
     times 1e9, and activations and buffers need room too: a bar just under a line does not fit."""
-    from teraflops.datasheets import PUBLISHED
-
     by_name = {g.name: g for g in PUBLISHED}
     return [("A100 / H100 80 GB", by_name["H100 SXM"].memory_gb), ("H200 141 GB", by_name["H200 SXM"].memory_gb)]
 

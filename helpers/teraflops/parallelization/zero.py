@@ -19,8 +19,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from teraflops.parallelization.model_states import FP32_ADAM, FP32_ADAM_MASTER, STAGE_NAMES, comm_volume, model_states
+from teraflops.launch.launcher import launch
+from teraflops.launch.placement import data_parallel_plan
 from teraflops.launch.rank import RankIdentity
+from teraflops.models import GPT
+from teraflops.parallelization.model_states import (
+    FP32_ADAM,
+    FP32_ADAM_MASTER,
+    STAGE_NAMES,
+    comm_volume,
+    comm_volume_per_use,
+    model_states,
+    parameter_uses,
+)
 from teraflops.sizing import TrainConfig, gpt_config
 from teraflops.tables import table
 
@@ -248,9 +259,6 @@ def run_zero(stages=(0, 1, 2, 3), plan=None, steps: int | None = None, timeout: 
     :class:`~teraflops.launch.launcher.LaunchFailed` (one line) if a rank fails, hangs or the launch
     passes ``timeout`` seconds; no process or port is left behind.
     """
-    from teraflops.launch.launcher import launch
-    from teraflops.launch.placement import data_parallel_plan
-
     if steps is not None and steps < 2:
         raise ValueError(f"steps must be >= 2 (the first is warm-up, left out of timings and comms), got {steps}")
     plan = plan or data_parallel_plan()
@@ -314,8 +322,6 @@ def expected_comm_bytes(run: StageRun, model) -> float:
     parameter of ``model`` (the trained GPT; the ``meta`` device will do),
     :func:`teraflops.parallelization.model_states.comm_volume_per_use`; fp32 runs, 4 bytes per element. At stage 3
     the tied token embedding / output head is gathered once per module that uses it."""
-    from teraflops.parallelization.model_states import comm_volume_per_use, parameter_uses
-
     return comm_volume_per_use(parameter_uses(model), run.stage, 4)
 
 
@@ -323,8 +329,6 @@ def trained_gpt(p):
     """The GPT that :func:`run_zero` trains at preset ``p``'s ``gpt`` sizes, on the ``meta``
     device (shapes only, no memory), for :func:`expected_comm_bytes`."""
     import torch
-
-    from teraflops.models import GPT
 
     with torch.device("meta"):
         return GPT(p.gpt.vocab, p.gpt.d_model, p.gpt.layers, p.gpt.heads, p.gpt.seq_len)

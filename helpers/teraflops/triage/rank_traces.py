@@ -51,8 +51,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from teraflops.errors import CourseError
+from teraflops.launch.launcher import launch
+from teraflops.launch.placement import place
 from teraflops.launch.rank import RankIdentity
-from teraflops.sizing import TrainConfig
+from teraflops.machine import detect
+from teraflops.orchestration.detection import MIN_RANKS
+from teraflops.sizing import PRESETS, TrainConfig, dp_config, gpt_config, preset
+from teraflops.triage.verdict import COMM_CATEGORIES, is_collective, load_trace
 
 WORKLOADS = ("zero3", "straggler", "allreduce")
 EXPECTED = {"zero3": "communication-bound", "straggler": "waiting (straggler)", "allreduce": "communication-bound"}
@@ -152,8 +157,6 @@ def collective_seconds(trace) -> float:
     dict, :func:`teraflops.triage.verdict.load_trace`): the union of the intervals of the events that
     :func:`teraflops.triage.verdict.triage` counts as communication (``c10d::`` ops, gloo/NCCL ranges on the
     backend's threads, NCCL kernels), overlapping ones counted once."""
-    from teraflops.triage.verdict import COMM_CATEGORIES, is_collective, load_trace
-
     events, _ = load_trace(trace)
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                    if e.get("cat") in COMM_CATEGORIES and is_collective(e["name"], e["cat"]))
@@ -171,10 +174,6 @@ def default_ranks() -> int:
 
 
 def _placement(ranks, cluster=None):
-    from teraflops.orchestration.detection import MIN_RANKS
-    from teraflops.launch.placement import place
-    from teraflops.sizing import preset
-
     p = preset()
     return place(ranks, cpu_ranks=p.straggler.ranks_cpu, min_ranks=MIN_RANKS if ranks is None else 1, cluster=cluster,
                  gpus=p.device == "cuda")
@@ -184,8 +183,6 @@ def rank_trace_spec(workloads, out_dir: Path, steps: int, p, seed: int = 0) -> R
     """The worker's :class:`RankTraceSpec` for preset ``p``: ZeRO-3 on the ``comm_gpt`` (wide, few
     tokens, one sequence per rank), the straggler on the ``gpt`` (``straggler.micro_batch``
     sequences), ``collective.min_bytes`` all-reduces; ``seed`` for both models and their data."""
-    from teraflops.sizing import dp_config, gpt_config
-
     zero = replace(dp_config(p), micro_batch=1, lr=ZERO_LR, seed=seed)
     dp = replace(gpt_config(p, p.straggler.micro_batch, STRAGGLER_LR), seed=seed)
     return RankTraceSpec(workloads=tuple(workloads), out=str(out_dir), steps=steps, zero=zero, dp=dp,
@@ -212,10 +209,6 @@ def profile_ranks(workloads=WORKLOADS, out_dir=None, ranks: int | None = None, s
         RankTraceError: an unknown workload, too few ranks, steps < 1.
         LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
     """
-    from teraflops.launch.launcher import launch
-    from teraflops.machine import detect
-    from teraflops.sizing import PRESETS, preset
-
     names = (workloads,) if isinstance(workloads, str) else tuple(workloads)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown or not names:

@@ -64,10 +64,13 @@ from typing import Callable
 
 import numpy as np
 
-from teraflops.ceilings import Ceilings
-from teraflops.orchestration.detection import as_matrix
+from teraflops.ceilings import Ceilings, measure_ceilings
 from teraflops.errors import CourseError
-from teraflops.model_definition.profiling import _METADATA_OPS, classify
+from teraflops.machine import detect
+from teraflops.model_definition.launch_overhead import launch_floor, op_time_vs_size
+from teraflops.model_definition.profiling import METADATA_OPS, classify
+from teraflops.orchestration.detection import THRESHOLD, as_matrix, modified_z
+from teraflops.sizing import PRESETS
 from teraflops.tables import fmt_seconds, table
 
 CATEGORIES = ("compute", "memory", "overhead", "communication", "waiting")
@@ -137,7 +140,7 @@ def op_cost(name: str, args: dict) -> tuple[float, float]:
     op = name.split("::")[-1]
     ts = _tensors(args)
     s = [shape for shape, _ in ts]
-    if not name.startswith("aten::") or op in _METADATA_OPS or op in _NO_TRAFFIC or not ts:
+    if not name.startswith("aten::") or op in METADATA_OPS or op in _NO_TRAFFIC or not ts:
         return 0.0, 0.0
     big = max(ts, key=lambda t: math.prod(t[0]))  # elementwise ops and reductions: the largest input
     flops, out, out_size = 0, math.prod(big[0]), big[1]
@@ -172,18 +175,12 @@ def measured_ceilings(device: str | None = None) -> Ceilings:
     """This machine's ceilings on ``device`` (``"cpu"`` or ``"cuda"``; default the machine's),
     :func:`teraflops.ceilings.measure_ceilings` at the preset's probe sizes (the ``cpu`` preset's
     for the CPU of a GPU machine; a few seconds), measured once per process and device."""
-    from teraflops.machine import detect
-
     return _ceilings_on(device or detect().device)
 
 
 @functools.lru_cache(maxsize=None)
 def _ceilings_on(device: str) -> Ceilings:
     import torch
-
-    from teraflops.ceilings import measure_ceilings
-    from teraflops.machine import detect
-    from teraflops.sizing import PRESETS
 
     if device == detect().device:
         return measure_ceilings(device=device)
@@ -197,15 +194,11 @@ def measured_launch_floor(device: str | None = None) -> float:
     :func:`teraflops.model_definition.launch_overhead.op_time_vs_size` sweep). Measured rather than read from the trace: a
     trace's shortest events are dispatcher-only ops (a view, ~0.1 µs), far below what an op that
     launches work costs."""
-    from teraflops.machine import detect
-
     return _floor_on(device or detect().device)
 
 
 @functools.lru_cache(maxsize=None)
 def _floor_on(device: str) -> float:
-    from teraflops.model_definition.launch_overhead import launch_floor, op_time_vs_size
-
     return launch_floor(op_time_vs_size([1], device, min_run_time=0.05))
 
 
@@ -561,8 +554,6 @@ def _straggler_split(waits, shares: dict, rank: int | None) -> tuple[tuple, str,
     rank's wait is waiting for it. The fraction moved is the traced rank's (``rank``, from the
     trace's ``distributedInfo``), or the mean over ranks when the trace does not say. Returns the
     flagged ranks, a note, and that fraction."""
-    from teraflops.orchestration.detection import THRESHOLD, modified_z
-
     w = _waits(waits)
     if shares["communication"] == 0:
         raise TriageError("waits were given but the trace has no exposed time in collectives. Hint: profile a "

@@ -28,8 +28,15 @@ from typing import Callable
 
 import torch
 
+from teraflops.compilation import decode
 from teraflops.errors import CourseError
+from teraflops.machine import detect
+from teraflops.model_definition import attention
+from teraflops.models import Llama
 from teraflops.sizing import preset
+from teraflops.tables import fmt_seconds, table
+from teraflops.triage.rank_traces import profile_ranks
+from teraflops.triage.verdict import CATEGORIES, VERDICTS, record, triage
 
 # workload -> (unit, the category triage should find, what it is)
 UNIT_WORKLOADS = {
@@ -80,11 +87,6 @@ def _attention_seq(p, device: str) -> int:
 def _local_fn(name: str, scale: float = 1.0, seed: int = 0) -> Callable[[], object]:
     """The zero-argument function of in-process workload ``name``, its inputs built here (seeded);
     ``scale`` stretches the size (mysteries use 0.75-1.0)."""
-    from teraflops.compilation import decode
-    from teraflops.model_definition import attention
-    from teraflops.machine import detect
-    from teraflops.models import Llama
-
     p, dev = preset(), detect().device
     g = torch.Generator().manual_seed(seed)
     if name == "matmul":
@@ -120,7 +122,6 @@ def profile(name: str, out_dir, scale: float = 1.0, seed: int = 0) -> Profiled:
                           f"{', '.join(DISTRIBUTED)} run across ranks (teraflops.triage.rank_traces.profile_ranks)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from teraflops.triage.verdict import record
 
     trace = record(_local_fn(name, scale, seed), out / f"{name}.json")
     unit, expected, what = (UNIT_WORKLOADS[name] if name in UNIT_WORKLOADS
@@ -141,8 +142,6 @@ def profile_units(out_dir, names=tuple(UNIT_WORKLOADS), cluster=None, progress: 
     out, done = Path(out_dir), {}
     dist = [n for n in names if n in DISTRIBUTED]
     if dist:
-        from teraflops.triage.rank_traces import profile_ranks
-
         for n, rt in profile_ranks(dist, out_dir=out, cluster=cluster).items():
             unit, expected, what = UNIT_WORKLOADS[n]
             done[n] = Profiled(n, unit, rt.trace, rt.waits, expected, what, tuple(rt.traces))
@@ -180,9 +179,6 @@ def mysteries(seed: int, out_dir, cluster=None) -> dict[str, Profiled]:
     import json
     import tempfile
 
-    from teraflops.triage.rank_traces import profile_ranks
-    from teraflops.triage.verdict import record
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     found = {}
@@ -206,8 +202,6 @@ def verdict_rows(profiled, ceilings=None, launch_floor=None) -> list[dict]:
     """Triage each :class:`Profiled` (with its waits): one row per workload with ``name``, ``unit``,
     ``expected`` (category or ``None``), ``result`` (the :class:`teraflops.triage.verdict.Triage`) and
     ``matches`` (verdict == expected; ``None`` for a mixed workload)."""
-    from teraflops.triage.verdict import VERDICTS, triage
-
     rows = []
     for w in profiled:
         r = triage(w.trace, waits=w.waits, ceilings=ceilings, launch_floor=launch_floor)
@@ -219,9 +213,6 @@ def verdict_rows(profiled, ceilings=None, launch_floor=None) -> list[dict]:
 def verdict_table(rows: list[dict]) -> str:
     """The rows of :func:`verdict_rows` as a table: the unit's bottleneck beside the verdict, the
     shares (%) and the top contributor."""
-    from teraflops.tables import fmt_seconds, table
-    from teraflops.triage.verdict import CATEGORIES, VERDICTS
-
     out = []
     for r in rows:
         t = r["result"]
@@ -240,8 +231,6 @@ def plot_shares(rows: list[dict], ax=None, title: str = "Where each workload's s
     """Stacked horizontal bars: each workload's share of its step per category (one bar per row of
     :func:`verdict_rows`, the verdict printed at the bar's end). Returns the axes."""
     import matplotlib.pyplot as plt
-
-    from teraflops.triage.verdict import CATEGORIES
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.4))

@@ -41,11 +41,21 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from teraflops.parallelization.ddp_sync import DataParallelResult, DataParallelSpec, ModeResult, StaleResult
+from teraflops.launch.faults import fault_point
+from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 from teraflops.models import lm_loss
+from teraflops.parallelization.ddp_sync import DataParallelResult, DataParallelSpec, ModeResult, StaleResult
 from teraflops.sizing import TrainConfig
-from teraflops.workers.common import (build_model, flat_grads, held_out, make_data, rank_batch, set_grads,
-    sync_device, trained_rank)
+from teraflops.workers.common import (
+    build_model,
+    flat_grads,
+    held_out,
+    make_data,
+    rank_batch,
+    set_grads,
+    sync_device,
+    trained_rank,
+)
 
 
 class DelayedGradients:
@@ -227,9 +237,6 @@ def main(argv: list[str] | None = None) -> None:
     """Run the experiments of the :class:`~teraflops.parallelization.ddp_sync.DataParallelSpec`; write this
     rank's :class:`~teraflops.parallelization.ddp_sync.DataParallelResult`. Fault points (``TERAFLOPS_FAULT``)
     count every training step of the launch, in the order they run."""
-    from teraflops.launch.faults import fault_point
-    from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
-
     spec = read_spec(DataParallelSpec, argv)
     cfg = spec.model
     taus = spec.taus if "staleness" in spec.experiments else ()

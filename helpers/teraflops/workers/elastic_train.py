@@ -33,18 +33,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from teraflops.orchestration.checkpoint import latest, load, save_latest
 from teraflops.data import markov_tokens
-from teraflops.orchestration.elastic import STEPS_LOG, ElasticResult, ElasticSpec
+from teraflops.launch.faults import fault_point
+from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 from teraflops.models import lm_loss
+from teraflops.orchestration.checkpoint import latest, load, save_latest
+from teraflops.orchestration.elastic import STEPS_LOG, ElasticResult, ElasticSpec
 from teraflops.workers.common import build_model, rank_batch, set_grads
 
 
 def main(argv: list[str] | None = None) -> None:
     """Train the :class:`~teraflops.orchestration.elastic.ElasticSpec`; write this rank's :class:`~teraflops.orchestration.elastic.ElasticResult`."""
-    from teraflops.launch.faults import fault_point
-    from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
-
     a = read_spec(ElasticSpec, argv)
     cfg, folder = a.model, Path(a.checkpoint_dir)
 

@@ -53,8 +53,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from teraflops.models import lm_loss
 from teraflops.hardware.remedies import RemediesResult, RemediesSpec, RemedyResult
+from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
+from teraflops.models import lm_loss
 from teraflops.workers.common import build_model, held_out, make_data, rank_batch, sync_device, trained_rank
 
 ONE_BUCKET_WHY = (
@@ -181,8 +182,6 @@ class RemedyRun:
 def main(argv: list[str] | None = None) -> None:
     """Train every setting of the :class:`~teraflops.hardware.remedies.RemediesSpec`; write this rank's
     :class:`~teraflops.hardware.remedies.RemediesResult`."""
-    from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
-
     spec = read_spec(RemediesSpec, argv)  # its settings were checked where it was built, and again here
     cfg = spec.model
     w = init_worker(spec.timeout_s)

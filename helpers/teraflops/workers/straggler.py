@@ -39,12 +39,19 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from teraflops.launch.faults import fault_point
+from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 from teraflops.models import lm_loss
+from teraflops.orchestration.stragglers import (
+    Injection,
+    SettingRecords,
+    SettingResult,
+    StragglerResult,
+    StragglerSpec,
+    rebalance,
+)
 from teraflops.sizing import TrainConfig
-from teraflops.orchestration.stragglers import (Injection, SettingRecords, SettingResult, StragglerResult,
-    StragglerSpec, rebalance)
-from teraflops.workers.common import (build_model, flat_grads, held_out, make_data, set_grads, sync_device,
-    trained_rank)
+from teraflops.workers.common import build_model, flat_grads, held_out, make_data, set_grads, sync_device, trained_rank
 
 RECORDS = ("start", "compute", "delay", "wait", "update", "step", "batch", "loss")
 
@@ -199,9 +206,6 @@ def main(argv: list[str] | None = None) -> None:
     (:func:`take_turns`); rebalance runs its calibration alone, then the equal split and the
     rebalanced split in turns; the local-SGD runs go one after the other (taking turns step by step
     would synchronise local SGD's ranks at every step)."""
-    from teraflops.launch.faults import fault_point
-    from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
-
     spec = read_spec(StragglerSpec, argv)
     cfg = spec.model
     plan = {e: s for e, s in settings(spec).items() if e in spec.experiments}

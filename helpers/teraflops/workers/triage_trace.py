@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from teraflops.data import markov_tokens
+from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 from teraflops.models import lm_loss
-from teraflops.triage.rank_traces import RankTraceResult, RankTraceSpec, WorkloadResult, collective_seconds
 from teraflops.sizing import TrainConfig
+from teraflops.triage.rank_traces import RankTraceResult, RankTraceSpec, WorkloadResult, collective_seconds
 from teraflops.triage.verdict import record
 from teraflops.workers.common import build_model, flat_grads, set_grads, sync_device, zero_config
 
@@ -155,8 +156,6 @@ def run(name: str, w, a: RankTraceSpec, tick) -> WorkloadResult:
 def main(argv: list[str] | None = None) -> None:
     """Run the workloads of the :class:`~teraflops.triage.rank_traces.RankTraceSpec`; write this rank's
     :class:`~teraflops.triage.rank_traces.RankTraceResult`."""
-    from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
-
     a = read_spec(RankTraceSpec, argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)
 
