@@ -13,12 +13,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from teraflops.launch import leftovers
 from teraflops.triage import rank_traces, verdict
 from teraflops.triage.rank_traces import RankTraceError, profile_ranks
 
 
 def deepspeed_shm_files():
-    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    """DeepSpeed's buffers that no live process maps (another launch on this machine maps its own)."""
+    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - {Path(m) for m in leftovers.mapped()}
 
 
 @pytest.fixture(scope="module")

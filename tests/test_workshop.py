@@ -301,6 +301,17 @@ def test_a_cluster_exec_job_whose_cluster_is_taken_down_says_by_whom():
         ownership.clear_taken_down(name)
 
 
+def _owned_by(folder: str, pid: int) -> bool:
+    """True if launch folder ``folder``'s owner record names process ``pid`` (other launches on a shared
+    machine, other learners' or other tests', are not this test's)."""
+    import json
+
+    try:
+        return json.loads(Path(folder, "owner.json").read_text()).get("pid") == pid
+    except (OSError, ValueError):
+        return False
+
+
 def _members(results: str) -> list:
     import psutil
 
@@ -319,6 +330,7 @@ def _members(results: str) -> list:
 def test_a_killed_notebook_takes_its_run_with_it(tmp_path, launcher):
     """SIGKILL of the notebook-side process: within 10 s no launcher or rank runs, its files are gone."""
     import glob
+    import json
 
     from teraflops.launch import leftovers, ops  # not `launcher`: the parameter of that name says which one
 
@@ -338,17 +350,18 @@ def test_a_killed_notebook_takes_its_run_with_it(tmp_path, launcher):
     try:
         deadline = time.monotonic() + 240
         while True:
-            folders = set(glob.glob("/tmp/teraflops-launch-*")) - before
+            folders = {f for f in set(glob.glob("/tmp/teraflops-launch-*")) - before if _owned_by(f, victim.pid)}
             members = [p for f in folders for p in _members(f)]
             ranks = [p for p in members if "selftest" in " ".join(p.cmdline()) and "rank_wrapper.py" not in " ".join(p.cmdline())]
-            shm = leftovers.shm_files() if launcher == "deepspeed" else ["-"]
-            if len(ranks) >= 2 and [s for s in shm if str(s) != other]:
+            ports = [json.loads(Path(f, "owner.json").read_text())["port"] for f in folders]
+            shm = [s for port in ports for s in leftovers.shm_files(port)] if launcher == "deepspeed" else ["-"]
+            if len(ranks) >= 2 and shm:
                 break
             assert time.monotonic() < deadline and victim.poll() is None, "the run did not start"
             time.sleep(0.5)
         time.sleep(2)
         (folder,) = folders
-        port = __import__("json").loads(open(f"{folder}/owner.json").read())["port"]
+        port = json.loads(Path(folder, "owner.json").read_text())["port"]
         os.kill(victim.pid, signal.SIGKILL)  # as a kernel killed by a restart: its finally never runs
         victim.wait()
         killed = time.monotonic()

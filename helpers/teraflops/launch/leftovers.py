@@ -62,7 +62,7 @@ def shm_files(port: int | None = None, addr: str | None = None, uid: int | None 
     return sorted(SHM.glob(pattern)) if SHM.is_dir() else []
 
 
-def _mapped() -> set[str]:
+def mapped() -> set[str]:
     """Paths under /dev/shm that some process of this user maps now (``/proc/<pid>/maps``)."""
     out = set()
     for entry in os.scandir("/proc"):
@@ -99,10 +99,10 @@ def sweep() -> list[Path]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     live_ports = {(h.get("addr"), str(h.get("port"))) for h in live_launches().values()}
-    mapped = _mapped()
+    mapped_now = mapped()
     for path in shm_files():
         parts = path.name[len(SHM_PREFIX) + 1:].split("_")  # uid, addr, port, rank
-        if len(parts) == 4 and (parts[1], parts[2]) not in live_ports and str(path) not in mapped:
+        if len(parts) == 4 and (parts[1], parts[2]) not in live_ports and str(path) not in mapped_now:
             path.unlink(missing_ok=True)
             removed.append(path)
     agents = []

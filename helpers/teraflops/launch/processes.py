@@ -58,3 +58,6 @@ def stop(proc, results: Path | None, grace: float = 3.0) -> None:
                 proc.wait(timeout=grace)
         if not found and (proc is None or proc.returncode is not None):
             break
+    if proc is not None and proc.returncode is None:  # SIGKILLed: it dies; on a loaded machine later than grace
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)  # reap it, or it stays a zombie child of the notebook's kernel
