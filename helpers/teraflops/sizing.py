@@ -282,8 +282,9 @@ class ModelParallelSizes:
         batch: global batch of the TP runs (sequences; every TP rank sees all of them).
         tp_degrees: TP degrees of the sweep (each divides ``gpt.heads``).
         steps, warmup: timed and untimed steps per mode.
-        pp_stages: pipeline ranks; ``pp_micro_batches``: the micro-batch counts of the bubble sweep;
-            ``pp_micro_batch``: sequences per micro-batch.
+        pp_stages: pipeline ranks; ``pp_layers``: blocks of the pipeline's GPT (``gpt`` otherwise);
+            ``pp_micro_batches``: the micro-batch counts of the bubble sweep; ``pp_micro_batch``:
+            sequences per micro-batch.
         recompute_batches: batches (sequences) of the recomputation sweep on ``gpt``.
     """
 
@@ -293,6 +294,7 @@ class ModelParallelSizes:
     steps: int
     warmup: int
     pp_stages: int
+    pp_layers: int
     pp_micro_batches: tuple[int, ...]
     pp_micro_batch: int
     recompute_batches: tuple[int, ...]
@@ -361,8 +363,8 @@ _CPU = Preset(
     copies=CopySizes(ladder_bytes=64 * MiB, contention_bytes=64 * MiB, contention_seconds=0.8),
     # 64 × 128 tokens, width 64: TP hands 16 MiB per step to all-reduce, DP 0.44 MB
     mp=ModelParallelSizes(gpt=GPTSizes(vocab=64, d_model=64, layers=2, heads=4, seq_len=128), batch=64,
-                          tp_degrees=(1, 2, 4), steps=3, warmup=1, pp_stages=2, pp_micro_batches=(1, 4, 8, 16),
-                          pp_micro_batch=4, recompute_batches=(4, 8, 16, 32)),
+                          tp_degrees=(1, 2, 4), steps=3, warmup=1, pp_stages=2, pp_layers=4,
+                          pp_micro_batches=(1, 4, 8, 16), pp_micro_batch=16, recompute_batches=(4, 8, 16, 32)),
 )
 
 PRESETS = {
@@ -384,7 +386,7 @@ PRESETS = {
         collective=replace(_CPU.collective, ranks_cpu=2, max_bytes=4 * MiB, iters=5, min_iters=2, warmup=1),
         remedy=replace(_CPU.remedy, micro_batches=16),
         copies=CopySizes(ladder_bytes=8 * MiB, contention_bytes=4 * MiB, contention_seconds=0.1),
-        mp=replace(_CPU.mp, batch=16, tp_degrees=(1, 2), steps=2, pp_micro_batches=(1, 4, 8), pp_micro_batch=2,
+        mp=replace(_CPU.mp, batch=16, tp_degrees=(1, 2), steps=2, pp_micro_batches=(1, 4, 8),
                    recompute_batches=(2, 4)),
     ),
     "cpu": _CPU,
@@ -409,7 +411,7 @@ PRESETS = {
         remedy=replace(_CPU.remedy, micro_batches=64),
         copies=CopySizes(ladder_bytes=256 * MiB, contention_bytes=256 * MiB, contention_seconds=0.5),
         mp=ModelParallelSizes(gpt=GPTSizes(vocab=4096, d_model=1024, layers=8, heads=16, seq_len=1024), batch=16,
-                              tp_degrees=(1, 2, 4, 8), steps=10, warmup=3, pp_stages=4,
+                              tp_degrees=(1, 2, 4, 8), steps=10, warmup=3, pp_stages=4, pp_layers=8,
                               pp_micro_batches=(1, 4, 8, 16), pp_micro_batch=4, recompute_batches=(4, 8, 16, 32)),
     ),
 }
@@ -454,6 +456,12 @@ def gpt_config(p: Preset, micro_batch: int, lr: float) -> TrainConfig:
 def mp_config(p: Preset, batch: int | None = None) -> TrainConfig:
     """Unit 2's model-parallel GPT: ``p.mp.gpt`` with ``batch`` (default ``p.mp.batch``) sequences, SGD lr 0.01."""
     return TrainConfig(**asdict(p.mp.gpt), micro_batch=batch or p.mp.batch, lr=0.01)
+
+
+def pp_config(p: Preset) -> TrainConfig:
+    """Unit 2's pipeline GPT: :func:`mp_config` with ``p.mp.pp_layers`` blocks, ``p.mp.pp_micro_batch``
+    sequences per micro-batch."""
+    return replace(mp_config(p, p.mp.pp_micro_batch), layers=p.mp.pp_layers)
 
 
 def preset(name: str | None = None) -> Preset:
