@@ -45,11 +45,12 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from teraflops.errors import CourseError
+from teraflops.hardware.alpha_beta import ring_allreduce_seconds
 from teraflops.hardware.fabrics import FABRICS, scaled_rate
 from teraflops.launch import launcher
 from teraflops.launch.placement import place
 from teraflops.launch.rank import RankIdentity
-from teraflops.nodes.cluster import Cluster, Link
+from teraflops.nodes.cluster import Cluster, Link, unavailable
 from teraflops.sizing import TrainConfig
 from teraflops.tables import fmt_bytes, table
 
@@ -310,17 +311,54 @@ def link_comparison(cfg: TrainConfig, rate: float | None = None, *, steps: int =
     NDR scaled as Unit 5 scales fabrics, :func:`teraflops.hardware.fabrics.scaled_rate`).
 
     Returns:
-        ``{"rows": [...], "rate": bytes/s, "share_ratio": TP's comm share / DP's across the link}``;
-        rows of :func:`mode_rows`, ``"where"`` ``"one node"`` or ``"two nodes"``, each launch
-        running both modes (TP and DP are measured in one run, on the same link).
-
-    Raises:
-        ClusterError: emulated nodes are unavailable here (needs Linux, root, iproute2).
+        ``{"rows", "rate", "share_ratio", "inside", "across", "unavailable"}``: rows of
+        :func:`mode_rows` with ``"where"`` ``"one node"`` or ``"two nodes"`` (each launch runs both
+        modes: TP and DP measured in one run, on the same link); ``share_ratio``: TP's communication
+        share / DP's across the link; ``inside`` and ``across``: the two :class:`TensorParallelRun` s.
+        Where emulated nodes cannot be made here (no root, no iproute2), ``across`` and
+        ``share_ratio`` are None and ``unavailable`` says why in one line.
     """
     rate = scaled_rate(FABRICS[0]) if rate is None else rate
     inside = run(cfg, 2, modes=("tp", "dp"), steps=steps, warmup=warmup, timeout=timeout)
+    rows = [{**r, "where": "one node"} for r in inside.rows]
+    why = unavailable()
+    if why is not None:
+        return {"rows": rows, "rate": rate, "share_ratio": None, "inside": inside, "across": None,
+                "unavailable": f"emulated nodes unavailable here ({why}): the one-node run only"}
     with Cluster(2, Link(rate=rate)) as cluster:
         across = run(cfg, 2, modes=("tp", "dp"), steps=steps, warmup=warmup, cluster=cluster, timeout=timeout)
-    rows = [{**r, "where": "one node"} for r in inside.rows] + [{**r, "where": "two nodes"} for r in across.rows]
+    rows += [{**r, "where": "two nodes"} for r in across.rows]
     share = {r["mode"]: r["comm_share"] for r in across.rows}
-    return {"rows": rows, "rate": rate, "share_ratio": share["tp"] / share["dp"]}
+    return {"rows": rows, "rate": rate, "share_ratio": share["tp"] / share["dp"], "inside": inside, "across": across,
+            "unavailable": None}
+
+
+# (name, hidden h, layers L) of the published models the prediction is made for (LLaMA 2, Touvron et al. 2023, Table 1 / App.)
+PUBLISHED_SHAPES = (("7B", 4096, 32), ("70B", 8192, 80))
+
+
+def predict_tp_step(hidden: int, layers: int, tokens: int, tp: int, bandwidth: float, peak_flops: float,
+                    mfu: float = 0.5, alpha: float = 0.0, dtype_bytes: int = 2) -> dict:
+    """Predicted compute and communication of one training step of one micro-batch under TP degree ``tp``.
+
+    Compute: ``6 · Ψ · T / (tp · peak_flops · mfu)`` with ``Ψ = 12 · L · h²`` (Kaplan et al. 2020
+    §2.1; Narayanan et al. 2021 §5.1 use the same count); communication: ``4 · L`` ring all-reduces
+    (:func:`megatron_per_layer`, 2 forward + 2 backward per block) of ``T · h · dtype_bytes`` bytes,
+    each ``2(tp−1)/tp · S / bandwidth + 2(tp−1) α`` (:func:`teraflops.hardware.alpha_beta.ring_allreduce_seconds`),
+    not overlapped (each is the next layer's input).
+
+    Args:
+        hidden, layers: ``h`` and ``L``. tokens: ``T = b · s`` of the micro-batch. tp: degree (>= 2).
+        bandwidth: bytes/s per direction of each rank's link. peak_flops: FLOP/s per GPU.
+        mfu: the fraction of the peak the matmuls reach (an assumption, not a measurement: 0.5).
+        alpha: per-step latency of the ring (s).
+
+    Returns:
+        ``{"compute_s", "comm_s", "comm_share"}``.
+    """
+    check = TrainConfig(vocab=1, d_model=hidden, layers=layers, heads=tp, seq_len=1, micro_batch=tokens, lr=0.0)
+    check_degree(check, tp)
+    compute = 6 * 12 * layers * hidden**2 * tokens / (tp * peak_flops * mfu)
+    one = ring_allreduce_seconds(tokens * hidden * dtype_bytes, tp, bandwidth, alpha)
+    comm = 4 * layers * one
+    return {"compute_s": compute, "comm_s": comm, "comm_share": comm / (compute + comm)}
