@@ -364,7 +364,7 @@ _CPU = Preset(
     # 64 × 128 tokens, width 64: TP hands 16 MiB per step to all-reduce, DP 0.44 MB
     mp=ModelParallelSizes(gpt=GPTSizes(vocab=64, d_model=64, layers=2, heads=4, seq_len=128), batch=64,
                           tp_degrees=(1, 2, 4), steps=3, warmup=1, pp_stages=2, pp_layers=4,
-                          pp_micro_batches=(1, 4, 8, 16), pp_micro_batch=16, recompute_batches=(4, 8, 16, 32)),
+                          pp_micro_batches=(1, 4, 8, 16), pp_micro_batch=16, recompute_batches=(4, 8, 16)),
 )
 
 PRESETS = {
