@@ -55,7 +55,7 @@ class TransformerBlock(nn.Module):
             raise ShapeError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
         if attention != "sdpa" and not callable(attention):
             raise ValueError(f"attention must be 'sdpa' or a function (q, k, v, causal=True), got {attention!r}")
-        self.n_heads, self.attention = n_heads, attention
+        self.n_heads, self.head_dim, self.attention = n_heads, d_model // n_heads, attention
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -64,8 +64,12 @@ class TransformerBlock(nn.Module):
 
     def _attend(self, x: torch.Tensor, cache: "LayerKV | None" = None, input_pos: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        b, n, _ = x.shape
+        qkv = self.qkv(x)
+        # heads from the projection's width, not the constructor: under tensor parallelism (Megatron-LM
+        # §3, teraflops.parallelization.tensor_parallel) a rank's qkv holds only its n_heads / tp heads
+        heads = qkv.shape[-1] // (3 * self.head_dim)
+        q, k, v = qkv.view(b, n, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if cache is not None:
             # Write this call's keys/values at their positions, then attend over the whole
             # (static-shape) cache; positions not yet written are masked out by ``mask``.
@@ -75,7 +79,7 @@ class TransformerBlock(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = self.attention(q, k, v, causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, n, d))
+        return self.proj(y.transpose(1, 2).reshape(b, n, heads * self.head_dim))
 
     def forward(self, x: torch.Tensor, cache: "LayerKV | None" = None, input_pos: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -272,6 +272,35 @@ class CopySizes:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ModelParallelSizes:
+    """Unit 2's model parallelism (:mod:`teraflops.parallelization.tensor_parallel`,
+    :mod:`teraflops.parallelization.pipeline`) and recomputation (:mod:`teraflops.model_definition.recompute`).
+
+    Attributes:
+        gpt: the GPT split over ranks. Activation-heavy on purpose (``batch · seq_len`` tokens ≫
+            ``3 · d_model``): TP's bytes per step grow with the tokens, DP's with the parameters.
+        batch: global batch of the TP runs (sequences; every TP rank sees all of them).
+        tp_degrees: TP degrees of the sweep (each divides ``gpt.heads``).
+        steps, warmup: timed and untimed steps per mode.
+        pp_stages: pipeline ranks; ``pp_layers``: blocks of the pipeline's GPT (``gpt`` otherwise);
+            ``pp_micro_batches``: the micro-batch counts of the bubble sweep; ``pp_micro_batch``:
+            sequences per micro-batch.
+        recompute_batches: batches (sequences) of the recomputation sweep on ``gpt``.
+    """
+
+    gpt: GPTSizes
+    batch: int
+    tp_degrees: tuple[int, ...]
+    steps: int
+    warmup: int
+    pp_stages: int
+    pp_layers: int
+    pp_micro_batches: tuple[int, ...]
+    pp_micro_batch: int
+    recompute_batches: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Preset:
     """Sizes for the course's measurements, one sizes record per unit (element counts unless named
     ``*_bytes``): ``p.zero.steps``, ``p.gpt.d_model``, ...
@@ -304,6 +333,7 @@ class Preset:
     collective: CollectiveSizes
     remedy: RemedySizes
     copies: CopySizes
+    mp: ModelParallelSizes
 
 
 # The CPU preset keeps a lecture under a few minutes on the course's two-core CPU machine; tiny and
@@ -331,6 +361,10 @@ _CPU = Preset(
                                volume_bytes=256 * MiB),
     remedy=RemedySizes(ranks_cpu=4, micro_batches=32, accum=4, powersgd_rank=2, powersgd_start=2),
     copies=CopySizes(ladder_bytes=64 * MiB, contention_bytes=64 * MiB, contention_seconds=0.8),
+    # 64 × 128 tokens, width 64: TP hands 16 MiB per step to all-reduce, DP 0.44 MB
+    mp=ModelParallelSizes(gpt=GPTSizes(vocab=64, d_model=64, layers=2, heads=4, seq_len=128), batch=64,
+                          tp_degrees=(1, 2, 4), steps=3, warmup=1, pp_stages=2, pp_layers=4,
+                          pp_micro_batches=(1, 4, 8, 16), pp_micro_batch=16, recompute_batches=(4, 8, 16)),
 )
 
 PRESETS = {
@@ -352,6 +386,8 @@ PRESETS = {
         collective=replace(_CPU.collective, ranks_cpu=2, max_bytes=4 * MiB, iters=5, min_iters=2, warmup=1),
         remedy=replace(_CPU.remedy, micro_batches=16),
         copies=CopySizes(ladder_bytes=8 * MiB, contention_bytes=4 * MiB, contention_seconds=0.1),
+        mp=replace(_CPU.mp, batch=16, tp_degrees=(1, 2), steps=2, pp_micro_batches=(1, 4, 8),
+                   recompute_batches=(2, 4)),
     ),
     "cpu": _CPU,
     # written for an 80 GB H100; preset() fits it to the GPU found (teraflops.gpu_fit.fit_preset)
@@ -374,6 +410,9 @@ PRESETS = {
         collective=replace(_CPU.collective, max_bytes=8192 * MiB, warmup=5, volume_bytes=1 << 40),
         remedy=replace(_CPU.remedy, micro_batches=64),
         copies=CopySizes(ladder_bytes=256 * MiB, contention_bytes=256 * MiB, contention_seconds=0.5),
+        mp=ModelParallelSizes(gpt=GPTSizes(vocab=4096, d_model=1024, layers=8, heads=16, seq_len=1024), batch=16,
+                              tp_degrees=(1, 2, 4, 8), steps=10, warmup=3, pp_stages=4, pp_layers=8,
+                              pp_micro_batches=(1, 4, 8, 16), pp_micro_batch=4, recompute_batches=(4, 8, 16, 32)),
     ),
 }
 
@@ -412,6 +451,17 @@ def dp_config(p: Preset) -> TrainConfig:
 def gpt_config(p: Preset, micro_batch: int, lr: float) -> TrainConfig:
     """``p.gpt`` with ``micro_batch`` sequences per rank and learning rate ``lr``."""
     return TrainConfig(**asdict(p.gpt), micro_batch=micro_batch, lr=lr)
+
+
+def mp_config(p: Preset, batch: int | None = None) -> TrainConfig:
+    """Unit 2's model-parallel GPT: ``p.mp.gpt`` with ``batch`` (default ``p.mp.batch``) sequences, SGD lr 0.01."""
+    return TrainConfig(**asdict(p.mp.gpt), micro_batch=batch or p.mp.batch, lr=0.01)
+
+
+def pp_config(p: Preset) -> TrainConfig:
+    """Unit 2's pipeline GPT: :func:`mp_config` with ``p.mp.pp_layers`` blocks, ``p.mp.pp_micro_batch``
+    sequences per micro-batch."""
+    return replace(mp_config(p, p.mp.pp_micro_batch), layers=p.mp.pp_layers)
 
 
 def preset(name: str | None = None) -> Preset:

@@ -25,7 +25,10 @@ from teraflops.parallelization.model_states import Precision, comm_volume, model
 from teraflops.parallelization.zero import (ALL_GATHERS, PAPER_FACTOR, Zero1CheckResult, Zero1CheckSpec,
     comm_bytes_per_step)
 from teraflops.launch.placement import data_parallel_plan
-from teraflops.grading.core import check_cases, close, exercise, fail
+from teraflops.grading.core import check_cases, close, exercise, fail, reveal
+from teraflops.hardware.alpha_beta import ring_allreduce_seconds
+from teraflops.parallelization import tensor_parallel
+from teraflops.sizing import TrainConfig
 
 # --- exercises 1 and 2: model-state bytes and communication per stage --------------------------
 
@@ -353,3 +356,88 @@ def comms_log_bytes(fn) -> None:
                  "for each op and message size: size × count × (2 for all-reduce, world_size for all-gathers, "
                  "1 otherwise), summed and divided by steps",
                  lambda comms, world, steps: f"a log of {', '.join(comms)} on {world} ranks over {steps} steps")
+
+
+# --- exercises 5 and 6: tensor parallelism's bytes, and the degree a link sustains -------------
+
+TP_DEGREES = (2, 4, 8, 16, 32, 64)
+
+
+def _tp_layer_bytes(batch, seq_len, hidden, dtype_bytes):
+    per_phase = tensor_parallel.megatron_per_layer(batch * seq_len, hidden, dtype_bytes)
+    return per_phase["forward"]["bytes"] + per_phase["backward"]["bytes"]
+
+
+@exercise(5, "tensor parallelism's bytes per layer")
+def tp_bytes_per_layer(fn) -> None:
+    """``fn(batch, seq_len, hidden, dtype_bytes) -> float``: bytes one TP rank hands to all-reduce per
+    transformer block per training step (forward and backward), Megatron-LM §3: 4 all-reduces of
+    ``b·s·h`` elements. Checked on formula cases, then against the bytes ``CommDebugMode`` counted in a
+    real 2-rank run (:func:`teraflops.parallelization.tensor_parallel.run`)."""
+    cases = [(8, 1024, 4096, 2), (1, 4096, 8192, 2), (16, 128, 64, 4), (4, 32, 256, 4)]
+    mistakes = [
+        (lambda b, s, h, d: _tp_layer_bytes(b, s, h, d) / 2,
+         "the backward all-reduces too: 2 in the forward (after the row-parallel layers) and 2 in the backward "
+         "(the input gradients of the column-parallel layers)"),
+        (lambda b, s, h, d: _tp_layer_bytes(b, s, h, d) / 4, "a block has 2 all-reduces per phase, forward and backward: 4"),
+        (lambda b, s, h, d: 12 * h * h * d, "TP communicates activations (b·s·h), not the block's 12h² parameters"),
+        (lambda b, s, h, d: _tp_layer_bytes(b, s, h, d) / d, "multiply elements by dtype_bytes"),
+        (lambda b, s, h, d: _tp_layer_bytes(b, s, h, d) * 8, "return bytes, not bits"),
+        (lambda b, s, h, d: _tp_layer_bytes(b, s, h, d) * 3, "the fused QKV projection is one column-parallel layer: one "
+         "backward all-reduce, not one each for q, k and v"),
+    ]
+    _check_cases(fn, "tp_bytes_per_layer", cases, _tp_layer_bytes, mistakes,
+                 "4 all-reduces per block and step (2 forward, 2 backward), each of batch·seq_len·hidden elements",
+                 lambda b, s, h, d: f"batch {b}, seq_len {s}, hidden {h}, {d} bytes per element")
+    cfg = TrainConfig(vocab=64, d_model=64, layers=2, heads=4, seq_len=32, micro_batch=8, lr=0.01)
+    measured = tensor_parallel.run(cfg, 2, modes=("tp",), steps=1, warmup=0).results[0]
+    counted = [b["forward"] + b["backward"] for b in tensor_parallel.layer_bytes(measured)]
+    got = fn(cfg.micro_batch, cfg.seq_len, cfg.d_model, 4)
+    if any(abs(got / c - 1) > 0.05 for c in counted):
+        fail(f"a real 2-rank run counted {counted} bytes per block; your formula gives {got:,.0f}")
+
+
+def _tp_comm_seconds(tokens, hidden, layers, n, bandwidth, dtype_bytes):
+    return 4 * layers * ring_allreduce_seconds(tokens * hidden * dtype_bytes, n, bandwidth)
+
+
+def _max_tp_degree(tokens, hidden, layers, bandwidth, budget_s, dtype_bytes=2, factor=lambda n: 2 * (n - 1) / n,
+                   calls=4):
+    best = 1
+    for n in TP_DEGREES:
+        if calls * layers * factor(n) * tokens * hidden * dtype_bytes / bandwidth <= budget_s:
+            best = n
+    return best
+
+
+@exercise(6, "the TP degree a link sustains")
+def max_tp_degree(fn) -> None:
+    """``fn(tokens, hidden, layers, bandwidth, budget_s, dtype_bytes=2) -> int``: the largest degree of
+    :data:`TP_DEGREES` whose TP communication per step (4·L ring all-reduces of ``tokens·hidden``
+    elements, each ``2(n−1)/n · S / bandwidth``) fits in ``budget_s``; 1 if none does."""
+    shapes = [(4096, 8192, 80, 450e9, 2), (4096, 4096, 32, 50e9, 2), (2048, 1024, 8, 1e9, 4)]  # NVLink 4, IB NDR, slow
+    fractions = (0.9, 1.2, 1.6, 1.8, 1.95, 2.1)  # budgets in units of one step's all-reduced bytes / bandwidth
+    cases = [(t, h, layers, bw, f * 4 * layers * t * h * d / bw, d) for t, h, layers, bw, d in shapes for f in fractions]
+    mistakes = [
+        (lambda *c: _max_tp_degree(*c, factor=lambda n: 1.0),
+         "a ring all-reduce moves 2(n−1)/n of the buffer over each rank's link, not the buffer once"),
+        (lambda *c: _max_tp_degree(*c, factor=lambda n: 2.0), "the ring factor is 2(n−1)/n, which is below 2 for small n"),
+        (lambda *c: _max_tp_degree(*c, calls=2), "count the backward's 2 all-reduces per block as well as the forward's"),
+        (lambda *c: _max_tp_degree(*c[:5], dtype_bytes=1), "multiply elements by dtype_bytes"),
+    ]
+    def reference(*c):
+        return _max_tp_degree(*c)
+
+    answers = [(fn(*c), reference(*c), c) for c in cases]
+    for got, want, c in answers:
+        if isinstance(got, bool) or not isinstance(got, int):
+            fail(f"return an int degree, got {got!r}. Hint: one of {TP_DEGREES}, or 1")
+    wrong = [a for a in answers if a[0] != a[1]]
+    if not wrong:
+        return
+    got, want, c = wrong[0]
+    hint = next((h for m, h in mistakes if all(m(*a[2]) == a[0] for a in answers)), None) or reveal(
+        "your answers fit none of the usual mistakes", "the largest n with 4·L · 2(n−1)/n · tokens·hidden·dtype_bytes"
+        " / bandwidth ≤ budget_s")
+    fail(f"for {c[0]} tokens, hidden {c[1]}, {c[2]} layers, {c[3] / 1e9:g} GB/s, a {c[4] * 1e3:g} ms budget: "
+         f"got degree {got}, expected {want}. Hint: {hint}")

@@ -1,0 +1,364 @@
+"""Unit 2 · tensor parallelism, Megatron-LM's way, on the course's GPT: its collectives counted, its bytes
+against the formula, and what a slow link does to it.
+
+**The split** (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models
+Using Model Parallelism", arXiv:1909.08053, §3 and Fig. 3): in every transformer block the first
+linear layer of a pair is split by its output columns (each of ``tp`` ranks holds ``1/tp`` of the
+heads of the fused QKV projection, or ``1/tp`` of the MLP's ``4h`` hidden units) and the second by
+its input rows, so the nonlinearity (attention per head, GELU per unit) runs on local data and only
+the second layer's partial sums must be added up. PyTorch spells the pair ``ColwiseParallel`` /
+``RowwiseParallel`` (``torch.distributed.tensor.parallel``, https://pytorch.org/docs/stable/
+distributed.tensor.parallel.html). :func:`shard_gpt` applies it to :class:`~teraflops.models.GPT`'s
+``qkv``/``proj`` and ``fc1``/``fc2``; embeddings, LayerNorms and the head stay replicated.
+
+**Its communication** (Megatron-LM §3, the ``f``/``g`` operators): per block, one all-reduce after
+each row-parallel layer in the forward (2) and one of the input gradient of each column-parallel
+layer in the backward (2), each of the block's activations, ``b·s·h`` elements (batch × sequence ×
+hidden): :func:`megatron_per_layer`. The volume grows with the tokens and not with the parameters;
+data parallelism all-reduces the gradients, ``Ψ`` elements, once per step (ZeRO paper, Rajbhandari
+et al. 2020, §5: ``2Ψ`` moved per rank in a ring). With sequence parallelism (Korthikanti et al.
+2022, "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198, §4.2.2) each
+all-reduce becomes an all-gather and a reduce-scatter of the same total volume (not run here).
+
+The fused QKV matters: with separate ``q``, ``k``, ``v`` projections the backward all-reduces three
+input gradients instead of one (4 per block instead of 2; measured with torch 2.13). Megatron keeps
+one QKV weight whose rows are grouped per head; :func:`interleave_qkv` reorders the course GPT's
+``[q; k; v]`` rows so that each rank's contiguous shard is ``[q_r; k_r; v_r]`` of its own heads.
+
+:func:`run` starts ``workers/tensor_parallel.py`` through the course launcher: every rank builds the
+same GPT, checks the sharded model's logits against an unsharded copy (the single-process
+reference), counts the collectives per block and phase with ``CommDebugMode``
+(``torch.distributed.tensor.debug``) and their bytes, and times steps with the seconds spent inside
+collectives split from the rest (compute). ``modes=("tp", "dp")`` also trains the same model data
+parallel in the same launch (the global batch split over the ranks; gradients all-reduced in one
+flat buffer after the backward, not overlapped, so its communication is timed alone).
+
+Units: bytes (GB = 1e9; KiB/MiB in tables), seconds (ms in tables); shares are fractions of a step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from teraflops.errors import CourseError
+from teraflops.hardware.alpha_beta import ring_allreduce_seconds
+from teraflops.hardware.fabrics import FABRICS, scaled_rate
+from teraflops.launch import launcher
+from teraflops.launch.placement import place
+from teraflops.launch.rank import RankIdentity
+from teraflops.nodes.cluster import Cluster, Link, unavailable
+from teraflops.sizing import TrainConfig
+from teraflops.tables import fmt_bytes, table
+
+WORKER = "teraflops.workers.tensor_parallel"
+MODES = ("tp", "dp")
+# Megatron-LM §3: per transformer block, what each phase communicates (collective → calls)
+MEGATRON_CALLS = {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+SEQUENCE_PARALLEL_CALLS = {"forward": {"all_gather": 2, "reduce_scatter": 2},
+                           "backward": {"all_gather": 2, "reduce_scatter": 2}}
+
+
+class TensorParallelError(CourseError, ValueError):
+    """A tensor-parallel run that cannot be built: heads or width not divisible by the degree, bad sizes."""
+
+
+def megatron_per_layer(tokens: int, hidden: int, dtype_bytes: int = 4, sequence_parallel: bool = False) -> dict:
+    """What one transformer block communicates per phase under Megatron-LM tensor parallelism.
+
+    Args:
+        tokens: ``b·s``, sequences × positions that pass the block (every TP rank sees them all).
+        hidden: ``h``, the model width.
+        dtype_bytes: bytes per activation element (4 for fp32, 2 for bf16).
+        sequence_parallel: Korthikanti et al. 2022 §4.2.2: all-gather + reduce-scatter instead of
+            all-reduce, same volume.
+
+    Returns:
+        ``{"forward": {"calls": {collective: n}, "bytes": B}, "backward": {...}}`` with ``B`` the bytes
+        handed to the collectives per phase: ``2·b·s·h·dtype_bytes`` (two all-reduces of the block's
+        ``(b, s, h)`` activations; Megatron-LM §3, Fig. 4). A ring all-reduce over ``n`` ranks moves
+        ``2(n−1)/n`` times that over each rank's link (:mod:`teraflops.hardware.collectives`).
+
+    Raises:
+        TensorParallelError: a count that is not a positive integer.
+    """
+    for name, v in (("tokens", tokens), ("hidden", hidden), ("dtype_bytes", dtype_bytes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise TensorParallelError(f"{name} must be a positive int, got {v!r}. "
+                                      "Hint: tokens = batch × seq_len, hidden = d_model, dtype_bytes = 4 for fp32")
+    calls = SEQUENCE_PARALLEL_CALLS if sequence_parallel else MEGATRON_CALLS
+    return {phase: {"calls": dict(c), "bytes": 2 * tokens * hidden * dtype_bytes} for phase, c in calls.items()}
+
+
+def dp_bytes_per_step(params: int, dtype_bytes: int = 4) -> int:
+    """Bytes data parallelism all-reduces per step: every gradient element once, ``Ψ·dtype_bytes``
+    (the payload; a ring moves ``2(n−1)/n`` of it per rank's link, ZeRO paper §5)."""
+    return params * dtype_bytes
+
+
+def interleave_qkv(weight: torch.Tensor, tp: int) -> torch.Tensor:
+    """``[q; k; v]`` rows (``(3h, ...)``, the course GPT's fused projection) reordered to
+    ``[q_0; k_0; v_0; q_1; k_1; v_1; ...]``, ``q_r`` the rows of rank ``r``'s heads: a contiguous
+    ``1/tp`` shard (what ``ColwiseParallel`` gives rank ``r``) then holds whole heads of all three.
+    Works on the weight ``(3h, h)`` and the bias ``(3h,)``."""
+    three_h = weight.shape[0]
+    if three_h % (3 * tp):
+        raise TensorParallelError(f"a fused QKV of {three_h} rows does not split into 3 × {tp} shards. "
+                                  "Hint: d_model must be divisible by the TP degree")
+    rest = weight.shape[1:]
+    return weight.reshape(3, tp, three_h // (3 * tp), *rest).transpose(0, 1).reshape(three_h, *rest)
+
+
+def check_degree(cfg: TrainConfig, tp: int) -> None:
+    """Raise :class:`TensorParallelError` unless ``tp`` divides the heads (and so the width and the MLP)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or cfg.heads % tp:
+        raise TensorParallelError(f"TP degree {tp!r} must be a positive int that divides the {cfg.heads} heads. "
+                                  "Hint: each rank holds heads / tp whole heads (Megatron-LM §3)")
+
+
+def shard_gpt(model, mesh):
+    """Megatron-style tensor parallelism on a :class:`~teraflops.models.GPT`, in place, on ``mesh``
+    (a 1-D ``DeviceMesh`` of the TP ranks): in every block ``qkv`` and ``fc1`` column-parallel,
+    ``proj`` and ``fc2`` row-parallel (their weights become DTensors; each rank keeps ``1/tp``), the
+    QKV rows first grouped per rank (:func:`interleave_qkv`). Every rank must pass the same weights
+    (the same seed). Returns the model.
+
+    Raises:
+        TensorParallelError: the heads do not divide by the mesh size.
+    """
+    tp = mesh.size()
+    for block in model.blocks:
+        if block.n_heads % tp:
+            raise TensorParallelError(f"TP degree {tp} does not divide the {block.n_heads} heads. "
+                                      "Hint: choose a degree that divides heads")
+        with torch.no_grad():
+            block.qkv.weight.copy_(interleave_qkv(block.qkv.weight, tp))
+            block.qkv.bias.copy_(interleave_qkv(block.qkv.bias, tp))
+        parallelize_module(block, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
+                                         "fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    return model
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    """What :mod:`teraflops.workers.tensor_parallel` runs: ``model`` (``micro_batch``: the *global*
+    batch, sequences; TP ranks all see it, data-parallel ranks split it) under each of ``modes``
+    (``"tp"``, ``"dp"``), ``steps`` timed steps each after ``warmup`` untimed ones, taking turns
+    step by step; SGD at ``model.lr``; ``timeout_s``: seconds a collective waits."""
+
+    model: TrainConfig
+    modes: tuple[str, ...]
+    steps: int
+    warmup: int
+    timeout_s: float = 60
+
+    def __post_init__(self):
+        if not self.modes or set(self.modes) - set(MODES) or self.steps < 1 or self.warmup < 0:
+            raise TensorParallelError(f"modes {self.modes!r} must be some of {MODES}, steps >= 1, warmup >= 0 "
+                                      f"(got {self.steps}, {self.warmup}). Hint: modes=('tp', 'dp')")
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    """One mode on one rank: per timed step ``step_s`` and ``comm_s`` (seconds inside collectives),
+    ``bytes_per_step`` and ``calls_per_step`` (handed to collectives in one counted step)."""
+
+    mode: str
+    step_s: list[float]
+    comm_s: list[float]
+    bytes_per_step: int
+    calls_per_step: int
+
+
+@dataclass(frozen=True)
+class TensorParallelResult(RankIdentity):
+    """One rank's run: ``params`` (of the whole model), ``config``, ``runs`` (one :class:`ModeResult`
+    per mode), and, with ``"tp"``: ``max_abs_diff`` and ``loss_diff`` of the sharded model's logits
+    and loss against the unsharded reference on the same batch, ``layer_calls`` and ``layer_bytes``
+    (per block, ``"forward/all_reduce"``-style keys: calls and bytes ``CommDebugMode`` saw in that
+    block), ``other_calls`` (collectives outside the blocks)."""
+
+    params: int
+    config: TrainConfig
+    runs: tuple[ModeResult, ...]
+    max_abs_diff: float | None
+    loss_diff: float | None
+    layer_calls: list[dict[str, int]]
+    layer_bytes: list[dict[str, int]]
+    other_calls: int
+
+
+@dataclass(frozen=True)
+class TensorParallelRun:
+    """What :func:`run` measured: ``results`` (by rank), ``rows`` (:func:`mode_rows`), ``nodes`` (1, or
+    the cluster's), ``link`` (its description, or ``"loopback"``). ``str()``: :func:`mode_table`."""
+
+    results: list
+    rows: list
+    nodes: int
+    link: str
+
+    def __str__(self) -> str:
+        return mode_table(self.rows)
+
+
+def spec_for(cfg: TrainConfig, modes=("tp",), steps: int = 4, warmup: int = 1,
+             collective_timeout: float = 60) -> TensorParallelSpec:
+    """The worker's :class:`TensorParallelSpec` (checked)."""
+    return TensorParallelSpec(model=cfg, modes=tuple(modes), steps=steps, warmup=warmup, timeout_s=collective_timeout)
+
+
+def run(cfg: TrainConfig, tp: int = 2, *, modes=("tp",), steps: int = 4, warmup: int = 1, cluster=None,
+        timeout: float = 180) -> TensorParallelRun:
+    """Run ``cfg``'s GPT on ``tp`` ranks (one launch): Megatron TP, and data parallelism if ``"dp"`` is
+    in ``modes``.
+
+    Args:
+        cfg: the model and global batch (``micro_batch`` sequences).
+        tp: ranks (the TP degree; also the data-parallel world size for ``"dp"``).
+        cluster: an emulated :class:`~teraflops.nodes.cluster.Cluster` (up) whose nodes the ranks
+            are spread over (then TP talks over its shaped links); None: one node, loopback.
+
+    Raises:
+        TensorParallelError: ``tp`` does not divide the heads, or the batch does not split over
+            ``tp`` data-parallel ranks.
+        LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
+    """
+    check_degree(cfg, tp)
+    if "dp" in modes and cfg.micro_batch % tp:
+        raise TensorParallelError(f"the global batch of {cfg.micro_batch} sequences does not split over {tp} "
+                                  "data-parallel ranks. Hint: a multiple of tp")
+    spec = spec_for(cfg, modes, steps, warmup)
+    results = launcher.launch(WORKER, place(tp, cpu_ranks=tp, cluster=cluster), spec=spec,
+                              result=TensorParallelResult, timeout=timeout, cluster=cluster,
+                              desc=f"tensor parallel x{tp}: " + ", ".join(modes))
+    nodes = 1 if cluster is None else cluster.nodes
+    link = "loopback" if cluster is None else cluster.links[0].describe()
+    return TensorParallelRun(results, mode_rows(results, nodes=nodes, link=link), nodes, link)
+
+
+def layer_counts(result: TensorParallelResult) -> list[dict]:
+    """Per block: ``{"forward": {collective: calls}, "backward": {...}}`` from a rank's ``layer_calls``."""
+    out = []
+    for calls in result.layer_calls:
+        per: dict = {"forward": {}, "backward": {}}
+        for key, n in calls.items():
+            phase, coll = key.split("/")
+            per[phase][coll] = n
+        out.append(per)
+    return out
+
+
+def layer_bytes(result: TensorParallelResult) -> list[dict]:
+    """Per block: ``{"forward": bytes, "backward": bytes}`` handed to collectives, from ``layer_bytes``."""
+    return [{phase: sum(v for k, v in b.items() if k.startswith(phase + "/")) for phase in ("forward", "backward")}
+            for b in result.layer_bytes]
+
+
+def mode_rows(results: list, nodes: int = 1, link: str = "loopback") -> list[dict]:
+    """One row per mode: ``mode``, ``ranks``, ``nodes``, ``link``, ``step_ms`` and ``comm_ms`` (median
+    over timed steps of the slowest rank's), ``compute_ms`` (the difference), ``comm_share``
+    (``comm_ms / step_ms``), ``bytes_per_step`` and ``calls_per_step`` (rank 0's counted step)."""
+    rows = []
+    for i, m in enumerate(results[0].runs):
+        per_rank = [r.runs[i] for r in results]
+        step = max(statistics.median(x.step_s) for x in per_rank)
+        comm = max(statistics.median(x.comm_s) for x in per_rank)
+        rows.append({"mode": m.mode, "ranks": len(results), "nodes": nodes, "link": link, "step_ms": step * 1e3,
+                     "comm_ms": comm * 1e3, "compute_ms": (step - comm) * 1e3, "comm_share": comm / step,
+                     "bytes_per_step": m.bytes_per_step, "calls_per_step": m.calls_per_step})
+    return rows
+
+
+def mode_table(rows: list[dict]) -> str:
+    """Rows of :func:`mode_rows` (from one or more runs) as a text table."""
+    return table([(r["mode"], r["ranks"], r["link"], fmt_bytes(r["bytes_per_step"]), r["calls_per_step"], r["step_ms"],
+                   r["compute_ms"], r["comm_ms"], f"{r['comm_share']:.0%}") for r in rows],
+                 ["mode", "ranks", "link", "bytes/step/rank", "calls", "step ms", "compute ms", "comm ms", "comm share"])
+
+
+def count_table(result: TensorParallelResult) -> str:
+    """Rank 0's counted collectives and bytes per block and phase beside Megatron-LM's formula
+    (:func:`megatron_per_layer` of the run's tokens and width, fp32)."""
+    cfg = result.config
+    want = megatron_per_layer(cfg.micro_batch * cfg.seq_len, cfg.d_model)
+    rows = []
+    for i, (calls, nbytes) in enumerate(zip(layer_counts(result), layer_bytes(result))):
+        for phase in ("forward", "backward"):
+            rows.append((f"block {i}", phase, ", ".join(f"{n} {c}" for c, n in sorted(calls[phase].items())) or "none",
+                         ", ".join(f"{n} {c}" for c, n in want[phase]["calls"].items()), fmt_bytes(nbytes[phase]),
+                         fmt_bytes(want[phase]["bytes"]), nbytes[phase] / want[phase]["bytes"]))
+    return table(rows, ["layer", "phase", "counted", "Megatron", "bytes counted", "formula", "ratio"])
+
+
+def degree_sweep(cfg: TrainConfig, degrees=(1, 2, 4), **kwargs) -> list[dict]:
+    """:func:`run` of ``cfg`` at each TP degree on one node (loopback); rows of :func:`mode_rows` with
+    ``max_abs_diff`` (logits against the reference) added. Keywords go to :func:`run`."""
+    rows = []
+    for tp in degrees:
+        got = run(cfg, tp, **kwargs)
+        rows += [{**row, "max_abs_diff": got.results[0].max_abs_diff} for row in got.rows]
+    return rows
+
+
+def link_comparison(cfg: TrainConfig, rate: float | None = None, *, steps: int = 3, warmup: int = 1,
+                    timeout: float = 240) -> dict:
+    """The failure mode: TP and DP of the same model on 2 ranks, inside one node (loopback: the
+    "NVLink domain") and on two emulated nodes joined by links of ``rate`` bytes/s (default: InfiniBand
+    NDR scaled as Unit 5 scales fabrics, :func:`teraflops.hardware.fabrics.scaled_rate`).
+
+    Returns:
+        ``{"rows", "rate", "share_ratio", "inside", "across", "unavailable"}``: rows of
+        :func:`mode_rows` with ``"where"`` ``"one node"`` or ``"two nodes"`` (each launch runs both
+        modes: TP and DP measured in one run, on the same link); ``share_ratio``: TP's communication
+        share / DP's across the link; ``inside`` and ``across``: the two :class:`TensorParallelRun` s.
+        Where emulated nodes cannot be made here (no root, no iproute2), ``across`` and
+        ``share_ratio`` are None and ``unavailable`` says why in one line.
+    """
+    rate = scaled_rate(FABRICS[0]) if rate is None else rate
+    inside = run(cfg, 2, modes=("tp", "dp"), steps=steps, warmup=warmup, timeout=timeout)
+    rows = [{**r, "where": "one node"} for r in inside.rows]
+    why = unavailable()
+    if why is not None:
+        return {"rows": rows, "rate": rate, "share_ratio": None, "inside": inside, "across": None,
+                "unavailable": f"emulated nodes unavailable here ({why}): the one-node run only"}
+    with Cluster(2, Link(rate=rate)) as cluster:
+        across = run(cfg, 2, modes=("tp", "dp"), steps=steps, warmup=warmup, cluster=cluster, timeout=timeout)
+    rows += [{**r, "where": "two nodes"} for r in across.rows]
+    share = {r["mode"]: r["comm_share"] for r in across.rows}
+    return {"rows": rows, "rate": rate, "share_ratio": share["tp"] / share["dp"], "inside": inside, "across": across,
+            "unavailable": None}
+
+
+# (name, hidden h, layers L) of the published models the prediction is made for (LLaMA 2, Touvron et al. 2023, Table 1 / App.)
+PUBLISHED_SHAPES = (("7B", 4096, 32), ("70B", 8192, 80))
+
+
+def predict_tp_step(hidden: int, layers: int, tokens: int, tp: int, bandwidth: float, peak_flops: float,
+                    mfu: float = 0.5, alpha: float = 0.0, dtype_bytes: int = 2) -> dict:
+    """Predicted compute and communication of one training step of one micro-batch under TP degree ``tp``.
+
+    Compute: ``6 · Ψ · T / (tp · peak_flops · mfu)`` with ``Ψ = 12 · L · h²`` (Kaplan et al. 2020
+    §2.1; Narayanan et al. 2021 §5.1 use the same count); communication: ``4 · L`` ring all-reduces
+    (:func:`megatron_per_layer`, 2 forward + 2 backward per block) of ``T · h · dtype_bytes`` bytes,
+    each ``2(tp−1)/tp · S / bandwidth + 2(tp−1) α`` (:func:`teraflops.hardware.alpha_beta.ring_allreduce_seconds`),
+    not overlapped (each is the next layer's input).
+
+    Args:
+        hidden, layers: ``h`` and ``L``. tokens: ``T = b · s`` of the micro-batch. tp: degree (>= 2).
+        bandwidth: bytes/s per direction of each rank's link. peak_flops: FLOP/s per GPU.
+        mfu: the fraction of the peak the matmuls reach (an assumption, not a measurement: 0.5).
+        alpha: per-step latency of the ring (s).
+
+    Returns:
+        ``{"compute_s", "comm_s", "comm_share"}``.
+    """
+    check = TrainConfig(vocab=1, d_model=hidden, layers=layers, heads=tp, seq_len=1, micro_batch=tokens, lr=0.0)
+    check_degree(check, tp)
+    compute = 6 * 12 * layers * hidden**2 * tokens / (tp * peak_flops * mfu)
+    one = ring_allreduce_seconds(tokens * hidden * dtype_bytes, tp, bandwidth, alpha)
+    comm = 4 * layers * one
+    return {"compute_s": compute, "comm_s": comm, "comm_share": comm / (compute + comm)}
