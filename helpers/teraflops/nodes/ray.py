@@ -39,6 +39,7 @@ start`` ~3 s per node.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -56,6 +57,7 @@ from teraflops.errors import CourseError
 PORT = 6379  # the GCS's port on node 0 (Ray's default)
 STATE_ENV = "TERAFLOPS_RAY_DIR"
 START_MARK = "--- teraflops: ray start ---"  # written into a node's log before each start
+START_ATTEMPTS = 3  # ray start per node, when it times out waiting for its own raylet (Ray.start)
 INSTALL = 'pip install "ray[train]==2.60.0"'
 # Ray's processes, by program name (psutil's name(); Python ones by the module in their command line)
 PROGRAMS = ("gcs_server", "raylet", "ray::", "raylet/agent", "dashboard_agent", "runtime_env_agent", "log_monitor",
@@ -182,6 +184,7 @@ class Ray:
     def __init__(self, cluster, config: RayConfig):
         self.cluster, self.config, self.dir = cluster, config, state_dir(cluster.name)
         self.procs: dict[int, subprocess.Popen] = {}
+        self.attempts: dict[int, int] = {}  # node -> which start this is (Ray._retry)
 
     @property
     def address(self) -> str:
@@ -212,7 +215,7 @@ class Ray:
                     "--system-config", json.dumps(system), *common]
         return [ray_binary(), "start", "--address", self.address, *common]
 
-    def start_node(self, i: int) -> subprocess.Popen:
+    def start_node(self, i: int, attempt: int = 1) -> subprocess.Popen:
         """Start node ``i``'s Ray (``ray start --block`` in its namespace; log ``log/node<i>.out``).
         Also to bring a node back after it was killed (Unit 3)."""
         (self.dir / "log").mkdir(parents=True, exist_ok=True)
@@ -226,11 +229,12 @@ class Ray:
                                     start_new_session=True)
         finally:
             log.close()
-        self.procs[i] = proc
+        self.procs[i], self.attempts[i] = proc, attempt
         return proc
 
     def start(self, timeout: float = 90) -> "Ray":
-        """Start the head, then every worker node; return once ``ray status`` counts every node.
+        """Start the head, then each worker node in turn; return once every node's ``ray start`` has
+        said its raylet registered with the head.
 
         Raises:
             RayError: Ray is missing (:func:`unavailable`), a ``ray start`` exited, or the nodes did
@@ -245,10 +249,24 @@ class Ray:
                                                            "config": asdict(self.config)}))
         self.start_node(0)
         self.wait_nodes([0], timeout)
-        for i in range(1, self.cluster.nodes):
-            self.start_node(i)
-        self.wait_nodes(range(1, self.cluster.nodes), timeout)
+        for i in range(1, self.cluster.nodes):  # one at a time: started together on 2 busy cores, their agents'
+            self.start_node(i)                   # imports outlasted ray start's 30 s (see _retry)
+            self.wait_nodes([i], timeout)
         return self
+
+    def _retry(self, i: int) -> bool:
+        """Start node ``i`` again if its ``ray start`` gave up waiting for its raylet to register (Ray waits a
+        fixed 30 s, ``ray/_private/node.py``; on 2 busy cores the raylet's Python agents can take longer to
+        import), at most :data:`START_ATTEMPTS` times in all; whether it was restarted."""
+        text = (self.dir / "log" / f"node{i}.out").read_text(errors="replace")
+        attempt = self.attempts.get(i, 1)
+        if attempt >= START_ATTEMPTS or "timed out during startup" not in text.rsplit(START_MARK, 1)[-1]:
+            return False
+        for pid in namespace_pids(self.cluster.node_name(i)):  # what the failed start left
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        self.start_node(i, attempt + 1)
+        return True
 
     def started(self, i: int) -> bool:
         """Whether node ``i``'s ``ray start`` has said "Ray runtime started" (its raylet registered with the
@@ -260,14 +278,17 @@ class Ray:
         return "Ray runtime started" in text.rsplit(START_MARK, 1)[-1]
 
     def wait_nodes(self, nodes, timeout: float) -> None:
-        """Wait until every node of ``nodes`` has started (:meth:`started`).
+        """Wait until every node of ``nodes`` has started (:meth:`started`), ``timeout`` s per start.
 
         Raises:
             RayError: a node's ``ray start`` exited, or ``timeout`` s passed (quoting the logs).
         """
         deadline = time.monotonic() + timeout
         while not all(self.started(i) for i in nodes):
-            dead = [i for i in nodes if i in self.procs and self.procs[i].poll() is not None]
+            exited = [i for i in nodes if i in self.procs and self.procs[i].poll() is not None]
+            dead = [i for i in exited if not self._retry(i)]
+            if len(dead) < len(exited):
+                deadline = time.monotonic() + timeout  # a node started again: its own time
             if dead or time.monotonic() > deadline:
                 why = f"ray start on node {dead[0]} exited" if dead else f"not within {timeout:g} s"
                 raise RayError(f"Ray did not start on node(s) {', '.join(map(str, nodes))} ({why}). {self.log_tail()}")
