@@ -2,6 +2,7 @@
 with the hint that names them."""
 
 import math
+import re
 import statistics
 
 import numpy as np
@@ -228,3 +229,29 @@ def test_batch_script_is_submitted_to_a_real_cluster(capsys):
     with pytest.raises(ExerciseFailed, match=r"GPUs per node: .*none.*--gres=gpu:1"):
         check.batch_script(lambda c: _script(c, gres=""))
     assert not [n for n in cluster.namespaces() if "lab3" in n]
+
+
+# ---- exercise 6: checkpoint interval ------------------------------------------------------------
+
+
+def _interval(t, c, m, r):
+    k = max(1.0, math.sqrt(2 * c * m) / t)
+    return min((max(1, math.floor(k)), math.ceil(k)), key=lambda n: c / (n * t) + (r + n * t / 2) / m)
+
+
+def test_checkpoint_interval_passes_youngs_optimum(capsys):
+    check.checkpoint_interval(_interval)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda t, c, m, r: round(math.sqrt(c * m) / t), "factor 2 is missing"),
+    (lambda t, c, m, r: round(math.sqrt(2 * c * m)), "interval in seconds"),
+    (lambda t, c, m, r: round(math.sqrt(2 * (c + r) * m) / t), "restart time is paid once per failure"),
+    (lambda t, c, m, r: round(math.sqrt(2 * m / c) / t), "wrong way round"),
+    (lambda t, c, m, r: math.sqrt(2 * c * m) / t, "whole number of steps"),
+    (lambda t, c, m, r: 10, "minimise C/(k·T)"),
+])
+def test_checkpoint_interval_mistakes_are_named(wrong, hint):
+    with pytest.raises(ExerciseFailed, match=re.escape(hint)):
+        check.checkpoint_interval(wrong)

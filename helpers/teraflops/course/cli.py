@@ -16,13 +16,15 @@ Subcommands::
     teraflops labs build|check|refresh  generate labs/ from solutions/, check they agree, or
                                         (maintainers) re-execute notebooks keeping nbval-checked outputs
     teraflops cluster up|down|status [--nodes K] [--rate MB/s] [--slurm [--scheduler fifo|backfill]
-                                        [--accounting] [--gpus-per-node N]]
+                                        [--accounting] [--gpus-per-node N]] [--ray]
                                         emulated nodes on this machine (root, Linux), optionally with a
-                                        Slurm cluster on them: make them, remove every leftover (also
-                                        after a crash), or list them with their Slurm daemons
+                                        Slurm cluster and/or a Ray cluster on them: make them, remove
+                                        every leftover (also after a crash), or list them with their
+                                        Slurm daemons and Ray processes
     teraflops cluster exec [--name N] [--node I] -- CMD ...
                                         run CMD as on node I (default 0, Slurm's login node) with the
                                         cluster's SLURM_CONF: sinfo, squeue, sbatch, srun, sacct
+                                        (and RAY_ADDRESS: ray status)
     teraflops triage TRACE [--waits WAITS.json] [--peak-flops F --bandwidth B] [--launch-floor S]
                                         compute-, memory-, overhead- or communication-bound, or
                                         waiting on a straggler? from a torch.profiler trace
@@ -110,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "start a Slurm cluster on them: munged and slurmctld on node 0 (the login "
                                         "node), one slurmd per node, and with "
                                         "--accounting MariaDB and slurmdbd; they keep running after this command "
-                                        "returns, until `teraflops cluster down`.")
+                                        "returns, until `teraflops cluster down`. With --ray a Ray cluster: "
+                                        "its head on node 0, a worker node on every other, 2 fake GPUs each, "
+                                        "on the nodes' addresses only, dashboard off.")
     up.add_argument("--name", help=name_help)
     up.add_argument("--owner", type=int, metavar="PID", help=owner_help)
     up.add_argument("--nodes", type=int, default=2, metavar="K", help="how many nodes (default: 2)")
@@ -124,9 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --slurm: also MariaDB + slurmdbd (sacct, accounts teama and teamb, fair share)")
     up.add_argument("--gpus-per-node", type=int, metavar="N",
                     help="with --slurm: fake GPUs (GRES gpu) per node, 1-8, and as many CPUs (default: 2)")
+    up.add_argument("--ray", action="store_true",
+                    help="also run Ray on the nodes: head on node 0, one worker node per other node "
+                         "(needs ray[train]: pip install -e '.[ray]')")
     down = actions.add_parser("down", help="remove your clusters and leftovers of owners that are gone",
                               description="Stop every process on your clusters' nodes (Slurm daemons and job "
-                                          "processes included) and remove the nodes, the switch, the links and "
+                                          "processes included, Ray's too, by PID: never `ray stop`) and remove the nodes, the switch, the links and "
                                           "the Slurm files; also what owners that are gone left.")
     down.add_argument("--name", help="also your cluster of this name (default: those your login session owns)")
     down.add_argument("--owner", type=int, metavar="PID", help=owner_help)
@@ -136,12 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex = actions.add_parser("exec", help="run CMD as on a node (default: node 0, Slurm's login node)",
                             description="Run CMD on node I of a cluster as a user logged in there: in its network "
                                         "namespace (with Slurm also with its hostname, node<I>, and the cluster's "
-                                        "SLURM_CONF), in your current directory; stdin, stdout and the exit code "
+                                        "SLURM_CONF; with Ray its RAY_ADDRESS), in your current directory; stdin, stdout and the exit code "
                                         "pass through. "
                                         "Example: teraflops cluster exec -- sbatch --wrap 'srun hostname'",
                             usage="teraflops cluster exec [-h] [--name N] [--node I] [--owner PID] -- CMD ...")
     ex.add_argument("--name", metavar="N",
-                    help="the cluster (default: yours, cli<pid of your login shell>, else the only Slurm cluster up)")
+                    help="the cluster (default: yours, cli<pid of your login shell>, else the only Slurm or Ray "
+                         "cluster up)")
     ex.add_argument("--owner", type=int, metavar="PID", help=owner_help)
     ex.add_argument("--node", type=int, default=0, metavar="I", help="the node (default: 0, the login node)")
     ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
@@ -401,7 +409,7 @@ def _cluster_up(args: argparse.Namespace, caller: int) -> int:
         raise cl.ClusterError(f"--rate is in MB/s (1e6 bytes/s), between 0.01 and {cl.MAX_RATE / 1e6:g}; got {args.rate:g}. "
                               "Hint: --rate 25 makes 25 MB/s = 200 Mbit/s links.")
     made = policy.up_for(caller, args.nodes, cl.Link(rate=None if args.rate is None else args.rate * 1e6),
-                         name=args.name, slurm=config)
+                         name=args.name, slurm=config, ray=args.ray)
     print(made.describe())
     print(f"cluster {made.name!r}, owner {ownership.describe(ownership.read(made.name))}; run a command on node i "
           f"with: teraflops cluster exec --node i -- <command>; remove with: teraflops cluster down")
@@ -410,6 +418,9 @@ def _cluster_up(args: argparse.Namespace, caller: int) -> int:
               ", ".join(f"{d['name']} ({slurm_mod.host(policy.node_index(d['namespace']))})"
                         for d in made.slurm_.daemons()))
         print("try: teraflops cluster exec -- sinfo   (squeue, sbatch --wrap 'srun hostname', scancel, sacct)")
+    if made.ray_ is not None:
+        print(f"ray: head {made.ray_.address}; {made.ray_.config.describe()}; {len(made.ray_.processes())} Ray processes")
+        print("try: teraflops cluster exec -- ray status")
     return 0
 
 
@@ -443,6 +454,8 @@ def _cluster_status(args: argparse.Namespace, caller: int) -> int:
                      f"running jobs: {row.jobs} ({row.processes} processes{others})")
         if row.slurm is not None:
             lines.append(f"  slurm: {row.slurm.describe()}; teraflops cluster exec --name {row.name} -- sinfo")
+        if row.ray is not None:
+            lines.append(f"  ray: {row.ray.describe()}; teraflops cluster exec --name {row.name} -- ray status")
         lines += [f"    {d.name:<10} pid {d.pid:<8} {d.host}" for d in row.daemons]
     print("\n".join(lines) or "no emulated nodes")
     return 0
@@ -470,6 +483,7 @@ def _cluster_exec(args: argparse.Namespace, caller: int) -> int:
     if args.node >= target.nodes:
         raise cl.ClusterError(f"cluster {target.name!r} has nodes 0-{target.nodes - 1}, got --node {args.node}.")
     argv = target.slurm_.login(args.node, os.getcwd()) if target.slurm_ is not None else \
+        target.ray_.login(args.node) if target.ray_ is not None else \
         ["nsenter", f"--net=/run/netns/{target.node_name(args.node)}"]  # nodes without Slurm: the node's namespace
     started = time.time()
     try:

@@ -1,13 +1,15 @@
 """Checks for Unit 3 (Runtime orchestration). Each takes the learner's function and nothing else.
 
 Every check runs the learner's function on cases whose answer the package's reference gives
-(:mod:`teraflops.orchestration.stragglers`, :mod:`teraflops.orchestration.detection`, :mod:`teraflops.orchestration.queue_sim`), and, on a
+(:mod:`teraflops.orchestration.stragglers`, :mod:`teraflops.orchestration.detection`, :mod:`teraflops.orchestration.queue_sim`,
+:mod:`teraflops.orchestration.ray_elastic`), and, on a
 wrong answer, runs the plausible wrong versions too: a mistake is named only when it reproduces
 every answer the learner gave.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import re
@@ -21,6 +23,7 @@ from teraflops.nodes import cluster as cl
 from teraflops.nodes import slurm
 from teraflops.orchestration.detection import flag_stragglers as reference_flags
 from teraflops.orchestration.queue_sim import Job, fifo, make_trace, simulate
+from teraflops.orchestration.ray_elastic import best_interval, overhead
 from teraflops.orchestration.slurm_queue import parse_jobs
 from teraflops.orchestration.stragglers import idle_fraction as reference_idle
 
@@ -431,3 +434,50 @@ def _submit_and_check(fn, work) -> None:
     if fields.get("TimeLimit") != "00:01:00":
         fail(f"the job's time limit is {fields.get('TimeLimit')}, not 1 minute. Hint: #SBATCH --time=1")
     _static(script, opts, command)  # what ran right may still differ from the letter of the exercise
+
+
+# --- exercise 6: the checkpoint interval, given measured recovery times ------------------------------
+
+_INTERVAL_CASES = [  # (step_s, checkpoint_s, mtbf_s, recovery_s): the lecture's scale, then a large job's
+    (0.25, 0.5, 600.0, 20.0), (0.25, 0.05, 120.0, 45.0), (2.0, 60.0, 10_800.0, 300.0), (1.0, 30.0, 3_600.0, 0.0),
+    (0.5, 2.0, 40.0, 10.0), (10.0, 0.01, 3_600.0, 60.0),
+]
+_INTERVAL_MISTAKES = [
+    (lambda t, c, m, r: math.sqrt(2 * c * m), "that is the interval in seconds; the function returns steps: divide "
+     "by the step time"),
+    (lambda t, c, m, r: round(math.sqrt(c * m) / t), "the factor 2 is missing: a failure costs half an interval on "
+     "average, so the optimum is sqrt(2·C·M), not sqrt(C·M)"),
+    (lambda t, c, m, r: round(math.sqrt(2 * (c + r) * m) / t), "the restart time is paid once per failure whatever "
+     "the interval: it does not move the optimum; only the checkpoint's cost does"),
+    (lambda t, c, m, r: round(math.sqrt(2 * m / c) / t), "checkpoint cost and MTBF are the wrong way round: a dearer "
+     "checkpoint should make the interval longer"),
+]
+
+
+@exercise(6, "checkpoint interval from measured recovery times")
+def checkpoint_interval(fn) -> None:
+    """``fn(step_s, checkpoint_s, mtbf_s, recovery_s) -> int``: the steps between checkpoints that
+    minimise the expected time lost (:func:`teraflops.orchestration.ray_elastic.overhead`), checked against
+    :func:`~teraflops.orchestration.ray_elastic.best_interval`; an answer whose overhead is within 0.1 % of the
+    best one's also passes."""
+    answers = []
+    for case in _INTERVAL_CASES:
+        got = fn(*case)
+        if isinstance(got, bool) or not isinstance(got, (numbers.Integral, np.integer)):
+            if isinstance(got, numbers.Real) and float(got) != int(got):
+                fail(f"for step {case[0]} s, checkpoint {case[1]} s, MTBF {case[2]:g} s, restart {case[3]} s: got "
+                     f"{got!r}. Hint: a checkpoint is taken after a whole number of steps; round to the better "
+                     "neighbour (compare the overhead of floor and ceil)")
+            if not isinstance(got, numbers.Real):
+                fail(f"checkpoint_interval should return an int (steps), got {type(got).__name__}")
+        answers.append((int(got), None, case))
+    for got, _, case in answers:
+        best = best_interval(*case)
+        if got < 1 or overhead(got, *case) > overhead(best, *case) * 1.001:
+            mistake = _named_mistake(answers, _INTERVAL_MISTAKES, lambda a, b: abs(a - b) <= 1)
+            where = (f"for step {case[0]} s, checkpoint {case[1]} s, MTBF {case[2]:g} s, restart {case[3]} s: got "
+                     f"{got} steps (expected time lost {100 * overhead(max(got, 1), *case):.2f} %), the best is {best} "
+                     f"({100 * overhead(best, *case):.2f} %)")
+            fail(f"{where}. Hint: " + (mistake or reveal(
+                "minimise C/(k·T) + (R + k·T/2)/M over whole k ≥ 1",
+                "Young's optimum is k·T = sqrt(2·C·M): k = sqrt(2·C·M) / T, rounded to the better neighbour")))

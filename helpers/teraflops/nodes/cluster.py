@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from teraflops import ownership
+from teraflops.nodes import ray as ray_mod
 from teraflops.nodes import slurm as slurm_mod
 from teraflops.errors import CourseError
 from teraflops.teardown import uninterruptible
@@ -279,6 +280,7 @@ def down(grace: float = 3.0, only: list[str] | None = None) -> list[str]:
     for name in {cluster_of(ns) for ns in found} - {None}:
         if not any(cluster_of(ns) == name for ns in left):
             slurm_mod.remove_state(name)  # a Slurm cluster's files, once its daemons are gone
+            ray_mod.remove_state(name)  # a Ray cluster's temporary folders, likewise
     return [ns for ns in found if ns not in left]
 
 
@@ -337,6 +339,8 @@ class Cluster:
             lives, no other owner's ``up`` of the same name or ``teraflops cluster down`` touches the cluster.
         slurm: ``True`` or a :class:`teraflops.nodes.slurm.SlurmConfig`: also run a Slurm cluster on the nodes
             (:mod:`teraflops.nodes.slurm`; then ``cl.slurm_`` is its :class:`~teraflops.nodes.slurm.Slurm`).
+        ray: ``True`` or a :class:`teraflops.nodes.ray.RayConfig`: also run a Ray cluster on the nodes, its
+            head on node 0 (:mod:`teraflops.nodes.ray`; then ``cl.ray_`` is its :class:`~teraflops.nodes.ray.Ray`).
 
     Raises:
         ClusterError: the machine cannot host it (:func:`unavailable`), bad arguments, or an
@@ -349,6 +353,8 @@ class Cluster:
     owner_pid: int | None = None  # the process it belongs to (default: this one; the CLI: the login session's leader)
     slurm: bool | slurm_mod.SlurmConfig = False
     slurm_: slurm_mod.Slurm | None = field(init=False, default=None)
+    ray: bool | ray_mod.RayConfig = False
+    ray_: ray_mod.Ray | None = field(init=False, default=None)
     links: list[Link] = field(init=False, default_factory=list)
     up_: bool = field(init=False, default=False)
 
@@ -367,6 +373,11 @@ class Cluster:
         if self.slurm is not False and not isinstance(self.slurm, slurm_mod.SlurmConfig):
             raise ClusterError(f"slurm must be True, False or a SlurmConfig, got {self.slurm!r}. "
                                "Hint: Cluster(3, slurm=SlurmConfig(scheduler='fifo')).")
+        if self.ray is True:
+            self.ray = ray_mod.RayConfig()
+        if self.ray is not False and not isinstance(self.ray, ray_mod.RayConfig):
+            raise ClusterError(f"ray must be True, False or a RayConfig, got {self.ray!r}. "
+                               "Hint: Cluster(3, ray=RayConfig(gpus_per_node=2)).")
 
     @property
     def switch(self) -> str:
@@ -389,7 +400,8 @@ class Cluster:
 
     def up(self) -> "Cluster":
         """Create the switch, the nodes and their links (removing any leftovers first)."""
-        reason = unavailable() or (slurm_mod.unavailable(self.slurm.accounting) if self.slurm else None)
+        reason = unavailable() or (slurm_mod.unavailable(self.slurm.accounting) if self.slurm else None) or \
+            (ray_mod.unavailable() if self.ray else None)
         if reason:
             raise ClusterError(reason + ".")
         claimed, held = ownership.claim(self.name, self.nodes, self.owner_pid)
@@ -419,10 +431,12 @@ class Cluster:
                 self._shape(i, self.links[i])
             if self.slurm:
                 self.slurm_ = slurm_mod.Slurm(self, self.slurm).start()
+            if self.ray:
+                self.ray_ = ray_mod.Ray(self, self.ray)
+                self.ray_.start()
             self.up_ = True
         except BaseException:
-            if self.slurm_ is not None or self.slurm:
-                uninterruptible((self.slurm_ or slurm_mod.Slurm(self, self.slurm)).stop)
+            self._stop_services()
             _down_uninterrupted(self.namespaces())  # a second Ctrl-C must not leave half a cluster
             ownership.release(self.name)  # only ours: the claim above made the name ours
             self.up_ = False
@@ -474,13 +488,21 @@ class Cluster:
         second Ctrl-C)."""
         held = ownership.read(self.name)
         if self._mine() or not ownership.alive(held):  # never a live cluster of another owner of the name
-            if self.slurm_ is not None:
-                uninterruptible(self.slurm_.stop)  # in parallel, reaped; down() kills what is left
+            self._stop_services()
             _down_uninterrupted(self.namespaces())
             slurm_mod.remove_state(self.name)
+            ray_mod.remove_state(self.name)
             ownership.release(self.name)
-        self.slurm_ = None
+        self.slurm_ = self.ray_ = None
         self.up_ = False
+
+    def _stop_services(self) -> None:
+        """Stop the Slurm daemons and the Ray nodes this process started (by PID, in parallel, reaped; also
+        through a second Ctrl-C); :func:`down` kills what is left in the namespaces."""
+        if self.slurm_ is not None or self.slurm:
+            uninterruptible((self.slurm_ or slurm_mod.Slurm(self, self.slurm)).stop)
+        if self.ray_ is not None:
+            uninterruptible(self.ray_.stop)
 
     def _mine(self) -> bool:
         held = ownership.read(self.name)
@@ -529,4 +551,25 @@ def attach(name: str) -> Cluster:
             f"cluster {name!r} has Slurm files but not its {nodes} nodes (taken down?). Hint: "
             "`teraflops cluster down` removes what is left; `teraflops cluster up --slurm` again.")
     made.slurm_, made.up_ = slurm_mod.Slurm(made, config), True
+    return made
+
+
+def attach_ray(name: str) -> Cluster:
+    """Cluster ``name`` with its Ray, up and started by another process (``teraflops cluster up --ray``,
+    a notebook), from :func:`teraflops.nodes.ray.state_dir`'s ``cluster.json``: its ``ray_``'s ``exec``,
+    ``login`` and ``processes`` work; its Ray stays the starter's (``ray_.stop`` stops none).
+
+    Raises:
+        teraflops.nodes.ray.RayError: no Ray files for ``name``, or its nodes are not all there.
+    """
+    found = ray_mod.saved(name)
+    if found is None:
+        raise ray_mod.RayError(f"no Ray cluster named {name!r} is up here (no {ray_mod.state_dir(name)}/cluster.json). "
+                               "Hint: `teraflops cluster up --ray` starts one; `teraflops cluster status` lists them.")
+    nodes, config = found
+    made = Cluster(nodes, name=name, ray=config)
+    if len(made.namespaces()) != nodes + 1:
+        raise ray_mod.RayError(f"cluster {name!r} has Ray files but not its {nodes} nodes (taken down?). Hint: "
+                               "`teraflops cluster down` removes what is left; `teraflops cluster up --ray` again.")
+    made.ray_, made.up_ = ray_mod.Ray(made, config), True
     return made

@@ -16,7 +16,7 @@ as the user's shell), or a process named explicitly (``--owner PID``, :func:`res
   name of the caller's own user. A live cluster of another owner (another session, another user)
   is left running, unless ``all`` (the host's ``down --all``): then it is marked as taken down by the
   caller (:func:`teraflops.ownership.mark_taken_down`), so its jobs can say by whom.
-* Owner records of dead owners whose namespaces are gone, and Slurm files of clusters whose nodes
+* Owner records of dead owners whose namespaces are gone, and Slurm and Ray files of clusters whose nodes
   and owner are gone, are removed by every ``down``.
 """
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from teraflops import ownership
 from teraflops.nodes import cluster as cl
+from teraflops.nodes import ray as ray_mod
 from teraflops.nodes import slurm as slurm_mod
 
 # Why down takes a cluster (or leaves it)
@@ -109,6 +110,7 @@ class ClusterRow:
         processes: processes running on them.
         slurm: its Slurm configuration, if it runs Slurm.
         daemons: its Slurm daemons, by node then by :data:`teraflops.nodes.slurm.DAEMONS` order.
+        ray: its Ray configuration, if it runs Ray.
     """
 
     name: str
@@ -118,6 +120,7 @@ class ClusterRow:
     processes: int
     slurm: slurm_mod.SlurmConfig | None
     daemons: tuple[Daemon, ...]
+    ray: ray_mod.RayConfig | None = None
 
 
 def resolve_caller(owner: int | None = None) -> int:
@@ -182,7 +185,7 @@ def down_for(caller: int, name: str | None = None, all: bool = False) -> DownRes
 
 
 def _forget_the_dead(groups: dict[str, list[str]]) -> list[str]:
-    """Remove records of dead owners whose namespaces are gone, and Slurm files of clusters whose nodes
+    """Remove records of dead owners whose namespaces are gone, and Slurm and Ray files of clusters whose nodes
     and owner are gone; the names of the records removed."""
     released = []
     for name, held in ownership.records().items():
@@ -192,6 +195,9 @@ def _forget_the_dead(groups: dict[str, list[str]]) -> list[str]:
     for name in slurm_mod.state_names():
         if name not in groups and not ownership.alive(ownership.read(name)):
             slurm_mod.remove_state(name)
+    for name in ray_mod.state_names():
+        if name not in groups and not ownership.alive(ownership.read(name)):
+            ray_mod.remove_state(name)
     return released
 
 
@@ -204,7 +210,8 @@ def status_rows() -> list[ClusterRow]:
                          key=lambda d: (d.node, slurm_mod.DAEMONS.index(d.name)))
         saved = slurm_mod.saved(name) if name else None
         rows.append(ClusterRow(name, ownership.read(name) if name else None, sum(1 for ns in found if "-node" in ns),
-                               n_jobs, n_procs, saved[1] if saved else None, tuple(daemons)))
+                               n_jobs, n_procs, saved[1] if saved else None, tuple(daemons),
+                               (ray_mod.saved(name) or (0, None))[1] if name else None))
     return rows
 
 
@@ -219,7 +226,7 @@ def default_name(caller: int) -> str:
 
 
 def up_for(caller: int, nodes: int, link: cl.Link | None = None, name: str | None = None,
-           slurm: bool | slurm_mod.SlurmConfig = False) -> cl.Cluster:
+           slurm: bool | slurm_mod.SlurmConfig = False, ray: bool | ray_mod.RayConfig = False) -> cl.Cluster:
     """Bring up a cluster of ``nodes`` nodes owned by caller process ``caller`` (name: ``name`` or
     :func:`default_name`); it stays up after this process ends, until :func:`down_for`.
 
@@ -227,7 +234,8 @@ def up_for(caller: int, nodes: int, link: cl.Link | None = None, name: str | Non
         teraflops.nodes.cluster.ClusterError: the caller's cluster of that name is already up, the
             name belongs to another live owner, or the machine cannot host it (:meth:`Cluster.up`).
     """
-    made = cl.Cluster(nodes, link or cl.Link(), name=name or default_name(caller), owner_pid=caller, slurm=slurm)
+    made = cl.Cluster(nodes, link or cl.Link(), name=name or default_name(caller), owner_pid=caller, slurm=slurm,
+                      ray=ray)
     held = ownership.read(made.name)
     if held and ownership.alive(held) and ownership.same_owner(held, ownership.owner(caller)) and made.namespaces():
         raise cl.ClusterError(f"your cluster {made.name!r} is already up. Hint: `teraflops cluster down` first, "
@@ -237,7 +245,7 @@ def up_for(caller: int, nodes: int, link: cl.Link | None = None, name: str | Non
 
 def exec_target(caller: int, name: str | None = None) -> str:
     """The cluster a command of caller ``caller`` runs on: ``name``; else the caller's own
-    (:func:`default_name`), else the only one up with Slurm (else the only one up).
+    (:func:`default_name`), else the only one up with Slurm or Ray (else the only one up).
 
     Raises:
         teraflops.nodes.cluster.ClusterError: ``name`` is not up; none is up; several are and none is the caller's.
@@ -250,7 +258,7 @@ def exec_target(caller: int, name: str | None = None) -> str:
         return name
     if default_name(caller) in groups:
         return default_name(caller)
-    with_slurm = [n for n in sorted(groups) if slurm_mod.saved(n) is not None]
+    with_slurm = [n for n in sorted(groups) if slurm_mod.saved(n) is not None or ray_mod.saved(n) is not None]
     candidates = with_slurm or sorted(groups)
     if len(candidates) == 1:
         return candidates[0]
@@ -266,6 +274,8 @@ def joined(name: str) -> cl.Cluster:
     its namespaces); its :meth:`~teraflops.nodes.cluster.Cluster.taken_down` says if it goes meanwhile."""
     if slurm_mod.saved(name) is not None:
         return cl.attach(name)
+    if ray_mod.saved(name) is not None:
+        return cl.attach_ray(name)
     made = cl.Cluster(max(1, sum(1 for ns in cl.by_cluster().get(name, []) if "-node" in ns)), name=name)
     made.up_ = True
     return made
