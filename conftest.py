@@ -15,8 +15,8 @@ import pytest
 
 MACHINE_WIDE = frozenset({
     "test_cluster.py", "test_grading_unit03.py", "test_hub.py", "test_loopback.py", "test_placement.py",
-    "test_sbatch.py", "test_slurm.py", "test_slurm_queue.py", "test_traversal.py", "test_unit03_run.py",
-    "test_unit05_run.py", "test_workshop.py",
+    "test_ray.py", "test_sbatch.py", "test_slurm.py", "test_slurm_queue.py", "test_tensor_parallel.py",
+    "test_traversal.py", "test_unit03_run.py", "test_unit05_run.py", "test_workshop.py",
     # not machine-wide, but they share a session fixture's launch with test_cluster (tests/conftest.py): one run
     "test_remedies.py", "test_zero.py",
 })
