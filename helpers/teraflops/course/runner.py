@@ -391,7 +391,7 @@ def run_units(
     ]
 
 
-MACHINE_FILE = "machine.json"  # in out_dir: {"ceilings": Ceilings.to_json(), "busy_warning": str | None}
+MACHINE_FILE = "machine.json"  # in out_dir: {"ceilings": Ceilings.to_json(), "ceilings_source": str, "busy_warning": str | None}
 
 
 def machine_context(out_dir: Path) -> dict[str, str]:
@@ -410,7 +410,7 @@ def machine_context(out_dir: Path) -> dict[str, str]:
     c = ceilings.measure_ceilings()
     shared = (out_dir / "ceilings.json").resolve()
     shared.write_text(json.dumps(c.to_json()) + "\n")
-    (out_dir / MACHINE_FILE).write_text(json.dumps({"ceilings": c.to_json(), "busy_warning": busy}, indent=1) + "\n")
+    (out_dir / MACHINE_FILE).write_text(json.dumps({"ceilings": c.to_json(), "ceilings_source": c.source, "busy_warning": busy}, indent=1) + "\n")
     return {ceilings.SHARED_ENV: str(shared)}
 
 
