@@ -103,3 +103,12 @@ def test_the_summary_and_the_card_carry_each_units_load_and_stalls(tmp_path):
                               context={"ceilings": {"peak_flops": 1e11, "bandwidth": 1e10, "device": "cpu",
                                                     "dtype": "float32", "load": 6.0, "spread": 0.3}})
     assert "load 5.2 (max 7.9) on 2 cores" in page and "Stalled:" in page and "too busy to trust" in page
+
+
+@pytest.mark.slow
+def test_preflight_triage_beside_a_hog_is_right_or_inconclusive(hog):
+    """Beside other learners' runs: the unit's verdicts, or the inconclusive line; never a wrong verdict."""
+    r = preflight.run(only=["triage"], progress=False)[0]
+    assert r.status in ("passed", "inconclusive"), r.detail
+    if r.status == "inconclusive":
+        assert r.detail.startswith("inconclusive: machine busy (load ")
