@@ -48,7 +48,9 @@ def preflight_runs(runs: int, env: dict) -> dict:
         for i in range(runs):
             out = subprocess.run([sys.executable, "-m", "teraflops", "preflight", "--only", "triage", "--out", out_dir],
                                  cwd=ROOT, env=env, capture_output=True, text=True)
-            line = next((ln for ln in out.stdout.splitlines() if " triage " in ln), out.stdout[-200:]).strip()
+            line = next((ln for ln in out.stdout.splitlines() if ln.split()[:2] in (["ok", "triage"], ["??", "triage"],
+                                                                                     ["FAIL", "triage"])),
+                        out.stdout[-200:]).strip()
             kind = "ok" if line.startswith("ok") else "inconclusive" if line.startswith("??") else "WRONG"
             tally[kind] = tally.get(kind, 0) + 1
             print(f"preflight {i + 1}: {kind}: {line}", flush=True)

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 COPY = """
@@ -45,8 +46,11 @@ def hog(kinds=KINDS, settle: float = 1.0):
     """Run the hog processes (``kinds``: Python sources, default two NumPy copiers and two torch
     matmuls) for the duration of the block; yields their PIDs. ``settle`` seconds are waited so
     that they are busy when the block starts. Each process runs in a new session and is ended on
-    exit, whatever happens."""
+    exit, whatever happens (a SIGTERM to this process included)."""
     procs: list[subprocess.Popen] = []
+    # A SIGTERM (a CI runner's timeout, a `kill`) ends this process through the finally below too.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_term) if main else None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     try:
         for code in kinds:
@@ -59,6 +63,12 @@ def hog(kinds=KINDS, settle: float = 1.0):
         yield [p.pid for p in procs]
     finally:
         _end(procs)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_term(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _end(procs: list[subprocess.Popen], grace: float = 3.0) -> None:
