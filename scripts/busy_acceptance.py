@@ -1,12 +1,12 @@
 """Issue 29's acceptance beside the hog, run once by hand (CI runs shorter versions in
 tests/test_busy_widgets.py and tests/test_busy_verdicts.py).
 
-    python scripts/busy_acceptance.py --widget-runs 20 --preflight-runs 10
+    PYTHONPATH=helpers python scripts/busy_acceptance.py --widget-runs 20 --preflight-runs 10
 
-Each widget run executes tests/test_busy_widgets.py's runner test (``TERAFLOPS_BUSY_WIDGET_CELLS``
-widget cells beside the hog); each preflight run is ``teraflops preflight --only triage`` beside the hog.
-Prints one line per run and a tally. ``--plain`` runs the widget test with jupyter_client's own client
-(the stall before the fix).
+Each widget run executes tests/test_busy_widgets.py's runner test (``--widget-cells`` widget cells
+beside the hog); each preflight run is ``teraflops preflight --only triage`` beside the hog. Prints
+one line per run and a tally; exits 1 on a stalled widget run or a wrong preflight verdict.
+``--plain`` runs the widget test with jupyter_client's own client (the stall before the fix).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +23,38 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from hog import hog  # noqa: E402
+
+WIDGET_TEST = "tests/test_busy_widgets.py::test_many_widget_cells_beside_a_hog_never_wait_out_the_timeout"
+
+
+def widget_runs(runs: int, env: dict) -> int:
+    """Run the widget test ``runs`` times (it starts its own hog); the number that failed."""
+    bad = 0
+    for i in range(runs):
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-o", "addopts=-p no:cacheprovider",
+                              WIDGET_TEST], cwd=ROOT, env=env, capture_output=True, text=True)
+        bad += out.returncode != 0
+        stalls = [ln.strip() for ln in out.stdout.splitlines() if "waited" in ln][:2]
+        print(f"widgets {i + 1}: {'ok' if out.returncode == 0 else 'FAIL'} in {time.monotonic() - start:.0f} s "
+              f"{stalls or ''}", flush=True)
+    return bad
+
+
+def preflight_runs(runs: int, env: dict) -> dict:
+    """``teraflops preflight --only triage`` ``runs`` times beside the hog: ok / inconclusive / WRONG counts."""
+    tally: dict[str, int] = {}
+    with hog(), tempfile.TemporaryDirectory(prefix="busy-acceptance-") as out_dir:
+        for i in range(runs):
+            out = subprocess.run([sys.executable, "-m", "teraflops", "preflight", "--only", "triage", "--out", out_dir],
+                                 cwd=ROOT, env=env, capture_output=True, text=True)
+            line = next((ln for ln in out.stdout.splitlines() if ln.split()[:2] in (["ok", "triage"], ["??", "triage"],
+                                                                                     ["FAIL", "triage"])),
+                        out.stdout[-200:]).strip()
+            kind = "ok" if line.startswith("ok") else "inconclusive" if line.startswith("??") else "WRONG"
+            tally[kind] = tally.get(kind, 0) + 1
+            print(f"preflight {i + 1}: {kind}: {line}", flush=True)
+    return tally
 
 
 def main() -> int:
@@ -34,26 +67,9 @@ def main() -> int:
     env = {**os.environ, "TERAFLOPS_BUSY_WIDGET_CELLS": str(args.widget_cells)}
     if args.plain:
         env["TERAFLOPS_BUSY_CLIENT"] = "plain"
-    bad = 0
-    for i in range(args.widget_runs):  # the test starts its own hog (module fixture)
-        t = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-o", "addopts=-p no:cacheprovider",
-                              "tests/test_busy_widgets.py::test_many_widget_cells_beside_a_hog_never_wait_out_the_timeout"],
-                             cwd=ROOT, env=env, capture_output=True, text=True)
-        bad += out.returncode != 0
-        tail = [ln for ln in out.stdout.splitlines() if "STALLED" in ln or "waited" in ln][:2]
-        print(f"widgets {i + 1}: {'ok' if out.returncode == 0 else 'FAIL'} {time.monotonic() - t:.0f} s {tail}", flush=True)
-    tally = {}
-    with hog():
-        for i in range(args.preflight_runs):
-            out = subprocess.run([sys.executable, "-m", "teraflops", "preflight", "--only", "triage",
-                                  "--out", f"/tmp/busy-acceptance-preflight-{os.getpid()}"],
-                                 cwd=ROOT, env=env, capture_output=True, text=True)
-            line = next((ln for ln in out.stdout.splitlines() if " triage " in ln), out.stdout[-200:])
-            kind = "ok" if line.startswith("ok") else "inconclusive" if line.startswith("??") else "WRONG"
-            tally[kind] = tally.get(kind, 0) + 1
-            print(f"preflight {i + 1}: {kind}: {line.strip()}", flush=True)
-    print(f"widget runs failed: {bad}/{args.widget_runs}; preflight: {tally}")
+    bad = widget_runs(args.widget_runs, env)
+    tally = preflight_runs(args.preflight_runs, env)
+    print(f"widget runs failed: {bad}/{args.widget_runs}; preflight triage: {tally}")
     return 1 if bad or tally.get("WRONG") else 0
 
 

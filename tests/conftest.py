@@ -97,3 +97,13 @@ class _no_processes_unless_slow:
     def __exit__(self, *exc):
         if self.active:
             subprocess.Popen._execute_child, os.fork = self.saved
+
+
+@pytest.fixture(scope="module")
+def hog():
+    """Other learners' runs beside the test (``tests/hog.py``: two NumPy copiers, two torch matmuls),
+    ended after the module's tests, also on failure. Tests using it start processes: ``slow``."""
+    from hog import hog as busy
+
+    with busy() as pids:
+        yield pids

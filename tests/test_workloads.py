@@ -20,7 +20,8 @@ def rows(tmp_path_factory):
 def test_unit_workloads_get_their_units_verdict(rows, name):
     r = rows[name]
     assert r["expected"] == workloads.UNIT_WORKLOADS[name][1]
-    assert r["matches"], f"{name}: {r['result'].summary()}"
+    # On a busy machine with no quiet ceilings to fall back on, triage says it cannot tell (issue 29).
+    assert r["matches"] or "inconclusive: machine busy" in r["result"].note, f"{name}: {r['result'].summary()}"
 
 
 def test_the_fixes_move_the_bottleneck(rows):

@@ -17,12 +17,15 @@ Units: FLOP/s, bytes/s with GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s.
 
 from __future__ import annotations
 
+import json
 import numbers
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from teraflops import caches, machine
 from teraflops.datasheets import pcie_link, published_for
 from teraflops.errors import CourseError
 from teraflops.machine import detect
@@ -50,6 +53,16 @@ class Ceilings:
     matmul_n: int
     copy_bytes: int
     source: str = "measured"  # "measured" here, or where they came from (SHARED_ENV's file, "given")
+    spread: float = 0.0  # 1 - worst/best of the probe's repeats (the larger of the two probes'): 0 = steady
+    load: float | None = None  # the 1-minute load average when measured, if the machine was busy (machine.busy_load)
+
+    @property
+    def trusted(self) -> bool:
+        """Whether these ceilings can place a verdict: measured on a machine that was not busy, and
+        steady across the probe's repeats (spread below :data:`SPREAD_LIMIT`). At load 4-8 on 2
+        cores the probes read 0.1-0.4x their quiet values with a spread as low as 20 %: a steady
+        busy machine is still a busy one, so the load decides first."""
+        return self.load is None and self.spread < SPREAD_LIMIT
 
     @property
     def ridge_point(self) -> float:
@@ -74,15 +87,34 @@ class Ceilings:
 
     def __str__(self) -> str:
         where = "" if self.source == "measured" else f" [{self.source}]"
+        busy = "" if self.load is None else f", spread {self.spread:.0%} at load {self.load:.1f}"
         return (
             f"{self.device} ceilings ({str(self.dtype).replace('torch.', '')}): "
             f"peak {self.peak_flops / 1e12:.3g} TFLOP/s, copy bandwidth {self.bandwidth / 1e9:.3g} GB/s, "
-            f"ridge point {self.ridge_point:.3g} FLOP/byte{where}"
+            f"ridge point {self.ridge_point:.3g} FLOP/byte{where}{busy}"
         )
 
     def to_json(self) -> dict:
         return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "dtype": str(self.dtype).replace("torch.", ""),
-                "device": self.device, "matmul_n": self.matmul_n, "copy_bytes": self.copy_bytes}
+                "device": self.device, "matmul_n": self.matmul_n, "copy_bytes": self.copy_bytes,
+                "spread": self.spread, "load": self.load}
+
+    @classmethod
+    def from_json(cls, d: dict, source: str) -> "Ceilings":
+        """The inverse of :meth:`to_json`, with ``source`` saying where they came from.
+
+        Raises:
+            KeyError, TypeError, ValueError, AttributeError: not a :meth:`to_json` dict.
+        """
+        load = d.get("load")
+        return cls(float(d["peak_flops"]), float(d["bandwidth"]), getattr(torch, d["dtype"]), str(d["device"]),
+                   int(d["matmul_n"]), int(d["copy_bytes"]), source, float(d.get("spread", 0.0)),
+                   None if load is None else float(load))
+
+
+SPREAD_LIMIT = 0.25  # a probe whose repeats differ by more than this is not trusted (issue 29)
+REPEATS = 3  # interleaved rounds of the probes; the best of each is kept
+QUIET_FILE = "quiet-ceilings.json"  # in caches.cache_dir(): the last ceilings measured on a quiet machine, by probe
 
 
 SHARED_ENV = "TERAFLOPS_CEILINGS"  # a JSON file of Ceilings.to_json(): the run's one probe (teraflops run)
@@ -93,16 +125,13 @@ def shared_ceilings(dtype: torch.dtype, device: str, matmul_n: int, copy_bytes: 
     """The ceilings ``teraflops run`` measured once before its first notebook (the file named by
     ``$TERAFLOPS_CEILINGS``), when they answer the same probe (dtype, device, sizes); else ``None``
     (unset, missing, unreadable or another probe: the caller measures)."""
-    import json
     import os
 
     path = os.environ.get(SHARED_ENV)
     if not path:
         return None
     try:
-        d = json.loads(Path(path).read_text())
-        shared = Ceilings(float(d["peak_flops"]), float(d["bandwidth"]), getattr(torch, d["dtype"]), str(d["device"]),
-                          int(d["matmul_n"]), int(d["copy_bytes"]), SHARED_SOURCE)
+        shared = Ceilings.from_json(json.loads(Path(path).read_text()), SHARED_SOURCE)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     same = (shared.dtype, shared.device, shared.matmul_n, shared.copy_bytes) == (dtype, device, matmul_n, copy_bytes)
@@ -145,6 +174,13 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
     names its probe's file) the same probe is not run again: the run's ceilings are returned, with
     ``source`` saying so, so that every unit of one run uses the same roof.
 
+    The probe is :func:`probe`: interleaved repeats, the best kept, their spread reported. Measured
+    on a quiet machine and steady, the result is also kept as this machine's quiet values
+    (:func:`remember_quiet`). When not :attr:`Ceilings.trusted` (a busy machine,
+    :func:`teraflops.machine.busy_load`, or a spread of :data:`SPREAD_LIMIT` or more), the quiet values
+    measured earlier are returned instead, labelled as such in ``source``; without them, the measured ceilings come back with ``trusted`` False, and
+    verdicts placed on them say they are inconclusive.
+
     Raises:
         CeilingsError: ``matmul_n`` not an int >= 2, ``copy_bytes`` not an int >= 4 (one float32),
             ``dtype`` not a torch dtype, or ``device`` not a non-empty string.
@@ -170,10 +206,66 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
     shared = shared_ceilings(dtype, device, matmul_n, copy_bytes)
     if shared is not None:  # one probe per teraflops run: every unit uses the same roof
         return shared
-    # The best of two sizes: one probe on a shared CPU can land on a slow moment.
-    flops = max(measure_peak_flops(n, dtype, device) for n in (matmul_n // 2, matmul_n))
-    bw = measure_copy_bandwidth(copy_bytes, device)
-    return Ceilings(flops, bw, dtype, device, matmul_n, copy_bytes)
+    measured = probe(matmul_n, copy_bytes, dtype, device)
+    if measured.trusted:
+        remember_quiet(measured)
+        return measured
+    quiet = quiet_ceilings(dtype, device, matmul_n, copy_bytes)
+    if quiet is None:
+        return measured  # not trusted: Ceilings.trusted says so, and the verdicts placed on them
+    return replace(quiet, source=f"{quiet.source}; this machine is busy now (load {measured.load:.1f}, "
+                                 f"the probe read {measured.peak_flops / quiet.peak_flops:.0%} and "
+                                 f"{measured.bandwidth / quiet.bandwidth:.0%} of them)")
+
+
+def probe(matmul_n: int, copy_bytes: int, dtype: torch.dtype, device: str, repeats: int = REPEATS,
+          min_run_time: float = 0.15) -> Ceilings:
+    """The probes of :func:`measure_ceilings`, ``repeats`` rounds interleaved (matmuls of ``matmul_n // 2``
+    and ``matmul_n``, then the copy, then again), in this process and with its torch threads (those
+    of the work the ceilings judge); the best rate of each kept, as an empirical roofline keeps the
+    best observed (Lo et al., PMBS 2014). Interleaving lets a burst of load hit both probes alike,
+    so it cannot tilt the ridge point by slowing one of them. ``spread`` is ``1 - worst/best`` over
+    the rounds (the larger of the two probes'), ``load`` the 1-minute load average if the machine
+    was busy (:func:`teraflops.machine.busy_load`), else ``None``."""
+    peaks, copies = [], []
+    for _ in range(repeats):
+        peaks.append(max(measure_peak_flops(n, dtype, device, min_run_time) for n in (matmul_n // 2, matmul_n)))
+        copies.append(measure_copy_bandwidth(copy_bytes, device, min_run_time))
+    spread = max(1 - min(peaks) / max(peaks), 1 - min(copies) / max(copies))
+    return Ceilings(max(peaks), max(copies), dtype, device, matmul_n, copy_bytes, spread=spread,
+                    load=machine.busy_load())
+
+
+def _quiet_key(dtype: torch.dtype, device: str, matmul_n: int, copy_bytes: int) -> str:
+    return f"{device}/{str(dtype).replace('torch.', '')}/{matmul_n}/{copy_bytes}/{torch.get_num_threads()}"
+
+
+def _quiet_path() -> Path:
+    return caches.cache_dir() / QUIET_FILE
+
+
+def remember_quiet(c: Ceilings) -> None:
+    """Keep ``c`` (measured on a quiet machine) in ``cache_dir()/quiet-ceilings.json`` under its probe
+    (device, dtype, sizes, torch threads), for :func:`quiet_ceilings`. Best effort: an unwritable
+    cache keeps nothing."""
+    try:
+        path = _quiet_path()
+        known = json.loads(path.read_text()) if path.exists() else {}
+        known[_quiet_key(c.dtype, c.device, c.matmul_n, c.copy_bytes)] = {**c.to_json(), "when": time.time()}
+        path.write_text(json.dumps(known, indent=1) + "\n")
+    except (OSError, ValueError, TypeError):
+        pass
+
+
+def quiet_ceilings(dtype: torch.dtype, device: str, matmul_n: int, copy_bytes: int) -> Ceilings | None:
+    """The ceilings last measured on a quiet machine for this probe (:func:`remember_quiet`: by
+    ``teraflops warmup``, ``preflight`` or any earlier quiet probe), labelled with when; ``None`` if none."""
+    try:
+        d = json.loads(_quiet_path().read_text())[_quiet_key(dtype, device, matmul_n, copy_bytes)]
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(d["when"])))
+        return Ceilings.from_json(d, f"quiet values measured on this machine at {when}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 # ---- the bandwidth ladder (Unit 5) ---------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -151,3 +152,63 @@ def busy_warning(threshold: float = 0.3, interval: float = 0.5) -> str | None:
         return None
     return (f"other processes are using {used:.0%} of the CPU right now: timings will be noisy "
             "(close them, or run again on a quiet machine)")
+
+
+# ---- load: how busy the machine is (one home for the busy-machine signal) -------------------------
+
+BUSY_LOAD_PER_CORE = 1.5  # 1-minute load average per core above which timings (and ceilings) are not trusted
+
+
+def load_average() -> float:
+    """The 1-minute load average (runnable + uninterruptible tasks, averaged; ``os.getloadavg``);
+    0.0 where the system has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def busy_load(threshold: float = BUSY_LOAD_PER_CORE) -> float | None:
+    """The 1-minute load average if it exceeds ``threshold`` per core of this process
+    (:func:`detect`'s ``cpu_cores``), else ``None``: the machine is too busy for a measured
+    ceiling or a timing-based verdict to be trusted. Compared per core because two learners on a
+    16-core box are not a busy box."""
+    load = load_average()
+    return load if load > threshold * max(1, detect().cpu_cores) else None
+
+
+def busy_note(load: float) -> str:
+    """The one line that says a check could not tell on a busy machine: ``"inconclusive: machine
+    busy (load 6.2)"``."""
+    return f"inconclusive: machine busy (load {load:.1f})"
+
+
+class LoadMonitor:
+    """Samples :func:`load_average` every ``every`` seconds in a daemon thread while in a ``with``
+    block (and once at each end); :meth:`summary` gives the mean and max seen, the load a unit ran under."""
+
+    def __init__(self, every: float = 5.0):
+        self.every = every
+        self.samples: list[float] = []
+
+    def __enter__(self) -> "LoadMonitor":
+        self._stop = threading.Event()
+        self.samples.append(load_average())
+
+        def sample() -> None:
+            while not self._stop.wait(self.every):
+                self.samples.append(load_average())
+
+        self._thread = threading.Thread(target=sample, name="teraflops-load", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(load_average())
+
+    def summary(self) -> dict:
+        """``{"mean": float, "max": float, "cores": int}`` of the 1-minute load averages sampled."""
+        s = self.samples or [load_average()]
+        return {"mean": sum(s) / len(s), "max": max(s), "cores": detect().cpu_cores}

@@ -4,7 +4,7 @@ It holds the machine (:meth:`teraflops.machine.Machine.summary`), the ceilings t
 and every unit used, and the busy-machine warning if the run began on a busy machine (both from
 ``machine.json``, :func:`teraflops.course.runner.machine_context`); then one section per notebook, titled by
 its unit's question (:data:`QUESTIONS`, README's "The question" column): its one-line takeaway
-(:func:`teraflops.headlines.takeaway`), status and time, at most
+(:func:`teraflops.headlines.takeaway`), status, time and the load it ran under, any stalled cell, at most
 :data:`~teraflops.headlines.MAX_HEADLINES` headline numbers (:func:`teraflops.headlines.record`) and its
 headline figure, embedded, with its caption. The figure is the first PNG output of the cell whose
 metadata tags include ``"headline"`` (its caption: that cell's ``metadata.caption``), else the
@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from teraflops import __version__
-from teraflops.course.runner import MACHINE_FILE, NotebookResult, format_value
+from teraflops.course.runner import MACHINE_FILE, NotebookResult, format_value, load_text
 from teraflops.headlines import MAX_HEADLINES
 
 REFERENCE_DIR = Path(__file__).resolve().parents[1] / "reference"
@@ -92,11 +92,15 @@ def read_machine(out_dir: Path | str | None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _ceilings_line(c: dict) -> str:
+def _ceilings_line(c: dict, source: str | None = None) -> str:
     peak, bw = float(c["peak_flops"]), float(c["bandwidth"])
     return (f"<b>Ceilings</b> (measured once at the start of this run, {html.escape(str(c['device']))}, "
             f"{html.escape(str(c['dtype']))}; every unit used these): peak {format_value(peak / 1e12)} TFLOP/s, "
-            f"copy bandwidth {format_value(bw / 1e9)} GB/s, ridge point {format_value(peak / bw)} FLOP/byte")
+            f"copy bandwidth {format_value(bw / 1e9)} GB/s, ridge point {format_value(peak / bw)} FLOP/byte"
+            + (f"; {html.escape(str(source))}" if source not in (None, "measured") else "")
+            + (f" <span class='warn'>(measured at load {float(c['load']):.1f}, spread {float(c.get('spread', 0)):.0%}"
+               " between repeats: too busy to trust; verdicts placed on them may be off)</span>"
+               if c.get("load") is not None and source in (None, "measured") else ""))
 
 
 def _row(entry: dict, refs: list[tuple[str, dict | None]]) -> str:
@@ -121,7 +125,7 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
              f"<p><b>Machine:</b> {html.escape(machine.summary())}<br>"]
     if isinstance(context.get("ceilings"), dict):
         try:
-            parts.append(_ceilings_line(context["ceilings"]) + "<br>")
+            parts.append(_ceilings_line(context["ceilings"], context.get("ceilings_source")) + "<br>")
         except (KeyError, ValueError, TypeError, ZeroDivisionError):
             pass
     parts.append(f"<b>Notebooks:</b> {passed}/{len(results)} ran without error, "
@@ -139,7 +143,10 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
         parts.append(f"<h2>{html.escape(title)} <small>{html.escape(r.name)}</small></h2>")
         if r.takeaway:
             parts.append(f"<p class='takeaway'>{html.escape(r.takeaway)}</p>")
-        parts.append(f"<p>{status} · {r.seconds:.0f} s</p>")
+        load = f" · {html.escape(load_text(r.load))}" if r.load else ""
+        parts.append(f"<p>{status} · {r.seconds:.0f} s{load}</p>")
+        for stall in r.stalls:
+            parts.append(f"<p class='warn'><b>Stalled:</b> {html.escape(str(stall))}</p>")
         if r.headline:
             refs = [(ref["gpu"], ref["notebooks"].get(r.name, {})) for ref in references]
             head = "<tr><th>headline</th><th>this machine</th>" + "".join(

@@ -17,15 +17,17 @@ import math
 import os
 import re
 import time
+from datetime import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from teraflops import headlines
 from teraflops.errors import CourseError
-from teraflops.machine import Machine, busy_warning
+from teraflops.machine import LoadMonitor, Machine, busy_warning
 
 __all__ = [
     "CellFailure",
+    "CellStall",
     "NotebookResult",
     "course_root",
     "find_notebooks",
@@ -51,6 +53,22 @@ class CellFailure:
         return f"{where}: {self.ename}: {self.evalue}" if self.evalue else f"{where}: {self.ename}"
 
 
+STALL_SECONDS = 5.0  # a cell whose last message reached us this long after the kernel sent it: a stall
+
+
+@dataclass(frozen=True)
+class CellStall:
+    """A cell the client got the kernel's answer to ``seconds`` after the kernel sent it: time a
+    headless run waited on nothing (the widget race of :mod:`teraflops.course.kernel_client`)."""
+
+    cell_index: int
+    source: str  # the cell's first line, to find it by
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"cell {self.cell_index} `{self.source}` waited {self.seconds:.0f} s after the kernel's reply"
+
+
 @dataclass
 class NotebookResult:
     """Outcome of one notebook.
@@ -65,6 +83,9 @@ class NotebookResult:
         executed: path of the executed notebook.
         html: path of the HTML rendering, ``None`` if not requested or it failed.
         html_error: one line if the HTML export failed.
+        stalls: cells whose answer reached the run :data:`STALL_SECONDS` or more after the kernel sent it.
+        load: the 1-minute load average while it ran, ``{"mean", "max", "cores"}``
+            (:class:`teraflops.machine.LoadMonitor`).
     """
 
     name: str
@@ -76,6 +97,8 @@ class NotebookResult:
     executed: Path | None = None
     html: Path | None = None
     html_error: str | None = None
+    stalls: list[CellStall] = field(default_factory=list)
+    load: dict = field(default_factory=dict)
 
 
 def course_root() -> Path:
@@ -126,11 +149,15 @@ def run_notebook(
     client = make_client(nb, path, timeout_per_cell)
 
     start = time.perf_counter()
-    failures = execute_cells(client, nb, name, stop_on_error=True, env={**(env or {}), headlines.ENV_VAR: str(report_path)})
+    stalls: list[CellStall] = []
+    with LoadMonitor() as load:
+        failures = execute_cells(client, nb, name, stop_on_error=True,
+                                 env={**(env or {}), headlines.ENV_VAR: str(report_path)}, stalls=stalls)
     failure = failures[0] if failures else None
     seconds = time.perf_counter() - start
 
-    result = NotebookResult(name=name, seconds=seconds, ok=failure is None, error=failure)
+    result = NotebookResult(name=name, seconds=seconds, ok=failure is None, error=failure, stalls=stalls,
+                            load=load.summary())
     try:
         result.headline = headlines.read(report_path)
         result.takeaway = headlines.read_takeaway(report_path)
@@ -170,7 +197,8 @@ def _environ(env: dict[str, str]):
                 os.environ[k] = v
 
 
-def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[str, str] | None = None) -> list[CellFailure]:
+def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[str, str] | None = None,
+                  stalls: list | None = None) -> list[CellFailure]:
     """Run the cells of ``nb`` one by one in ``client``'s kernel behind a progress bar.
 
     The kernel starts with ``env`` added to this process's environment, and with ``TQDM_DISABLE=1``:
@@ -178,7 +206,8 @@ def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[s
     notebook they would only be widget state. Returns the failures: errors (when the client does
     not allow them), cell timeouts, a dead kernel, or a kernel that did not start (``cell_index``
     None). With ``stop_on_error`` the first failure ends the run. Never raises for what the
-    notebook does.
+    notebook does. ``stalls``, if given, receives a :class:`CellStall` for every cell whose answer
+    reached us :data:`STALL_SECONDS` or more after the kernel sent it (:func:`cell_stall`).
     """
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
     from tqdm.auto import tqdm
@@ -200,6 +229,9 @@ def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[s
                                               f"cell ran longer than the {client.timeout} s limit per cell")
                     except Exception as e:  # dead kernel, ...
                         failure = CellFailure(index, type(e).__name__, _one_line(str(e)))
+                    stall = cell_stall(cell, index)
+                    if stall is not None and stalls is not None:
+                        stalls.append(stall)
                     bar.update(1)
                     if failure is not None:
                         failures.append(failure)
@@ -210,6 +242,26 @@ def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[s
         if not failures:
             failures.append(CellFailure(None, type(e).__name__, _one_line(str(e))))
     return failures
+
+
+def cell_stall(cell, index: int, now: float | None = None) -> CellStall | None:
+    """How long after the kernel sent a cell's last answer (the later of its ``execute_reply`` and its
+    ``status: idle``, the kernel's own timestamps that nbclient records in
+    ``cell.metadata.execution``) we got it, as a :class:`CellStall` if :data:`STALL_SECONDS` or more,
+    else ``None`` (also when the kernel never answered: that is a timeout, reported as a failure).
+    ``now``: seconds since the epoch, default ``time.time()`` (kernel and client share the clock)."""
+    sent = []
+    for key in ("shell.execute_reply", "iopub.status.idle"):
+        stamp = cell.get("metadata", {}).get("execution", {}).get(key)
+        try:
+            sent.append(datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp())
+        except ValueError:
+            continue
+    if not sent:
+        return None
+    late = (time.time() if now is None else now) - max(sent)
+    first = (cell.source.strip().splitlines() or [""])[0]
+    return CellStall(index, _one_line(first, 60), late) if late >= STALL_SECONDS else None
 
 
 TICK_SECONDS = 1.0  # how often the progress bar says how long the running cell has taken, in a terminal
@@ -252,13 +304,18 @@ def make_client(nb, path: Path, timeout: int, allow_errors: bool = False):
     """An nbclient ``NotebookClient`` for ``nb`` (read from ``path``): the ``python3`` kernel of the
     current environment, working directory = the notebook's folder, ``timeout`` seconds per cell.
     With ``allow_errors`` (grading) a cell that times out is interrupted and the next cells still
-    run. Used by ``teraflops run``, ``grade`` and ``labs refresh``."""
+    run. The kernel client is :class:`teraflops.course.kernel_client.SlicedKernelClient`, so that no
+    message waits out a timeout unseen (widget cells on a busy machine). Used by ``teraflops run``,
+    ``grade`` and ``labs refresh``."""
     from nbclient import NotebookClient
+
+    from teraflops.course import kernel_client  # lazy: jupyter_client and zmq (~0.4 s), only when notebooks run
 
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=allow_errors,
                             interrupt_on_timeout=allow_errors,
                             resources={"metadata": {"path": str(Path(path).parent.resolve())}})
     client.km = client.create_kernel_manager()
+    client.km.client_class = kernel_client.CLIENT_CLASS  # no poll sleeps through a message (widget cells)
     _encrypt_if_possible(client.km)
     return client
 
@@ -334,7 +391,7 @@ def run_units(
     ]
 
 
-MACHINE_FILE = "machine.json"  # in out_dir: {"ceilings": Ceilings.to_json(), "busy_warning": str | None}
+MACHINE_FILE = "machine.json"  # in out_dir: {"ceilings": Ceilings.to_json(), "ceilings_source": str, "busy_warning": str | None}
 
 
 def machine_context(out_dir: Path) -> dict[str, str]:
@@ -353,7 +410,7 @@ def machine_context(out_dir: Path) -> dict[str, str]:
     c = ceilings.measure_ceilings()
     shared = (out_dir / "ceilings.json").resolve()
     shared.write_text(json.dumps(c.to_json()) + "\n")
-    (out_dir / MACHINE_FILE).write_text(json.dumps({"ceilings": c.to_json(), "busy_warning": busy}, indent=1) + "\n")
+    (out_dir / MACHINE_FILE).write_text(json.dumps({"ceilings": c.to_json(), "ceilings_source": c.source, "busy_warning": busy}, indent=1) + "\n")
     return {ceilings.SHARED_ENV: str(shared)}
 
 
@@ -373,9 +430,15 @@ def format_value(value: float) -> str:
     return f"{v:.3g}"
 
 
+def load_text(load: dict) -> str:
+    """``"load 4.2 (max 6.1) on 2 cores"`` from :meth:`teraflops.machine.LoadMonitor.summary`."""
+    return f"load {load['mean']:.1f} (max {load['max']:.1f}) on {load['cores']} cores"
+
+
 def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
-    """A plain-text table: the machine, then one row per notebook with status, time and its
-    headline numbers (one per line), then the output folder(s)."""
+    """A plain-text table: the machine, then one row per notebook with status, time, its failure and
+    stalled cells (:class:`CellStall`, by cell and time) if any, its headline numbers (one per line)
+    and the load it ran under, then the output folder(s)."""
     lines = [f"machine: {machine.summary()}"]
     if not results:
         return "\n".join(lines + ["no notebooks ran"])
@@ -391,6 +454,7 @@ def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
         details: list[str] = []
         if r.error is not None:
             details.append(str(r.error))
+        details += [f"STALLED: {st}" for st in r.stalls]
         entries = list(r.headline.values())
         if entries:
             label_w = max(len(str(e.get("label", ""))) for e in entries)
@@ -401,6 +465,8 @@ def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
                 details.append(f"{str(e.get('label', '')):<{label_w}}  {v:>{value_w}}{unit}")
         if r.html_error:
             details.append(f"(HTML export failed: {r.html_error})")
+        if r.load:
+            details.append(load_text(r.load))
         if not details:
             details.append("-")
         lines.append((first + details[0]).rstrip())

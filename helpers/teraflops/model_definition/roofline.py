@@ -64,6 +64,9 @@ def softmax_intensity(rows: int, cols: int, dtype: torch.dtype) -> float:
     return softmax_flops(rows, cols) / softmax_bytes(rows, cols, dtype)
 
 
+NEAR_RIDGE = 1.25  # intensities within this factor of the ridge point read "near the ridge" (issue 29)
+
+
 @dataclass(frozen=True)
 class RooflinePoint:
     """One measured operation. flops in FLOP, nbytes in bytes, seconds per call."""
@@ -86,7 +89,11 @@ class RooflinePoint:
         return self.nbytes / self.seconds
 
     def bound(self, c: Ceilings) -> str:
-        """``"compute"`` if the intensity is at or above the ridge point, else ``"memory"``."""
+        """``"compute"`` if the intensity is at or above the ridge point, else ``"memory"``; ``"near the
+        ridge"`` within a factor :data:`NEAR_RIDGE` of it either way, where a probe's error (a busy
+        machine moves the ridge by up to ~3×, issue 29) could flip the verdict."""
+        if c.ridge_point / NEAR_RIDGE < self.intensity < c.ridge_point * NEAR_RIDGE:
+            return "near the ridge"
         return "compute" if self.intensity >= c.ridge_point else "memory"
 
     def fraction_of_roof(self, c: Ceilings) -> float:
@@ -127,11 +134,15 @@ def measure_roofline(matmul_sizes, elementwise_numel: int, dtype: torch.dtype, d
     return [_measure(n, f, fl, by, min_run_time) for n, f, fl, by in tqdm(jobs, desc="roofline", disable=not progress)]
 
 
+def _bound_text(bound: str) -> str:
+    return bound if bound == "near the ridge" else f"{bound}-bound"
+
+
 def roofline_table(points: list[RooflinePoint], c: Ceilings) -> str:
     """Operation, intensity, achieved TFLOP/s and GB/s, % of roof, bound."""
     rows = [
         (p.name, p.intensity, p.achieved_flops / 1e12, p.achieved_bandwidth / 1e9,
-         f"{100 * p.fraction_of_roof(c):.0f}%", p.bound(c) + "-bound")
+         f"{100 * p.fraction_of_roof(c):.0f}%", _bound_text(p.bound(c)))
         for p in points
     ]
     return table(rows, ["operation", "FLOP/byte", "TFLOP/s", "GB/s", "of roof", "verdict"])

@@ -66,7 +66,7 @@ import numpy as np
 
 from teraflops.ceilings import Ceilings, measure_ceilings
 from teraflops.errors import CourseError
-from teraflops.machine import detect
+from teraflops.machine import busy_note, detect
 from teraflops.model_definition.launch_overhead import launch_floor, op_time_vs_size
 from teraflops.model_definition.profiling import METADATA_OPS, classify
 from teraflops.orchestration.detection import THRESHOLD, as_matrix, modified_z
@@ -648,4 +648,7 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
     shares = {k: float(v) for k, v in shares.items()}
     evidence = _evidence(iv, att, ceilings, waited)
     verdict, act_on = _verdict(shares, rank, stragglers)
+    if not ceilings.trusted and ceilings.load is not None:  # measured busy, no quiet values to use
+        note = (f"{note} " if note else "") + (f"{busy_note(ceilings.load)}: the ceilings were measured on a busy "
+                                               "machine, so the compute/memory split may be off.")
     return Triage(verdict, shares, tuple(evidence[:top]), act_on, att.step, ceilings, launch_floor, stragglers, note)
