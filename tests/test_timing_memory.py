@@ -56,7 +56,8 @@ def test_a_run_measures_the_ceilings_once_and_every_unit_reads_them(tmp_path, mo
     assert (got.peak_flops, got.bandwidth) == (1.5e11, 7e9) and got.source == ceilings.SHARED_SOURCE
     assert "measured once" in str(got)
     other = ceilings.measure_ceilings(matmul_n=64, copy_bytes=2**16, dtype=torch.float64, device="cpu")
-    assert other.source == "measured" and other.peak_flops != 1.5e11  # another probe is measured
+    # another probe is measured (on a busy machine: this machine's quiet values of that probe, labelled so)
+    assert other.source != ceilings.SHARED_SOURCE and other.peak_flops != 1.5e11
 
 
 def test_cpu_peak_counts_the_regions_own_allocations_not_frees_of_earlier_tensors():

@@ -18,6 +18,9 @@ import pytest
 
 WORKERS = Path(__file__).resolve().parents[1] / "helpers" / "teraflops" / "workers"
 SHARED = {"__init__.py", "common.py"}  # no rank program: what the rank programs share
+# programs that read a Spec but are no rank of the course's launcher, so there is no rank's result file to
+# write_result into: the Result goes to the path their Spec names (wire.write)
+DRIVERS = {"ray_train.py": "Ray Train's driver, run once in node 0 by `cluster exec`; Ray starts the ranks"}
 NOT_CHOICES = {
     "collective_sweep.PERIOD": "the check pattern's period (i mod 8), part of the check's arithmetic",
     "zero_train._elements.element_size": "bytes of an fp32 element, the unit the memory is counted in",
@@ -85,6 +88,8 @@ def test_the_rank_programs_are_found():
 @pytest.mark.parametrize("path", rank_programs(), ids=lambda p: p.stem)
 def test_every_rank_program_reads_a_spec_and_writes_a_result(path):
     problems = rank_program_problems(path.read_text())
+    if path.name in DRIVERS:
+        problems = [p for p in problems if p != "never calls write_result"]
     assert not problems, f"workers/{path.name}: " + "; ".join(problems)
 
 

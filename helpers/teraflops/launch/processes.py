@@ -58,6 +58,12 @@ def stop(proc, results: Path | None, grace: float = 3.0) -> None:
                 proc.wait(timeout=grace)
         if not found and (proc is None or proc.returncode is not None):
             break
-    if proc is not None and proc.returncode is None:  # SIGKILLed: it dies; on a loaded machine later than grace
+    reap(proc)
+
+
+def reap(proc, timeout: float = 30.0) -> None:
+    """Wait for a SIGKILLed launcher ``proc`` (a Popen, or None) that outlived :func:`stop`'s grace period:
+    it dies, on a loaded machine later than the grace; unreaped it stays a zombie child of the kernel."""
+    if proc is not None and proc.returncode is None:
         with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)  # reap it, or it stays a zombie child of the notebook's kernel
+            proc.wait(timeout=timeout)

@@ -98,6 +98,7 @@ class RaySpec:
     ifname: str = "eth0"
     run_name: str = "gpt"
     collective_timeout_s: float = 30
+    node_poll_s: float = 0.2  # how often the driver reads the GCS's node table (ray.nodes()), s
     resize_interval_s: float = RESIZE_INTERVAL_S
 
     def __post_init__(self):

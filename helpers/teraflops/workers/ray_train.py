@@ -127,7 +127,7 @@ def drive(a: RaySpec) -> RayDriverResult:
     t0 = time.time()
     events: list[dict] = []
     watching = threading.Event()
-    watcher = threading.Thread(target=_watch_nodes, args=(events, watching), daemon=True)
+    watcher = threading.Thread(target=_watch_nodes, args=(events, watching, a.node_poll_s), daemon=True)
     watcher.start()
     trainer = TorchTrainer(train_loop, train_loop_config={"spec": wire.to_json(a)},
                            torch_config=TorchConfig(backend="gloo", timeout_s=int(a.collective_timeout_s)),
@@ -148,7 +148,7 @@ def drive(a: RaySpec) -> RayDriverResult:
                            node_events=list(events))
 
 
-def _watch_nodes(events: list, stop: threading.Event, every: float = 0.2) -> None:
+def _watch_nodes(events: list, stop: threading.Event, every: float) -> None:
     """Append ``{"time", "address", "alive"}`` to ``events`` whenever a node's state in the GCS's node
     table (``ray.nodes()``) changes, polling every ``every`` s until ``stop`` is set."""
     import ray  # lazy: only in the driver
