@@ -97,3 +97,24 @@ def test_a_checks_gpu_path_is_skipped_with_the_reason_preflight_gives():
     assert elastic.unmet(0) == elastic.unmet(0, gpu_path=True) == (
         "needs 2 GPUs, this machine has 0 (the CPU test suite runs its gloo version)")
     assert elastic.unmet(1) == "needs 2 GPUs, this machine has 1" and elastic.unmet(2) is None
+
+
+def test_full_adds_the_gpu_preset_checks_and_a_cpu_machine_skips_the_gpu_ones_with_reasons(monkeypatch):
+    """Issue 25: `teraflops preflight --full` runs every CPU-reachable part and lists each GPU-only one as
+    skipped with its reason; without --full none of them runs. The memory check is replaced by a stand-in
+    here (its real run, minutes on 2 cores, is tests/test_gpu_memory.py's)."""
+    from teraflops.course import preflight
+    from teraflops.machine import Machine
+
+    monkeypatch.setattr(preflight.machine, "detect", lambda: Machine("cpu", cpu_cores=2))
+    full = [c for c in preflight.CHECKS if c.full]
+    assert {c.name for c in full} >= {"full-memory", "full-stragglers", "full-zero", "full-remedies", "full-rank-traces"}
+    ran = []
+    stand_ins = [preflight.Check(c.name, c.label, (lambda n=c.name: ran.append(n) or (1.0, "GB", "stand-in")),
+                                 c.gpus, c.full) for c in preflight.CHECKS if c.full]
+    assert all(r.name not in {c.name for c in full} for r in preflight.run(stand_ins, progress=False))  # not without --full
+    results = {r.name: r for r in preflight.run(stand_ins, progress=False, full=True)}
+    assert ran == ["full-memory"] and results["full-memory"].status == "passed"
+    for name in ("full-stragglers", "full-zero", "full-remedies", "full-rank-traces"):
+        assert results[name].status == "skipped" and "GPU" in results[name].detail, results[name]
+    assert "min" in preflight.FULL_NOTE  # it states its time
