@@ -113,3 +113,12 @@ def test_notebook_03s_plan_has_the_detectors_three_ranks_on_two_gpus(monkeypatch
     scope = {}
     exec(compile(cell, "notebook 03, first cell", "exec"), scope)
     assert scope["plan"].placement.world_size >= MIN_RANKS, scope["plan"].note
+
+
+def test_a_launch_env_with_cuda_visible_devices_is_refused_not_silently_undone():
+    """The rank wrapper puts the placement's GPUs back over the launcher's CUDA_VISIBLE_DEVICES, so an
+    ``env=`` one never reached the ranks: it is refused in one line naming the way that works."""
+    from teraflops.launch.plan import prepare
+
+    with pytest.raises(placement.PlacementError, match=r"would be undone.*os.environ\['CUDA_VISIBLE_DEVICES'\]"):
+        prepare("teraflops.workers.selftest", 2, env={"CUDA_VISIBLE_DEVICES": "1"})

@@ -167,8 +167,7 @@ def workload_bytes(p, world: int = 1) -> dict[str, int]:
     that is meant to fit (the intended OOM points excluded: naive attention, the decode sweep's last),
     with ``world`` ranks (one per GPU)."""
     elem = 2  # the probes' and attention's 16-bit elements
-    gpt, comm = _activation_sizes(p.gpt), _activation_sizes(p.comm_gpt)
-    gpt_psi, comm_psi = gpt_params(**asdict(p.gpt)), gpt_params(**asdict(p.comm_gpt))
+    gpt, gpt_psi = _activation_sizes(p.gpt), gpt_params(**asdict(p.gpt))
     n_max = max(p.attention.seq_lens)
     return {
         "ceilings probes": max(3 * p.probe.matmul_n ** 2 * elem, 2 * p.probe.copy_bytes),

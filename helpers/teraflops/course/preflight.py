@@ -481,7 +481,7 @@ def main(out_dir: str | Path = "build/preflight", only=None, full: bool = False)
 FULL_TIMEOUT_S = 900  # per GPU-preset launch: a T4 or L4 in fp32 trains the preset's GPT several times slower than an H100
 FULL_NOTE = (f"--full: also each unit's GPU-preset launches (Unit 3 with its evaluation, Unit 2's ZeRO stages, Unit 5's "
              f"remedies, Unit 6's NCCL rank traces), at most {FULL_TIMEOUT_S // 60} min each, about 30 min in all on the "
-             "slowest GPUs; on a CPU machine only the memory check runs (about 5 min on 2 cores), the GPU-only ones "
+             "slowest GPUs; on a CPU machine only the memory check runs (31 s measured on 2 busy cores), the GPU-only ones "
              "are listed as skipped")
 
 

@@ -9,6 +9,8 @@ does not depend on the world's split of it.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from teraflops.data import markov_tokens
@@ -88,6 +90,15 @@ def sync_device(device) -> None:
     """Wait for this rank's own queued device work (the current CUDA stream); nothing on the CPU."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def release_device_memory(device) -> None:
+    """Free what the objects just deleted held: garbage collected, and on CUDA the caching allocator's
+    cached blocks returned (``torch.cuda.empty_cache``), so that the next run in this process (the next
+    ZeRO stage, whose DeepSpeed buffers differ in size) starts from unfragmented memory."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def zero_config(stage: int, micro_batch: int, bucket: int) -> dict:
