@@ -122,3 +122,12 @@ def test_a_launch_env_with_cuda_visible_devices_is_refused_not_silently_undone()
 
     with pytest.raises(placement.PlacementError, match=r"would be undone.*os.environ\['CUDA_VISIBLE_DEVICES'\]"):
         prepare("teraflops.workers.selftest", 2, env={"CUDA_VISIBLE_DEVICES": "1"})
+
+
+def test_notebook_04_says_a_gpu_launch_is_a_cpu_launch_call():
+    """count_launches on CUDA counts the CPU-side launch calls (a CUDA graph replay is one); notebook 04
+    said it counts the kernels that ran on the device."""
+    text = "\n".join(c.source for c in nbformat.read(ROOT / "notebooks/04_compilation.ipynb", as_version=4).cells
+                     if c.cell_type == "markdown")
+    assert "counts the kernels that ran on the device" not in text
+    assert "launch calls" in text
