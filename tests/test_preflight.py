@@ -118,3 +118,19 @@ def test_full_adds_the_gpu_preset_checks_and_a_cpu_machine_skips_the_gpu_ones_wi
     for name in ("full-stragglers", "full-zero", "full-remedies", "full-rank-traces"):
         assert results[name].status == "skipped" and "GPU" in results[name].detail, results[name]
     assert "min" in preflight.FULL_NOTE  # it states its time
+
+
+def test_the_straggler_check_does_not_flag_a_healthy_ranks_blip_at_ms_scale():
+    """Issue 25: 8 GPU ranks busy ~2 ms a step; one healthy rank's 0.6 ms blips, one rank 200 ms late.
+    With a MAD floor of 5 % of the median alone (0.1 ms) the healthy rank is flagged too."""
+    import numpy as np
+
+    from teraflops.course import preflight
+    from teraflops.orchestration.detection import flag_stragglers
+
+    rng = np.random.default_rng(0)
+    busy = 2e-3 + rng.normal(0, 2e-5, (4, 8))
+    busy[:, 3] += 6e-4  # a healthy rank's blips
+    busy[:, 7] += 0.2  # the injected straggler
+    assert 3 in flag_stragglers(busy)  # the finding
+    assert preflight.flag_late_ranks(busy) == [7]
