@@ -188,3 +188,22 @@ def test_each_node_listens_on_its_own_address_only(slurm):
     assert (c.address(0), port) in seen, sorted(seen)  # the rendezvous store, on node 0
     ours = {addr: {(n, cmd) for n, cmd in who if not cmd.startswith("srun ")} for addr, who in seen.items()}
     assert wide(ours, _node_address) == []
+
+
+def test_a_torch_below_the_floor_is_one_line_and_the_floor_is_pyprojects():
+    """Issue 25: torch 2.4-2.7 serve no pre-bound master_listen_fd in the libuv TCPStore: every launch
+    would hang. The floor is pyproject's, and an older torch is refused in one line."""
+    import re
+    from pathlib import Path
+
+    from teraflops.errors import CourseError
+    from teraflops.launch.loopback import TORCH_FLOOR, check_torch
+
+    for old in ("2.4.1+cu121", "2.7.0"):
+        with pytest.raises(CourseError, match=r"torch 2\.[47]\.\d.* older .*torch 2\.8.*Hint: pip install torch"):
+            check_torch(old)
+    for ok in ("2.8.0", "2.13.0+cpu", "3.0.0a0"):
+        check_torch(ok)
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    floor = re.search(r'"torch>=(\d+)\.(\d+)', pyproject).groups()
+    assert tuple(map(int, floor)) == TORCH_FLOOR

@@ -81,11 +81,13 @@ def test_the_registry_holds_every_check_once_in_the_tables_order():
     assert [(c.name, c.gpus) for c in preflight.CHECKS] == [
         ("device", 0), ("triton-flash", 0), ("fused-rmsnorm", 0), ("ceilings", 0), ("attention-sweep", 0),
         ("profiler-verdicts", 0), ("decode", 0), ("ladder-contention", 0), ("triage", 0), ("zero", 0),
-        ("collectives", 0), ("remedies", 2), ("stragglers", 2), ("elastic", 2)]
+        ("collectives", 0), ("remedies", 2), ("stragglers", 2), ("elastic", 2),
+        ("full-memory", 0), ("full-stragglers", 3), ("full-zero", 2), ("full-remedies", 2), ("full-rank-traces", 3)]
+    assert [c.name for c in preflight.CHECKS if c.full] == [c.name for c in preflight.CHECKS[14:]]  # --full only
     assert preflight.CHECKS[0].fn is preflight.check_device_facts
     with pytest.raises(ValueError, match="named 'zero' is registered already"):
         preflight.register("zero", "again")(lambda: (0, "", ""))
-    assert len(preflight.CHECKS) == 14
+    assert len(preflight.CHECKS) == 19
 
 
 def test_a_checks_gpu_path_is_skipped_with_the_reason_preflight_gives():
@@ -97,3 +99,40 @@ def test_a_checks_gpu_path_is_skipped_with_the_reason_preflight_gives():
     assert elastic.unmet(0) == elastic.unmet(0, gpu_path=True) == (
         "needs 2 GPUs, this machine has 0 (the CPU test suite runs its gloo version)")
     assert elastic.unmet(1) == "needs 2 GPUs, this machine has 1" and elastic.unmet(2) is None
+
+
+def test_full_adds_the_gpu_preset_checks_and_a_cpu_machine_skips_the_gpu_ones_with_reasons(monkeypatch):
+    """Issue 25: `teraflops preflight --full` runs every CPU-reachable part and lists each GPU-only one as
+    skipped with its reason; without --full none of them runs. The memory check is replaced by a stand-in
+    here (its real run, minutes on 2 cores, is tests/test_gpu_memory.py's)."""
+    from teraflops.course import preflight
+    from teraflops.machine import Machine
+
+    monkeypatch.setattr(preflight.machine, "detect", lambda: Machine("cpu", cpu_cores=2))
+    full = [c for c in preflight.CHECKS if c.full]
+    assert {c.name for c in full} >= {"full-memory", "full-stragglers", "full-zero", "full-remedies", "full-rank-traces"}
+    ran = []
+    stand_ins = [preflight.Check(c.name, c.label, (lambda n=c.name: ran.append(n) or (1.0, "GB", "stand-in")),
+                                 c.gpus, c.full) for c in preflight.CHECKS if c.full]
+    assert all(r.name not in {c.name for c in full} for r in preflight.run(stand_ins, progress=False))  # not without --full
+    results = {r.name: r for r in preflight.run(stand_ins, progress=False, full=True)}
+    assert ran == ["full-memory"] and results["full-memory"].status == "passed"
+    for name in ("full-stragglers", "full-zero", "full-remedies", "full-rank-traces"):
+        assert results[name].status == "skipped" and "GPU" in results[name].detail, results[name]
+    assert "min" in preflight.FULL_NOTE  # it states its time
+
+
+def test_the_straggler_check_does_not_flag_a_healthy_ranks_blip_at_ms_scale():
+    """Issue 25: 8 GPU ranks busy ~2 ms a step; one healthy rank's 0.6 ms blips, one rank 200 ms late.
+    With a MAD floor of 5 % of the median alone (0.1 ms) the healthy rank is flagged too."""
+    import numpy as np
+
+    from teraflops.course import preflight
+    from teraflops.orchestration.detection import flag_stragglers
+
+    rng = np.random.default_rng(0)
+    busy = 2e-3 + rng.normal(0, 2e-5, (4, 8))
+    busy[:, 3] += 6e-4  # a healthy rank's blips
+    busy[:, 7] += 0.2  # the injected straggler
+    assert 3 in flag_stragglers(busy)  # the finding
+    assert preflight.flag_late_ranks(busy) == [7]

@@ -71,10 +71,11 @@ def test_the_script_allocates_k_nodes_and_sruns_one_torchrun_each_meeting_on_the
     assert 'addr=$(getent hosts "$(hostname)")' in step and '--local-addr "$addr"' in step  # the node's own address
     assert 'export TERAFLOPS_LISTEN_ADDRS="$addr"' in step  # where its stores listen (teraflops.launch.loopback)
     assert step.rstrip().endswith("/w/rank_wrapper.py teraflops.workers.selftest'")
-    assert 'export TERAFLOPS_NODE="$SLURM_NODEID" NCCL_HOSTID="$SLURMD_NODENAME"' in step
+    assert 'export TERAFLOPS_NODE="$SLURM_NODEID"' in step
+    assert 'if [ "${TERAFLOPS_EMULATED_NODES:-}" = 1 ]; then\n    export NCCL_HOSTID="$SLURMD_NODENAME"' in step
     # the course's environment, once for all nodes, before srun (which passes it on)
-    for var in ("export GLOO_SOCKET_IFNAME=eth0", "export TERAFLOPS_BACKEND=gloo", "export OMP_NUM_THREADS=1",
-                "export TERAFLOPS_RESULTS_DIR=/tmp/r", "export TRITON_INTERPRET=1"):
+    for var in ("export TERAFLOPS_BACKEND=gloo", "export OMP_NUM_THREADS=1",
+                "export TERAFLOPS_RESULTS_DIR=/tmp/r", "export TRITON_INTERPRET=1", "  export GLOO_SOCKET_IFNAME=eth0"):
         assert var in lines[:srun], var
     assert "case" not in step  # nothing differs per node but what Slurm says
 
@@ -82,9 +83,46 @@ def test_the_script_allocates_k_nodes_and_sruns_one_torchrun_each_meeting_on_the
 def test_gpu_ranks_ask_for_gpus_and_each_node_gets_its_share():
     text = job(gpus=4).script()
     assert "#SBATCH --gpus-per-node=2" in text.splitlines()
-    assert "    0) export CUDA_VISIBLE_DEVICES=0,1 TERAFLOPS_CUDA_VISIBLE_DEVICES=0,1 ;;" in text
-    assert "    1) export CUDA_VISIBLE_DEVICES=2,3 TERAFLOPS_CUDA_VISIBLE_DEVICES=2,3 ;;" in text
+    assert "      0) export CUDA_VISIBLE_DEVICES=0,1 TERAFLOPS_CUDA_VISIBLE_DEVICES=0,1 ;;" in text
+    assert "      1) export CUDA_VISIBLE_DEVICES=2,3 TERAFLOPS_CUDA_VISIBLE_DEVICES=2,3 ;;" in text
     assert "export TERAFLOPS_BACKEND=nccl" in text
+
+
+def _run_script_on_node(tmp_path, text: str, node: int, emulated: bool) -> dict:
+    """Run the script as node ``node`` of a job would, with stand-ins for scontrol, srun (runs its
+    step here) and torchrun (writes the environment it got): the environment a rank would start with."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir(exist_ok=True)
+    for name, body in (("scontrol", "echo gpu-node-0"),
+                       ("srun", 'while [ "$1" != bash ]; do shift; done; exec "$@"'),
+                       ("torchrun", f'env -0 > {tmp_path}/env.bin')):
+        (stubs / name).write_text(f"#!/bin/bash\n{body}\n")
+        (stubs / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(text.replace("/venv/bin/torchrun", str(stubs / "torchrun")))
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "gpu-node-[0-1]", "SLURM_JOB_ID": "7",
+           "SLURM_NODEID": str(node), "SLURMD_NODENAME": f"gpu-node-{node}",
+           **({sbatch.EMULATED_ENV: "1"} if emulated else {})}
+    subprocess.run(["bash", str(script)], env=env, check=True, timeout=30)
+    return dict(kv.split("=", 1) for kv in (tmp_path / "env.bin").read_text().split("\0") if "=" in kv)
+
+
+@pytest.mark.slow
+def test_the_script_on_a_real_cluster_leaves_gpus_and_network_to_slurm_and_nccl(tmp_path):
+    """Issue 25: the archived job.sbatch is the script to take to a real cluster. Rendered for 2 nodes ×
+    2 GPUs and run as node 1 of a real cluster, its ranks get neither the emulation's sockets, nor
+    InfiniBand off, nor NCCL's socket transport, nor GPUs 2,3 of the login machine; on the emulated
+    nodes (TERAFLOPS_EMULATED_NODES=1, as the course submits it) they get all of them."""
+    text = job(gpus=4).script()
+    real = _run_script_on_node(tmp_path, text, 1, emulated=False)
+    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_NET", "NCCL_HOSTID",
+                "CUDA_VISIBLE_DEVICES", "TERAFLOPS_CUDA_VISIBLE_DEVICES"):
+        assert var not in real, f"{var}={real[var]} reaches a real cluster's ranks"
+    assert real["TERAFLOPS_BACKEND"] == "nccl" and real["TERAFLOPS_NODE"] == "1"
+    emulated = _run_script_on_node(tmp_path, text, 1, emulated=True)
+    assert emulated["CUDA_VISIBLE_DEVICES"] == "2,3" and emulated["NCCL_IB_DISABLE"] == "1"
+    assert emulated["NCCL_NET"] == "Socket" and emulated["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert emulated["NCCL_HOSTID"] == "gpu-node-1"
 
 
 def test_cpus_threads_time_and_quoting():

@@ -76,3 +76,28 @@ def test_cpu_peak_counts_the_regions_own_allocations_not_frees_of_earlier_tensor
     peak, _ = peak_memory(region, "cpu")
     assert peak >= 2**20  # the documented upper bound, not the 0 bytes of rise above what was live
     assert "above what was live before it" not in peak_memory.__doc__
+
+
+def test_fake_memory_counts_live_and_peak_bytes_without_allocating():
+    from teraflops.memory import fake_memory
+
+    with fake_memory() as mem:
+        a = torch.empty(2**40, dtype=torch.uint8)  # 1 TiB: counted, never allocated
+        assert mem.live == 2**40
+        b = a[:10]  # a view shares the storage: no new bytes
+        c = torch.ones(1000, dtype=torch.float32) * 2  # the ones are freed at once
+        del a, b
+        assert mem.live == 4000 and mem.peak == 2**40 + 8000
+        assert mem.reset_peak() == 4000 and mem.peak == 4000
+        del c
+
+
+def test_fake_memory_of_a_training_step_is_weights_grads_and_saved_activations():
+    from teraflops.memory import fake_memory
+
+    with fake_memory() as mem:
+        lin = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of weight
+        assert mem.live == 4 * MiB
+        x = torch.empty(256, 1024)  # 1 MiB
+        lin(x).sum().backward()  # output (1 MiB, freed) and the weight's gradient (4 MiB, kept)
+        assert mem.live == 9 * MiB and 9 * MiB <= mem.peak <= 11 * MiB

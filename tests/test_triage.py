@@ -387,3 +387,31 @@ def test_gpu_idle_time_inside_a_host_side_collective_is_communication():
     rows = {e.name: e for e in r.evidence}
     assert rows["c10d::allreduce_"].seconds == pytest.approx(900e-6) and rows["c10d::allreduce_"].category == "communication"
     assert rows["ncclDevKernel_AllReduce_Sum_bf16_RING_LL"].seconds == pytest.approx(100e-6)
+
+
+def test_device_idle_while_a_deepspeed_hook_waits_for_its_all_gather_is_communication():
+    """Synthetic GPU trace of ZeRO-3's parameter fetch (issue 25): DeepSpeed's module hook (no work
+    of its own) launches an all-gather (``record_param_comms``, 20 µs on the host) whose NCCL kernel
+    runs 800 µs later; the device idles under the hook meanwhile. That idle time is the collective's,
+    as on a CPU trace, not launch overhead; the hook's bookkeeping after the kernel ends stays overhead."""
+    mm = {"Input type": ["c10::BFloat16"] * 2, "Input Dims": [[8192, 8192], [8192, 8192]]}
+    ev = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0.0, "dur": 10.0,
+           "args": {**mm, "External id": 7}},
+          {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16bf16_bf16f32", "pid": 0, "tid": 7, "ts": 5.0,
+           "dur": 95.0, "args": {"External id": 7}},
+          {"ph": "X", "cat": "cpu_op", "name": "pre_sub_module_forward_function", "pid": 1, "tid": 1, "ts": 100.0,
+           "dur": 1000.0, "args": {}},
+          {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": 1, "tid": 1, "ts": 110.0, "dur": 20.0,
+           "args": {"External id": 11}},
+          {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "pid": 0, "tid": 20, "ts": 900.0,
+           "dur": 100.0, "args": {"External id": 11}},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 1100.0, "dur": 10.0,
+           "args": {**mm, "External id": 13}},
+          {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16bf16_bf16f32", "pid": 0, "tid": 7, "ts": 1105.0,
+           "dur": 95.0, "args": {"External id": 13}}]
+    r = tr.triage({"traceEvents": ev}, ceilings=Ceilings(989e12, 3.35e12, torch.bfloat16, "cuda", 0, 0),
+                  launch_floor=5e-6)
+    assert r.verdict == "communication-bound", r.shares
+    # in flight from the launch (110 µs) to the kernel's end (1000 µs); 100-110 and 1000-1100 are the hook's own
+    assert r.shares["communication"] == pytest.approx(890 / 1200) and r.shares["overhead"] == pytest.approx(120 / 1200)
+    assert r.shares["compute"] == pytest.approx(190 / 1200)

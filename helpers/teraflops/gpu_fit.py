@@ -27,6 +27,22 @@ Memory models (bytes on one GPU, the largest point of each workload; GB = 1e9, G
   ``2 · layers · batch · positions · d_model`` elements (keys and values, every head), plus the
   prefill's logits ``batch · prompt · vocab`` in fp32.
 * **Collectives**: send, receive and a reference buffer of the message size (``3 · S``).
+* **Remedies** (``workers/remedies.py``): all :data:`REMEDY_SETTINGS` settings are built at once, each a DDP
+  model with Adam (16 B/parameter) and DDP's gradient buckets (4 B/parameter), and one setting's activations.
+* **Stragglers** (``workers/straggler.py``): on GPUs one setting at a time (SGD with momentum, the
+  flat gradient buffer: within 16 B/parameter), at the largest micro-batch rebalancing can give a rank
+  (:func:`rebalanced_micro_batch`); the held-out evaluation runs one micro-batch at a time.
+* **Decode** is built in fp32 by notebook 04 (eager and compiled tokens compare exactly): weights and
+  cache at :data:`DECODE_ELEM` bytes.
+
+The budget (:func:`budget_bytes`) is ``HEADROOM`` of the memory a learner has, less a reserve: the
+GPU's free memory (not its total: another process may hold some) times its share
+(``TERAFLOPS_GPU_SHARE``, e.g. ``0.25`` for four learners of a hub on one GPU), minus
+:data:`CONTEXT_BYTES` for the CUDA context and cuBLAS workspaces (outside torch's allocator: a few
+hundred MB per process on recent GPUs, CUDA C Programming Guide, "Lazy Loading") and, with several
+ranks, NCCL's buffers (:func:`nccl_bytes`: ``NCCL_BUFFSIZE`` = 4 MiB per protocol buffer, per channel,
+to each ring neighbour, up to 32 channels; NCCL's environment-variable docs).
+:mod:`teraflops.course.gpu_memory` measures each workload without a GPU and checks it against the model.
 * **Probes**: the matmul probe's three ``n × n`` matrices, the copy probe's source and destination.
 """
 
@@ -39,6 +55,54 @@ from teraflops.models import GPT
 
 HEADROOM = 0.8  # fraction of the GPU's memory a workload may plan to use
 MiB = 2**20
+GiB = 2**30
+CONTEXT_BYTES = 1 * GiB  # CUDA context + cuBLAS workspaces per process (module docstring)
+NCCL_BUFFSIZE = 4 * MiB  # NCCL's default per-protocol buffer
+NCCL_CHANNELS = 32  # the most channels NCCL opens (MAXCHANNELS)
+REMEDY_SETTINGS = 6  # teraflops.hardware.remedies.SETTINGS, built at once (tests/test_gpu_memory.py checks)
+DECODE_ELEM = 4  # notebook 04 builds the decode model in fp32
+STRAGGLER_FACTOR = 3.0  # teraflops.orchestration.stragglers.FACTOR (tests/test_gpu_memory.py checks)
+SHARE_ENV = "TERAFLOPS_GPU_SHARE"
+
+
+def nccl_bytes(world: int) -> int:
+    """NCCL's buffers per rank: ``2 neighbours × NCCL_CHANNELS × NCCL_BUFFSIZE`` with several ranks, 0 alone."""
+    return 0 if world < 2 else 2 * NCCL_CHANNELS * NCCL_BUFFSIZE
+
+
+def gpu_share(environ=None) -> float:
+    """The share of one GPU a learner plans for: ``TERAFLOPS_GPU_SHARE`` (0 < share <= 1), default 1.
+
+    Raises:
+        ValueError: a share that is not a number in (0, 1].
+    """
+    import os
+
+    raw = (os.environ if environ is None else environ).get(SHARE_ENV, "1")
+    try:
+        share = float(raw)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise ValueError(f"{SHARE_ENV}={raw!r} must be a fraction in (0, 1], e.g. 0.25 for four learners on one GPU")
+    return share
+
+
+def budget_bytes(gpu, world: int = 1, share: float = 1.0) -> int:
+    """Bytes a workload may plan to use on ``gpu``: ``HEADROOM × share × free`` minus the context's
+    and NCCL's reserve (module docstring); ``free`` is ``gpu.free_bytes`` where known, else the total."""
+    free = getattr(gpu, "free_bytes", None) or gpu.memory_bytes
+    return int(HEADROOM * share * min(free, gpu.memory_bytes)) - CONTEXT_BYTES - nccl_bytes(world)
+
+
+def rebalanced_micro_batch(micro_batch: int, world: int, factor: float = STRAGGLER_FACTOR) -> int:
+    """The largest micro-batch Unit 3's rebalancing gives a rank when one of ``world`` computes at
+    ``1/factor`` of the speed: its quota of ``world × micro_batch`` rounded up (largest remainders)."""
+    if world < 2:
+        return micro_batch
+    import math
+
+    return math.ceil(world * micro_batch / (world - 1 + 1 / factor))
 
 
 @lru_cache(maxsize=64)
@@ -75,11 +139,20 @@ def staleness_bytes(p, taus=(0, 1, 4, 16)) -> int:
     return len(taus) * 16 * psi + sum(t + 1 for t in taus) * 4 * psi + act
 
 
+def remedies_bytes(p) -> int:
+    """Unit 5's remedies on one rank: :data:`REMEDY_SETTINGS` DDP models with Adam and gradient
+    buckets (20 B/parameter each) and one setting's activations (module docstring)."""
+    psi = gpt_params(**asdict(p.comm_gpt))
+    return REMEDY_SETTINGS * 20 * psi + training_bytes(0, micro_batch=p.dp.micro_batch, **_activation_sizes(p.comm_gpt))
+
+
 def decode_bytes(p, batch: int) -> int:
-    """Unit 4's decode model at ``batch``: 16-bit weights, the static KV cache, the prefill's fp32 logits."""
-    weights = 2 * llama_params(p.decode.vocab, p.decode.d_model, p.decode.layers)
-    cache = 2 * 2 * p.decode.layers * batch * p.decode.max_seq_len * p.decode.d_model
-    return weights + cache + 4 * batch * p.decode.prompt_len * p.decode.vocab
+    """Unit 4's decode model at ``batch``: weights and the static KV cache at :data:`DECODE_ELEM` bytes,
+    the prefill's fp32 logits and one block's SwiGLU intermediates (``3 · 4·d_model`` per token)."""
+    weights = DECODE_ELEM * llama_params(p.decode.vocab, p.decode.d_model, p.decode.layers)
+    cache = DECODE_ELEM * 2 * p.decode.layers * batch * p.decode.max_seq_len * p.decode.d_model
+    prefill = 4 * batch * p.decode.prompt_len * (p.decode.vocab + 12 * p.decode.d_model)  # logits, SwiGLU's 3 × 4d
+    return weights + cache + prefill
 
 
 def decode_sweep_bytes(p, batch: int) -> int:
@@ -89,12 +162,12 @@ def decode_sweep_bytes(p, batch: int) -> int:
         2 * 2 * p.decode.layers * batch * p.decode.max_seq_len * p.decode.d_model
 
 
-def workload_bytes(p) -> dict[str, int]:
+def workload_bytes(p, world: int = 1) -> dict[str, int]:
     """The memory model (bytes on one GPU) of each GPU-preset workload at its largest planned point
-    that is meant to fit (the intended OOM points excluded: naive attention, the decode sweep's last)."""
+    that is meant to fit (the intended OOM points excluded: naive attention, the decode sweep's last),
+    with ``world`` ranks (one per GPU)."""
     elem = 2  # the probes' and attention's 16-bit elements
-    gpt, comm = _activation_sizes(p.gpt), _activation_sizes(p.comm_gpt)
-    gpt_psi, comm_psi = gpt_params(**asdict(p.gpt)), gpt_params(**asdict(p.comm_gpt))
+    gpt, gpt_psi = _activation_sizes(p.gpt), gpt_params(**asdict(p.gpt))
     n_max = max(p.attention.seq_lens)
     return {
         "ceilings probes": max(3 * p.probe.matmul_n ** 2 * elem, 2 * p.probe.copy_bytes),
@@ -103,9 +176,11 @@ def workload_bytes(p) -> dict[str, int]:
         "transformer block (fwd + bwd)": training_bytes(12 * p.block.d_model ** 2, layers=1, d_model=p.block.d_model,
                                                        seq_len=p.block.seq, micro_batch=p.block.batch, vocab=0),
         "ZeRO stage 0 (GPT)": training_bytes(gpt_psi, micro_batch=p.dp.micro_batch, **gpt),
-        "stragglers / elastic (GPT)": training_bytes(gpt_psi, micro_batch=p.straggler.micro_batch, **gpt),
+        "stragglers (one setting, rebalanced, evaluation)": training_bytes(
+            gpt_psi, micro_batch=rebalanced_micro_batch(p.straggler.micro_batch, world), **gpt),
+        "elastic (GPT, Adam)": training_bytes(gpt_psi, micro_batch=p.straggler.micro_batch, **gpt),
         "stale gradients (τ sweep)": staleness_bytes(p),
-        "remedies (DDP)": training_bytes(comm_psi, micro_batch=p.dp.micro_batch, **comm) + 4 * comm_psi,
+        "remedies (DDP, every setting)": remedies_bytes(p),
         "decode at the largest batch that fits": decode_bytes(p, p.decode.fit_batch),
         "collectives (largest message)": 3 * p.collective.max_bytes,
         "contention (8 streams)": 2 * 8 * p.copies.contention_bytes,
@@ -118,7 +193,7 @@ def supports_bf16(capability: tuple[int, int]) -> bool:
     return tuple(capability) >= (8, 0)
 
 
-def fit_preset(base, gpu):
+def fit_preset(base, gpu, world: int = 1, share: float = 1.0):
     """``base`` (the GPU preset) with sizes and dtype fitted to ``gpu`` (memory, capability).
 
     Shrinks, in this order and only where a workload's model exceeds ``HEADROOM`` of the memory:
@@ -128,7 +203,7 @@ def fit_preset(base, gpu):
     """
     import torch
 
-    budget = HEADROOM * gpu.memory_bytes
+    budget = budget_bytes(gpu, world, share)
     p = replace(base, name=base.name, dtype=torch.bfloat16 if supports_bf16(gpu.capability) else torch.float16)
     top = p.collective.max_bytes
     while 3 * top > budget and top > 64 * MiB:
@@ -137,10 +212,11 @@ def fit_preset(base, gpu):
     gpt, psi = _activation_sizes(p.gpt), gpt_params(**asdict(p.gpt))
     for unit in ("dp", "straggler"):  # the ZeRO and straggler / elastic micro-batches
         sizes = getattr(p, unit)
-        while sizes.micro_batch > 1 and training_bytes(psi, micro_batch=sizes.micro_batch, **gpt) > budget:
+        while sizes.micro_batch > 1 and training_bytes(
+                psi, micro_batch=rebalanced_micro_batch(sizes.micro_batch, world), **gpt) > budget:
             sizes = replace(sizes, micro_batch=sizes.micro_batch // 2)
         p = replace(p, **{unit: sizes})
-    while p.comm_gpt.d_model > 256 and staleness_bytes(p) > budget:
+    while p.comm_gpt.d_model > 256 and max(staleness_bytes(p), remedies_bytes(p)) > budget:
         p = replace(p, comm_gpt=replace(p.comm_gpt, d_model=p.comm_gpt.d_model - 256))
     fit = 1
     while decode_bytes(p, 2 * fit) <= budget and 2 * fit <= max(base.decode.batches):

@@ -56,10 +56,14 @@ def triton_mode() -> str:
 
 @dataclass(frozen=True)
 class GPU:
+    """One visible GPU: ``memory_bytes`` total, ``free_bytes`` free when detected (None: unknown;
+    NVML's count through ``torch.cuda.device_memory_used``, which creates no CUDA context)."""
+
     index: int
     name: str
     memory_bytes: int
     capability: tuple[int, int]
+    free_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,16 @@ class Machine:
         return f"CPU only: {self.cpu_cores} cores, {mem}, Triton {self.triton}"
 
 
+def _free_bytes(index: int, total: int) -> int | None:
+    """Free memory of GPU ``index`` from NVML (``torch.cuda.device_memory_used``; None without NVML)."""
+    import torch
+
+    try:
+        return max(0, total - int(torch.cuda.device_memory_used(index)))
+    except Exception:  # no NVML (pynvml) here: the budget then reads the total  # noqa: BLE001
+        return None
+
+
 @lru_cache(maxsize=1)
 def detect() -> Machine:
     """Detect this machine once per process (cached)."""
@@ -120,7 +134,7 @@ def detect() -> Machine:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            gpus.append(GPU(i, p.name, int(p.total_memory), (p.major, p.minor)))
+            gpus.append(GPU(i, p.name, int(p.total_memory), (p.major, p.minor), _free_bytes(i, int(p.total_memory))))
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS

@@ -17,15 +17,32 @@
   arrays the Triton interpreter uses for a kernel's tiles, which stand in for on-chip SRAM on a
   GPU and should not count as "HBM" traffic anyway.
 
+* Without any memory: :func:`fake_memory` runs a region under torch's ``FakeTensorMode``
+  (``torch._subclasses.fake_tensor``: tensors with shapes, dtypes and strides but no data) and a
+  dispatch mode that adds each new storage's bytes when an operator returns it and subtracts them
+  when its last reference dies (``weakref.finalize``): the live bytes the caching allocator would
+  hand out, at any size, on a machine that has a fraction of them. Memory the allocator rounds up
+  (512-byte blocks) and its reserved-but-free segments are not counted; the CUDA context and
+  NCCL's buffers are outside torch's tensors altogether (:mod:`teraflops.gpu_fit` keeps a reserve
+  for them). A CPU build of torch cannot run autograd on fake ``cuda`` tensors, so the region's
+  tensors are fake CPU tensors: the bytes are the same, and the kernels that decide what is saved
+  for backward are the fused ones too (scaled-dot-product attention keeps its log-sum-exp, not
+  the ``N x N`` scores, on both).
+
 Bytes are reported as integers; the notebooks print MiB (2**20) or GiB (2**30).
 """
 
 from __future__ import annotations
 
 import gc
-from typing import Callable
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from teraflops.errors import CourseError
 
@@ -75,3 +92,62 @@ def peak_memory(fn: Callable[[], object], device: str | torch.device = "cpu") ->
     if device.type == "cuda":
         return _cuda_peak(fn, device)
     return _cpu_peak(fn)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live and peak bytes of the storages the operators inside it create (module docstring).
+
+    Attributes:
+        live: bytes of the storages alive now.
+        peak: the most bytes alive at once since entry or the last :meth:`reset_peak`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def reset_peak(self) -> int:
+        """Start a new peak from what is live now; returns ``live``."""
+        self.peak = self.live
+        return self.live
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key)
+
+    def _track(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._sizes:
+            return
+        self._sizes[key] = storage.nbytes()
+        self.live += self._sizes[key]
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self._track(t)
+        return out
+
+
+@contextmanager
+def fake_memory() -> Iterator[LiveBytes]:
+    """A region whose tensors take no memory, and a :class:`LiveBytes` counting what they would take::
+
+        with fake_memory() as mem:
+            model = GPT(...)                       # 541 MB of fp32 weights, counted, none allocated
+            base = mem.reset_peak()
+            model(tokens).sum().backward()
+            activations_and_grads = mem.peak - base
+
+    Tensors made before the region cannot enter it (FakeTensorMode refuses real inputs). Objects
+    that keep tensors alive past the region (a returned model) stop being counted when it ends.
+    """
+    gc.collect()
+    with FakeTensorMode(), LiveBytes() as mem:
+        yield mem
+        gc.collect()

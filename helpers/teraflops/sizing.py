@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from teraflops.gpu_fit import fit_preset
+from teraflops.gpu_fit import fit_preset, gpu_share
 from teraflops.machine import detect
 
 MiB = 2**20
@@ -480,5 +480,7 @@ def preset(name: str | None = None) -> Preset:
         if not gpus:
             raise ValueError(f"preset {name!r} needs a CUDA GPU and none is visible")
 
-        p = fit_preset(p, min(gpus, key=lambda g: g.memory_bytes))  # sized for the smallest GPU a rank may get
+        smallest = min(gpus, key=lambda g: min(g.free_bytes or g.memory_bytes, g.memory_bytes))
+        # sized for the smallest GPU a rank may get, one rank per GPU, this learner's share of it
+        p = fit_preset(p, smallest, world=len(gpus), share=gpu_share())
     return p

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "(a table of checks; exit 0 only if all pass)")
     preflight.add_argument("--out", default="build/preflight", help="folder for results.json (default: build/preflight)")
     preflight.add_argument("--only", nargs="+", metavar="CHECK", help="run only these checks (names as in the table)")
+    preflight.add_argument("--full", action="store_true", help="also each unit's GPU-preset launches and the memory "
+                                                              "check (GPU-only ones skipped on a CPU, with the reason)")
 
     lab = sub.add_parser("lab", help="start JupyterLab on the course folder (loopback only by default)")
     lab.add_argument("--port", type=int, default=8888, help="port (default: 8888, or the next free one)")
@@ -308,7 +310,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _cmd_preflight(args: argparse.Namespace) -> int:
     from teraflops.course import preflight
 
-    return preflight.main(args.out, only=args.only)
+    return preflight.main(args.out, only=args.only, full=args.full)
 
 
 def _cmd_grade(args: argparse.Namespace) -> int:

@@ -28,13 +28,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from teraflops import __version__, machine
 from teraflops.ceilings import bandwidth_ladder, measure_ceilings
 from teraflops.compilation.decode import batch_sweep, compile_decode, generate, launches_per_token
 from teraflops.compilation.fused import compare
 from teraflops.datasheets import published_for
 from teraflops.errors import CourseError
-from teraflops.gpu_fit import supports_bf16
+from teraflops.gpu_fit import budget_bytes, fit_preset, supports_bf16, workload_bytes
 from teraflops.hardware import collectives, contention, remedies
 from teraflops.launch.placement import data_parallel_plan
 from teraflops.model_definition.attention import attention_sweep, sdpa
@@ -42,7 +44,7 @@ from teraflops.model_definition.flash_triton import flash_attention
 from teraflops.model_definition.profiling import profile_ops
 from teraflops.models import Llama, TransformerBlock
 from teraflops.orchestration import elastic, stragglers
-from teraflops.orchestration.detection import MIN_RANKS, flag_stragglers
+from teraflops.orchestration.detection import MIN_RANKS, REL_FLOOR, flag_stragglers
 from teraflops.parallelization.zero import expected_comm_bytes, max_loss_difference, run_zero, trained_gpt
 from teraflops.sizing import PRESETS, preset
 from teraflops.triage.verdict import measured_launch_floor, triage
@@ -68,6 +70,7 @@ class Check:
     label: str
     fn: Callable[[], tuple]
     gpus: int = 0
+    full: bool = False  # a GPU-preset check: only with --full (run(full=True))
 
     def unmet(self, gpus: int, gpu_path: bool = False) -> str | None:
         """Why this check cannot run on a machine with ``gpus`` GPUs (one line), or None if it can.
@@ -88,7 +91,7 @@ class Check:
 CHECKS: list[Check] = []  # the registry, in the order the table prints it: @register adds each check
 
 
-def register(name: str, label: str, gpus: int = 0):
+def register(name: str, label: str, gpus: int = 0, full: bool = False):
     """Decorator: add the function, ``fn() -> (value, unit, detail)``, to :data:`CHECKS` as the check
     ``name`` (``--only`` and the table use it; ``label`` says what it covers) needing ``gpus`` GPUs.
     The one place a check is declared: ``teraflops preflight`` and ``pytest -m gpu``
@@ -100,7 +103,7 @@ def register(name: str, label: str, gpus: int = 0):
     def add(fn: Callable[[], tuple]) -> Callable[[], tuple]:
         if any(c.name == name for c in CHECKS):
             raise ValueError(f"a preflight check named {name!r} is registered already")
-        CHECKS.append(Check(name, label, fn, gpus))
+        CHECKS.append(Check(name, label, fn, gpus, full))
         return fn
     return add
 
@@ -376,6 +379,17 @@ def check_remedies():
     return ratio, "bytes ratio", f"{out.ranks} ranks ({out.backend})"
 
 
+JITTER_FLOOR_S = 1e-3  # the MAD floor in seconds: a GPU step's launch and synchronisation jitter
+
+
+def flag_late_ranks(busy_s) -> list[int]:
+    """:func:`teraflops.orchestration.detection.flag_stragglers` with the MAD floored at
+    :data:`JITTER_FLOOR_S` as well as 5 % of the median: on 8 GPUs a tiny step's busy time is a few ms,
+    where 5 % is microseconds and one healthy rank's scheduling blip reads as a straggler."""
+    median = float(np.median(np.asarray(busy_s, dtype=float)))
+    return flag_stragglers(busy_s, rel_floor=max(REL_FLOOR, JITTER_FLOOR_S / median) if median > 0 else REL_FLOOR)
+
+
 @register("stragglers", "injected straggler and the detector", gpus=2)
 def check_stragglers():
     """A 200 ms straggler injected: the detector names it (placement: NCCL with 3 GPUs or more)."""
@@ -383,7 +397,7 @@ def check_stragglers():
     plan = data_parallel_plan(replace(tiny, name="tiny-gpu", device="cuda"), ranks_cpu=4, min_ranks=MIN_RANKS)
     out = stragglers.run(plan, delays_ms=(0, 200), steps=4, experiments=("sweep",), timeout=300)
     late = out.sweep[-1]
-    flagged = flag_stragglers(late.busy)
+    flagged = flag_late_ranks(late.busy)
     slow = late.busy.shape[1] - 1 if late.injection.rank is None else late.injection.rank
     _need(list(flagged) == [slow], f"detector flagged {list(flagged)}, the straggler is rank {slow}")
     return len(flagged), "flagged", f"{out.world_size} ranks ({out.backend}): {plan.note}"
@@ -398,7 +412,7 @@ def check_elastic():
     return diff, "loss difference", f"{out.ranks} ranks, killed at step {out.kill_step}"
 
 
-def run(checks=None, only=None, progress: bool = True) -> list[CheckResult]:
+def run(checks=None, only=None, progress: bool = True, full: bool = False) -> list[CheckResult]:
     """Run ``checks`` (default: every registered one, :data:`CHECKS`), or those named in ``only``, in
     order; one :class:`CheckResult` each.
 
@@ -408,7 +422,7 @@ def run(checks=None, only=None, progress: bool = True) -> list[CheckResult]:
     Raises:
         CourseError: ``only`` names a check that does not exist.
     """
-    checks = list(CHECKS if checks is None else checks)
+    checks = [c for c in (CHECKS if checks is None else checks) if full or not c.full or (only and c.name in only)]
     if only:
         unknown = sorted(set(only) - {c.name for c in checks})
         if unknown:
@@ -463,12 +477,15 @@ def results_json(machine, results: list[CheckResult]) -> dict:
             "notebooks": {"preflight": numbers}, "checks": [asdict(r) for r in results]}
 
 
-def main(out_dir: str | Path = "build/preflight", only=None) -> int:
-    """Run the checks, print the table and a verdict line, write ``results.json``; 0 iff none failed."""
+def main(out_dir: str | Path = "build/preflight", only=None, full: bool = False) -> int:
+    """Run the checks (with ``full``, also the GPU-preset ones: :data:`FULL_NOTE`), print the table and
+    a verdict line, write ``results.json``; 0 iff none failed."""
     m = machine.detect()
     print(f"teraflops preflight on {m.summary()}", flush=True)
+    if full:
+        print(FULL_NOTE, flush=True)
     start = time.perf_counter()
-    results = run(only=only)
+    results = run(only=only, full=full)
     print(table(results))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -482,3 +499,72 @@ def main(out_dir: str | Path = "build/preflight", only=None) -> int:
     for r in failed:
         print(f"FAILED {r.name}: {r.detail}")
     return 1 if failed else 0
+
+
+# ---- --full: each lecture's GPU-preset launches, once -----------------------------------------------
+
+FULL_TIMEOUT_S = 900  # per GPU-preset launch: a T4 or L4 in fp32 trains the preset's GPT several times slower than an H100
+FULL_NOTE = (f"--full: also each unit's GPU-preset launches (Unit 3 with its evaluation, Unit 2's ZeRO stages, Unit 5's "
+             f"remedies, Unit 6's NCCL rank traces), at most {FULL_TIMEOUT_S // 60} min each, about 30 min in all on the "
+             "slowest GPUs; on a CPU machine only the memory check runs (31 s measured on 2 busy cores), the GPU-only ones "
+             "are listed as skipped")
+
+
+@register("full-memory", "every GPU-preset workload's memory, measured (FakeTensorMode), within budget", full=True)
+def check_full_memory():
+    """:mod:`teraflops.course.gpu_memory` for this machine's smallest GPU and GPU count (on a CPU machine:
+    a 16 GB T4 with 8 ranks, the tightest class and the largest world term): each measured peak within
+    its model, each model within the budget."""
+    from teraflops.course import gpu_memory  # lazy: course module on top of the workers, only for --full
+
+    m = machine.detect()
+    gpu = min(m.gpus, key=lambda g: g.memory_bytes) if m.gpus else gpu_memory.GPUS["T4 16 GB"]
+    world = max(m.gpu_count, 1) if m.gpus else 8
+    p = fit_preset(PRESETS["gpu"], gpu, world=world)
+    model, measured, budget = workload_bytes(p, world), gpu_memory.measure(p, world), budget_bytes(gpu, world)
+    over = {w: f"{b / 1e9:.2f} GB > model {model[w] / 1e9:.2f}" for w, b in measured.items() if b > model[w]}
+    over.update({w: f"model {b / 1e9:.2f} GB > budget {budget / 1e9:.1f}" for w, b in model.items() if b > budget})
+    _need(not over, "; ".join(f"{w}: {why}" for w, why in over.items()))
+    worst = max(measured, key=lambda w: measured[w])
+    return measured[worst] / 1e9, "GB peak", f"{gpu.name} × {world}: {len(measured)} measured, largest {worst}"
+
+
+@register("full-stragglers", "Unit 3 at the GPU preset: one setting at a time, evaluation", gpus=MIN_RANKS, full=True)
+def check_full_stragglers():
+    """Unit 3's launch at the GPU preset (notebook 03's plan) with a delay and local SGD's held-out evaluation."""
+    out = stragglers.run(stragglers.default_plan(preset()), delays_ms=(0, 200), steps=4,
+                         experiments=("sweep", "localsgd"), timeout=FULL_TIMEOUT_S)
+    flagged = flag_late_ranks(out.sweep[-1].busy)
+    _need(len(flagged) == 1, f"detector flagged {list(flagged)} with one rank 200 ms late")
+    return out.wall_s, "s", f"{out.world_size} ranks ({out.backend}), the late rank flagged"
+
+
+@register("full-zero", "Unit 2's ZeRO stages 0-3 at the GPU preset", gpus=2, full=True)
+def check_full_zero():
+    """DeepSpeed ZeRO 0-3 at the GPU preset's GPT on one rank per GPU: the same losses."""
+    runs = run_zero(plan=data_parallel_plan(preset()), steps=3, timeout=FULL_TIMEOUT_S)
+    diff = max_loss_difference(runs)
+    _need(diff < 1e-3, f"the stages' losses differ by {diff:.3g}")
+    return diff, "max loss difference", f"{runs[0].world_size} ranks ({runs[0].backend}), 4 stages"
+
+
+@register("full-remedies", "Unit 5's remedies at the GPU preset (every setting)", gpus=2, full=True)
+def check_full_remedies():
+    """Every remedy setting at the GPU preset's comm GPT: fp16 compression sends half the baseline's bytes."""
+    out = remedies.run(plan=data_parallel_plan(preset()), timeout=FULL_TIMEOUT_S)
+    rows = dict(zip(remedies.SETTINGS, out.rows))  # one row per setting, in SETTINGS' order
+    ratio = rows["fp16"]["bytes_per_step"] / rows["baseline"]["bytes_per_step"]
+    _need(abs(ratio - 0.5) < 0.05, f"fp16 compression sent {ratio:.2f}× the baseline's bytes")
+    return ratio, "bytes ratio", f"{out.ranks} ranks ({out.backend}), {len(rows)} settings"
+
+
+@register("full-rank-traces", "Unit 6's NCCL rank traces and their verdicts", gpus=MIN_RANKS, full=True)
+def check_full_rank_traces():
+    """Unit 6's multi-rank workloads on one NCCL rank per GPU: each rank-0 trace gets its expected verdict."""
+    from teraflops.triage import rank_traces  # lazy: only for --full
+
+    traces = rank_traces.profile_ranks(timeout=FULL_TIMEOUT_S)
+    wrong = {w: triage(t.trace, waits=t.waits).verdict for w, t in traces.items()
+             if triage(t.trace, waits=t.waits).verdict != rank_traces.EXPECTED[w]}
+    _need(not wrong, f"verdicts {wrong}, expected {rank_traces.EXPECTED}")
+    return len(traces), "workloads", "each verdict as expected"

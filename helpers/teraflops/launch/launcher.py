@@ -36,6 +36,7 @@ from teraflops.errors import CourseError
 from teraflops.launch import wire
 from teraflops.launch.agents import TorchrunAgents
 from teraflops.launch.diagnosis import diagnose
+from teraflops.launch.loopback import check_torch
 from teraflops.launch.ops import clear_stale_build_lock, remove_shm_buffers
 from teraflops.launch.plan import LaunchPlan, Starter, prepare
 from teraflops.launch.ports import port_in_use
@@ -98,6 +99,7 @@ def launch(module: str, ranks, *, launcher: str = "torchrun",
         LaunchFailed: a rank failed or wrote no result, or ``timeout`` passed.
         PlacementError: ``ranks`` cannot be placed (see :func:`~teraflops.launch.placement.place`).
     """
+    check_torch()  # one line here, not a hang at the ranks' rendezvous
     plan = prepare(module, ranks, launcher=launcher, timeout=timeout, env=env, launcher_args=launcher_args,
                    desc=desc, verbose=verbose, port=port, cluster=cluster, deepspeed=deepspeed, spec=spec,
                    submit=submit)

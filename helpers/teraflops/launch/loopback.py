@@ -41,6 +41,8 @@ import socket
 import sys
 from typing import Sequence
 
+from teraflops.errors import CourseError
+
 LISTEN_ENV = "TERAFLOPS_LISTEN_ADDRS"  # comma-separated node addresses a store may listen on, besides loopback
 _PARAMS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant",
            "master_listen_fd", "use_libuv")  # TCPStore.__init__'s parameters, in order (torch/_C/_distributed_c10d.pyi)
@@ -126,12 +128,39 @@ def _bound(base):
     return TCPStore
 
 
+TORCH_FLOOR = (2, 8)  # master_listen_fd served by the libuv TCPStore backend (pytorch PR #150215, torch 2.8)
+
+
+def check_torch(version: str | None = None) -> None:
+    """Raise if this torch (``torch.__version__``, or ``version``) is older than :data:`TORCH_FLOOR`:
+    before 2.8 the default (libuv) TCPStore ignores a pre-bound ``master_listen_fd``, so every launch
+    would hang at its rendezvous instead of failing.
+
+    Raises:
+        CourseError: one line naming the version and the fix.
+    """
+    if version is None:
+        import torch  # lazy: the launcher's command-line path imports no torch until it launches
+
+        version = torch.__version__
+    parts = tuple(int(x) for x in version.split("+")[0].split(".")[:2] if x.isdigit())
+    if parts < TORCH_FLOOR:
+        raise CourseError(f"torch {version} is older than the course's floor, torch "
+                          f"{'.'.join(map(str, TORCH_FLOOR))}: its TCPStore would leave every launch hanging at the "
+                          "rendezvous (pytorch PR #150215). Hint: pip install torch==2.13.0")
+
+
 def install() -> None:
     """Make every TCPStore server this process creates from now on listen on one address (module
     docstring). Replaces ``torch.distributed.TCPStore`` and the name in the ``torch.distributed``
     modules already imported that hold it (``from torch.distributed import TCPStore``); idempotent.
-    Imports ``torch.distributed``."""
+    Imports ``torch.distributed``.
+
+    Raises:
+        CourseError: torch older than :data:`TORCH_FLOOR` (:func:`check_torch`)."""
     import torch.distributed as dist
+
+    check_torch()
 
     base = dist.TCPStore
     if getattr(base, _MARK, False):

@@ -50,6 +50,9 @@ from teraflops.sizing import PRESETS, Preset, preset
 BACKEND_ENV = "TERAFLOPS_BACKEND"  # "nccl" or "gloo": what init_worker joins with
 VISIBLE_ENV = "TERAFLOPS_CUDA_VISIBLE_DEVICES"  # re-applied by launch/scripts/rank_wrapper.py after the launcher's own
 NODE_ENV = "TERAFLOPS_NODE"  # the emulated node a rank runs on
+# What only emulated nodes (namespaces of one machine) need; a real cluster's nodes must not get it:
+# their veth, no InfiniBand, NCCL's socket transport, a host id per node (teraflops.launch.sbatch)
+EMULATION_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_HOSTID", "NCCL_IB_DISABLE", "NCCL_NET")
 
 
 class PlacementError(CourseError, ValueError):
@@ -197,8 +200,11 @@ def _node_env(i: int, gpu_ids: tuple[str, ...], hide: bool, cluster) -> dict:
             extra.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})  # one machine: loopback only
         return extra
 
+    # NCCL_NET=Socket: NCCL's own socket transport, so that an external net plugin of a cloud image
+    # (aws-ofi-nccl, GCP's gIB / FasTrak) is not loaded and traffic stays on the shaped veth
+    # (NCCL's environment variables: NCCL_NET "forces NCCL to use a specific network").
     extra.update({NODE_ENV: str(i), "GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME,
-                  "NCCL_HOSTID": cluster.node_name(i), "NCCL_IB_DISABLE": "1"})
+                  "NCCL_HOSTID": cluster.node_name(i), "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"})
     return extra
 
 

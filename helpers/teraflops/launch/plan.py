@@ -28,7 +28,7 @@ from teraflops.errors import CourseError
 from teraflops.launch import leftovers, wire
 from teraflops.launch.faults import FAULT_ENV, parse_fault
 from teraflops.launch.ops import prepare_deepspeed_ops
-from teraflops.launch.placement import Placement, across, place
+from teraflops.launch.placement import VISIBLE_ENV, Placement, PlacementError, across, place
 from teraflops.launch.ports import free_port
 from teraflops.launch.wire import RESULTS_ENV
 
@@ -134,12 +134,17 @@ def prepare(module: str, ranks, *, launcher: str = "torchrun", timeout: float = 
         CourseError: a multi-node launch without torchrun or a cluster that is up; ``submit=True``
             without Slurm; a placement over nodes without a cluster; more GPU ranks per node than the
             Slurm nodes declare.
-        PlacementError: ``ranks`` cannot be placed.
+        PlacementError: ``ranks`` cannot be placed; ``env`` sets ``CUDA_VISIBLE_DEVICES`` (the rank wrapper
+            would put the placement's GPUs back over it, silently).
         teraflops.launch.wire.SpecError: ``spec`` cannot be written (the folder is removed again).
     """
     slurm = _batch_system(launcher, cluster, submit)
     where = _placement(ranks, cluster, slurm)
     user = {k: str(v) for k, v in (env or {}).items()}
+    if {"CUDA_VISIBLE_DEVICES", VISIBLE_ENV} & set(user):
+        raise PlacementError("launch(env={'CUDA_VISIBLE_DEVICES': ...}) would be undone: the placement gives each rank "
+                             "its GPUs. Hint: set os.environ['CUDA_VISIBLE_DEVICES'] before launching; the placement "
+                             "keeps the GPUs it lists")
     fault = parse_fault({**os.environ, **user}.get(FAULT_ENV))  # a malformed spec fails here, not in a rank
     uses_deepspeed = launcher == "deepspeed" or deepspeed
     if uses_deepspeed:  # before anything that needs cleaning up

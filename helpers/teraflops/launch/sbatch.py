@@ -41,6 +41,7 @@ from typing import Mapping, Sequence
 
 from teraflops.errors import CourseError
 from teraflops.launch.loopback import LISTEN_ENV
+from teraflops.launch.placement import EMULATION_ENV, VISIBLE_ENV
 
 SCRIPT = "job.sbatch"  # the script's name in the launch folder
 OUTPUT = "slurm-%j.out"  # the batch step's output (srun's messages), %j = job id (sbatch(1), "filename pattern")
@@ -52,6 +53,8 @@ UNSTARTABLE = ("BadConstraints", "PartitionConfig", "PartitionNodeLimit", "Parti
 _NAME = re.compile(r"[A-Za-z0-9_.+-]{1,64}")
 _VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SELF_PER_NODE = {"TERAFLOPS_NODE": "$SLURM_NODEID", "NCCL_HOSTID": "$SLURMD_NODENAME"}  # what Slurm says per task
+EMULATED_ENV = "TERAFLOPS_EMULATED_NODES"  # "1" in sbatch's environment on emulated nodes (SlurmBatchJob)
+_IF_EMULATED = f'if [ "${{{EMULATED_ENV}:-}}" = 1 ]; then'
 
 
 class BatchJobError(CourseError, ValueError):
@@ -81,6 +84,11 @@ class BatchJob:
             ``$SLURMD_NODENAME``, what Slurm tells each task.
         torchrun_args: more torchrun options (``--max-restarts 1``...), before ``program``.
         log_dir: torchrun's ``--log-dir``, or None.
+        emulated: names in ``env`` or ``node_env`` that only emulated nodes get (their ``eth0``, no
+            InfiniBand, NCCL's socket transport, a host id and a slice of one machine's GPUs per
+            node): the script exports them only where ``$TERAFLOPS_EMULATED_NODES`` is ``1``, which
+            the course sets when it submits to its emulated nodes. On a real cluster the block is
+            skipped: Slurm gives each node its GPUs (``--gpus-per-node``), NCCL finds its network.
     """
 
     name: str
@@ -97,6 +105,7 @@ class BatchJob:
     node_env: tuple[tuple[tuple[str, str], ...], ...] = ()
     torchrun_args: tuple[str, ...] = ()
     log_dir: str | None = None
+    emulated: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not _NAME.fullmatch(self.name or ""):
@@ -134,6 +143,7 @@ class BatchJob:
         per_node = [{**where.rank_env(i), **(env or {})} for i in range(where.nodes)]
         common = {k: v for k, v in per_node[0].items() if all(k in n and n[k] == v for n in per_node)}
         varying = tuple(tuple(sorted((k, str(v)) for k, v in n.items() if k not in common)) for n in per_node)
+        emulated = _emulation_names(where, per_node)
         threads = str(common.get("OMP_NUM_THREADS", "1"))
         cpus = where.ranks_per_node * max(1, int(threads) if threads.isdigit() else 1)
         return cls(name=_job_name(name), nodes=where.nodes, ranks_per_node=where.ranks_per_node,
@@ -142,7 +152,7 @@ class BatchJob:
                    gpus_per_node=where.ranks_per_node if where.on_gpus else 0,
                    env=tuple(sorted((k, str(v)) for k, v in common.items())),
                    node_env=varying if any(varying) else (), torchrun_args=tuple(map(str, torchrun_args)),
-                   log_dir=None if log_dir is None else str(log_dir))
+                   log_dir=None if log_dir is None else str(log_dir), emulated=emulated)
 
     @property
     def time_limit(self) -> str:
@@ -159,6 +169,23 @@ class BatchJob:
                  '--local-addr "$addr"' + (" " + lit(["--log-dir", self.log_dir]) if self.log_dir else "")]
         return lines + ([lit(self.torchrun_args)] if self.torchrun_args else []) + [lit(self.program)]
 
+    def _node_lines(self, real: bool) -> list[str]:
+        """The srun step's per-node exports: what differs per node (a ``case`` on ``$SLURM_NODEID``)
+        and what Slurm tells each task, the real cluster's (``real``) or the emulated nodes' only,
+        inside their ``if``."""
+        mine = lambda k: (k in self.emulated) != real  # noqa: E731
+        own = [[f"{k}={_sq(shlex.quote(v))}" for k, v in pairs if k not in _SELF_PER_NODE and mine(k)]
+               for pairs in self.node_env]
+        step = []
+        if any(own):  # e.g. each emulated node's share of one machine's GPUs
+            step.append('case "$SLURM_NODEID" in')
+            step += [f"  {i}) export {' '.join(words)} ;;" if words else f"  {i}) ;;" for i, words in enumerate(own)]
+            step.append("esac")
+        told = [k for k in _SELF_PER_NODE if mine(k) and any(k == kv[0] for node in self.node_env for kv in node)]
+        if told:
+            step.append("export " + " ".join(f'{k}="{_SELF_PER_NODE[k]}"' for k in told))
+        return step if real or not step else [_IF_EMULATED, *("  " + x for x in step), "fi"]
+
     def script(self) -> str:
         """The sbatch script (bash): the allocation, the shared environment, the rendezvous host and
         one ``srun`` step running one torchrun agent per node."""
@@ -172,27 +199,30 @@ class BatchJob:
                  "# Written by teraflops.launch.launcher.launch; submit it with `sbatch " + SCRIPT + "`.",
                  *(f"#SBATCH {s}" for s in sb), "set -euo pipefail", "",
                  "# The course's environment, the same on every node (srun passes it on to each task)."]
-        lines += [f"export {k}={shlex.quote(v)}" for k, v in self.env]
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in self.env if k not in self.emulated]
+        emulated = [f"  export {k}={shlex.quote(v)}" for k, v in self.env if k in self.emulated]
+        if emulated:
+            lines += ["", "# Emulated nodes only (network namespaces of one machine): skipped on a real cluster,",
+                      f"# where {EMULATED_ENV} is unset.", _IF_EMULATED, *emulated, "fi"]
         lines += ["", "# The c10d rendezvous store runs on the first node of the allocation.",
                   'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)', "export RDZV_HOST", "",
                   "# One task per node; each resolves its own address and runs one torchrun agent with its ranks.",
                   "# --kill-on-bad-exit: a task that fails ends the others, so the job ends and frees its nodes.",
                   "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c '"]
-        step = []
-        own = [[f"{k}={_sq(shlex.quote(v))}" for k, v in pairs if k not in _SELF_PER_NODE] for pairs in self.node_env]
-        if any(own):  # e.g. each emulated node's share of one machine's GPUs
-            step.append('case "$SLURM_NODEID" in')
-            step += [f"  {i}) export {' '.join(words)} ;;" if words else f"  {i}) ;;" for i, words in enumerate(own)]
-            step.append("esac")
-        if self.node_env:
-            mine = [k for k in _SELF_PER_NODE if any(k == kv[0] for node in self.node_env for kv in node)]
-            if mine:
-                step.append("export " + " ".join(f'{k}="{_SELF_PER_NODE[k]}"' for k in mine))
+        step = self._node_lines(real=True) + self._node_lines(real=False)
         step += ['addr=$(getent hosts "$(hostname)"); addr=${addr%% *}',
                  f'export {LISTEN_ENV}="$addr"',  # its stores listen on the node's own address only
                  "exec " + " \\\n    ".join(self.torchrun_lines()) + "'"]
         lines += ["  " + s for s in step]
         return "\n".join(lines) + "\n"
+
+
+def _emulation_names(where, per_node: list[dict]) -> tuple[str, ...]:
+    """The variables of ``per_node`` (each node's environment) that only emulated nodes get:
+    :data:`teraflops.launch.placement.EMULATION_ENV`, and with GPU ranks on several nodes each node's
+    slice of one machine's GPUs."""
+    slices = {"CUDA_VISIBLE_DEVICES", VISIBLE_ENV} if where.nodes > 1 and where.on_gpus else set()
+    return tuple(sorted(k for k in set(EMULATION_ENV) | slices if any(k in n for n in per_node)))
 
 
 def _sq(text: str) -> str:

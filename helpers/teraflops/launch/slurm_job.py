@@ -51,7 +51,9 @@ class SlurmBatchJob:
         script.write_text(self.job().script())
         self.watchdog = leftovers.start_watchdog(p.results, p.port, [])  # stops the job's processes if we die
         try:  # sbatch hands its environment (the owner's record for the ranks' wrappers) on to the job
-            self.job_id = sbatch.submit(self.slurm, script, env={**os.environ, **leftovers.owner_env()})
+            # and TERAFLOPS_EMULATED_NODES=1: the script's emulation block applies here, not on a real cluster
+            self.job_id = sbatch.submit(self.slurm, script,
+                                        env={**os.environ, **leftovers.owner_env(), sbatch.EMULATED_ENV: "1"})
         except sbatch.BatchJobError as e:
             self.refused = str(e)
             return

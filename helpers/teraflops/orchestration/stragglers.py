@@ -60,7 +60,7 @@ import numpy as np
 from teraflops.orchestration.detection import MIN_RANKS
 from teraflops.launch.launcher import launch
 from teraflops.parallelization.ddp_sync import TrainedRank
-from teraflops.sizing import TrainConfig, gpt_config, preset
+from teraflops.sizing import Preset, TrainConfig, gpt_config, preset
 from teraflops.launch.placement import DataParallelPlan, data_parallel_plan
 from teraflops.tables import table
 
@@ -198,7 +198,11 @@ class StragglerSpec:
     timed steps per setting; ``local_ks``: local SGD's steps between averages; ``kind_delay_ms``:
     the intermittent and random kinds' delay; ``factor``: compute slow-down of the compute kind and
     rebalance; ``jitter_ms``, ``jitter_prob``: local SGD's random delay on every rank and its
-    probability per step; ``timeout_s``: seconds a collective waits for the others."""
+    probability per step; ``timeout_s``: seconds a collective waits for the others; ``interleave``:
+    the settings of an experiment take turns step by step, all built at once (on CPU ranks, whose
+    load drifts with other processes'), or run one after another, one setting's model, momentum and
+    gradients alive at a time (on GPUs: seven GPT settings of the GPU preset do not fit a 16 GB
+    GPU; :func:`straggler_spec` decides)."""
 
     model: TrainConfig
     experiments: tuple[str, ...]
@@ -212,6 +216,7 @@ class StragglerSpec:
     momentum: float = MOMENTUM
     warmup: int = WARMUP
     timeout_s: float = 30
+    interleave: bool = True
 
     def __post_init__(self):
         if set(self.experiments) - set(EXPERIMENTS) or not self.experiments:
@@ -380,13 +385,21 @@ def rebalance(speeds, global_batch: int) -> list[int]:
 def straggler_spec(plan: DataParallelPlan, *, delays_ms=None, steps=None, experiments=EXPERIMENTS,
                    local_ks=(LOCAL_K,), collective_timeout: float = 30) -> StragglerSpec:
     """The worker's :class:`StragglerSpec` from ``plan.preset``'s ``gpt`` (``straggler.micro_batch``
-    sequences per rank, ``straggler.lr``) and ``straggler`` sizes."""
+    sequences per rank, ``straggler.lr``) and ``straggler`` sizes; the settings take turns on CPU
+    ranks and run one at a time on GPUs (``StragglerSpec.interleave``)."""
     p = plan.preset
     delays = p.straggler.delays_ms if delays_ms is None else delays_ms
     return StragglerSpec(model=gpt_config(p, p.straggler.micro_batch, p.straggler.lr),
                          experiments=tuple(experiments), delays_ms=tuple(float(d) for d in delays),
                          steps=steps or p.straggler.steps, local_ks=tuple(int(k) for k in local_ks),
-                         timeout_s=collective_timeout)
+                         timeout_s=collective_timeout, interleave=not plan.placement.on_gpus)
+
+
+def default_plan(p: Preset | None = None, cluster=None) -> DataParallelPlan:
+    """Unit 3's ranks and sizes: one NCCL rank per GPU with at least :data:`~teraflops.orchestration.detection.MIN_RANKS`
+    GPUs (the detector's median needs three), else the preset's ``straggler.ranks_cpu`` CPU ranks."""
+    p = p or preset()
+    return data_parallel_plan(p, ranks_cpu=p.straggler.ranks_cpu, min_ranks=MIN_RANKS, cluster=cluster)
 
 
 def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None = None, experiments=EXPERIMENTS,
@@ -416,8 +429,7 @@ def run(plan: DataParallelPlan | None = None, delays_ms=None, steps: int | None 
         raise ValueError("delays_ms must be one or more delays >= 0 ms, steps >= 1 and every k >= 1. "
                          "Hint: include 0 ms, the baseline of the prediction")
     if plan is None:
-        p = preset()
-        plan = data_parallel_plan(p, ranks_cpu=p.straggler.ranks_cpu, min_ranks=MIN_RANKS)
+        plan = default_plan()
     before, start = os.getloadavg()[0], time.perf_counter()
     spec = straggler_spec(plan, delays_ms=delays_ms, steps=steps, experiments=experiments, local_ks=local_ks)
     results = launch(WORKER, plan.placement, spec=spec, result=StragglerResult, timeout=timeout,

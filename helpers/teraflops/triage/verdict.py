@@ -38,7 +38,9 @@ allocations move no bytes. A ``TensorList`` input has no dtype in the trace: 4 b
 On a GPU trace (events with ``cat == "kernel"``) the device timeline is used instead: each kernel's
 time goes to the operator that launched it (its ``External id``), idle device time is overhead
 except inside a host-side collective (``gloo:``/``c10d::`` ranges, ``record_param_comms``), where it
-is communication as on the CPU (the device waits for the collective), and
+is communication as on the CPU (the device waits for the collective), or under a host operator with
+no work of its own while a collective is in flight, from its launch to the end of its NCCL kernel
+(DeepSpeed ZeRO-3's module hooks fetching parameters: the CPU rule on the device's timeline), and
 kernels of no operator, or of one with no FLOP/byte estimate (a torch.compile'd or custom kernel), are
 classified by name (``gemm``/``flash``/… compute, NCCL communication,
 others memory). Units: seconds, FLOP, bytes (GB = 1e9).
@@ -476,6 +478,42 @@ def _operator_work(events, ops, pieces, parent, labels: dict) -> tuple[list, lis
     return work, light
 
 
+def _in_flight(events) -> list[tuple[float, float]]:
+    """A GPU trace's collectives in flight, ``(start, end)`` µs: from a host-side collective's start
+    (the launch: ``record_param_comms``, ``c10d::``, ``nccl:`` ranges) to the end of the NCCL kernel
+    it launched (same ``External id``; else the first NCCL kernel that starts after it), or of its
+    range if that ends later. NCCL runs asynchronously: the host range covers the launch only."""
+    nccl = sorted((e for e in events if e.get("cat") == "kernel" and is_collective(e["name"], "kernel")),
+                  key=lambda e: e["ts"])
+    out = []
+    for e in events:
+        if e.get("cat") not in ("cpu_op", "user_annotation") or not is_collective(e["name"], e["cat"]):
+            continue
+        ext = (e.get("args") or {}).get("External id")
+        mine = [k for k in nccl if isinstance(ext, int) and (k.get("args") or {}).get("External id") == ext]
+        later = mine or [k for k in nccl if k["ts"] >= e["ts"]][:1]
+        end = max([e["ts"] + e["dur"]] + [k["ts"] + k["dur"] for k in later])
+        out.append((e["ts"], end))
+    return out
+
+
+def _waiting_on_device(events, ops, pieces, labels: dict) -> list:
+    """A GPU trace's host operators with no work of their own (a module hook, an autograd node:
+    DeepSpeed ZeRO-3 fetches each module's parameters inside one and waits for the all-gather) while
+    a collective is in flight (:func:`_in_flight`): the CPU rule on the device's timeline. Their
+    self-time pieces, clipped to the windows, as ``(start, end, ("w", op index))`` host intervals:
+    device idle time under them is the collective's, not launch overhead."""
+    windows = _in_flight(events)
+    out = []
+    for a, b, i in pieces:
+        if labels[i].has_work or is_collective(ops[i]["name"]):
+            continue
+        for lo, hi in windows:
+            if min(b, hi) > max(a, lo):
+                out.append((max(a, lo), min(b, hi), ("w", i)))
+    return out
+
+
 def _intervals(events, on_device: bool, ceilings: Ceilings, launch_floor: float) -> Intervals:
     """Step 1: the trace's events as labelled intervals (CPU operators' self time, or on a GPU trace
     the device's kernels; collectives)."""
@@ -493,6 +531,9 @@ def _intervals(events, on_device: bool, ceilings: Ceilings, launch_floor: float)
     if on_device:
         work, kernels = _kernel_work(events, ops, labels)
         labels.update(kernels)
+        waited = _waiting_on_device(events, ops, pieces, labels)
+        host += waited
+        labels.update({key: Label(ops[key[1]]["name"], "communication") for _, _, key in waited})
         light = []
     else:
         work, light = _operator_work(events, ops, pieces, parent, labels)

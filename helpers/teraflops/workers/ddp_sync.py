@@ -49,7 +49,7 @@ from teraflops.sizing import TrainConfig
 from teraflops.workers.common import (
     build_model,
     flat_grads,
-    held_out,
+    held_out_loss,
     make_data,
     rank_batch,
     set_grads,
@@ -177,9 +177,7 @@ class StaleRun(_Run):
         made = self.updates
         for due in self.queue.drain():
             self._apply(due)
-        x, y = (t.to(self.w.device) for t in held_out(self.data, self.cfg, eval_step, self.w.world_size))
-        with torch.no_grad():
-            eval_loss = lm_loss(self.model(x), y).item()
+        eval_loss = held_out_loss(self.model, self.data, self.cfg, eval_step, self.w.world_size, self.w.device).item()
         return StaleResult(tau=self.tau, losses=self.losses, step_s=self.step_s, updates=made, eval_loss=eval_loss)
 
 

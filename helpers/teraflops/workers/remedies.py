@@ -56,7 +56,7 @@ import torch.distributed as dist
 from teraflops.hardware.remedies import RemediesResult, RemediesSpec, RemedyResult
 from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 from teraflops.models import lm_loss
-from teraflops.workers.common import build_model, held_out, make_data, rank_batch, sync_device, trained_rank
+from teraflops.workers.common import build_model, held_out_loss, make_data, rank_batch, sync_device, trained_rank
 
 ONE_BUCKET_WHY = (
     "on gloo, PowerSGD runs with all gradients in one DDP bucket: it launches its P and Q all-reduces from "
@@ -170,9 +170,7 @@ class RemedyRun:
     def result(self, trained: int) -> RemedyResult:
         """This setting's :class:`~teraflops.hardware.remedies.RemedyResult`; ``eval_loss``: the loss of the
         held-out rows after the first ``trained`` micro-batches."""
-        x, y = (t.to(self.w.device) for t in held_out(self.data, self.cfg, trained, self.w.world_size))
-        with torch.no_grad():
-            eval_loss = lm_loss(self.model(x), y).item()
+        eval_loss = held_out_loss(self.model, self.data, self.cfg, trained, self.w.world_size, self.w.device).item()
         return RemedyResult(setting=self.setting, k=self.k, losses=self.losses, step_s=self.step_s,
                             step_bytes=self.step_bytes, step_bucket_bytes=self.step_bucket_bytes,
                             step_calls=self.step_calls, step_buckets=self.step_buckets, bucket_mb=self.bucket_mb,

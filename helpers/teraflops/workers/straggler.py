@@ -51,7 +51,15 @@ from teraflops.orchestration.stragglers import (
     rebalance,
 )
 from teraflops.sizing import TrainConfig
-from teraflops.workers.common import build_model, flat_grads, held_out, make_data, set_grads, sync_device, trained_rank
+from teraflops.workers.common import (
+    build_model,
+    flat_grads,
+    held_out_loss,
+    make_data,
+    set_grads,
+    sync_device,
+    trained_rank,
+)
 
 RECORDS = ("start", "compute", "delay", "wait", "update", "step", "batch", "loss")
 
@@ -158,10 +166,7 @@ class Setting:
         seconds); ``eval_loss`` (held-out rows, nats) if ``evaluate``, else None."""
         eval_loss = None
         if evaluate:
-            rows = held_out(self.data, self.cfg, self.total, self.w.world_size)
-            x, y = (v.to(self.w.device) for v in rows)
-            with torch.no_grad():
-                eval_loss = lm_loss(self.model(x), y).item()
+            eval_loss = held_out_loss(self.model, self.data, self.cfg, self.total, self.w.world_size, self.w.device).item()
         return SettingResult(name=self.name, injection=self.inj, local_k=self.local_k, sizes=self.sizes,
                              records=SettingRecords(**self.rec), eval_loss=eval_loss)
 
@@ -179,6 +184,24 @@ def take_turns(settings: list[Setting], tick) -> None:
         for s in (s for s in settings if s.t < s.total):
             s.step()
             tick()
+
+
+def run_settings(makers, tick, interleave: bool) -> tuple[SettingResult, ...]:
+    """Build and run the settings ``makers`` make (each a call returning a :class:`Setting`), and
+    return their results in order: all built at once, taking turns step by step (:func:`take_turns`),
+    if ``interleave``; else one after another, each built when the previous one is freed, so one
+    setting's model, momentum and gradients live on the device at a time."""
+    if interleave:
+        group = [make() for make in makers]
+        take_turns(group, tick)
+        return tuple(s.result() for s in group)
+    results = []
+    for make in makers:
+        one = make()
+        take_turns([one], tick)
+        results.append(one.result())
+        del one  # before the next is built
+    return tuple(results)
 
 
 def settings(a: StragglerSpec) -> dict[str, list[tuple]]:
@@ -204,8 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     """Run the experiments of the :class:`~teraflops.orchestration.stragglers.StragglerSpec`; write this rank's
     :class:`~teraflops.orchestration.stragglers.StragglerResult`. The sweep and kinds settings take turns
     (:func:`take_turns`); rebalance runs its calibration alone, then the equal split and the
-    rebalanced split in turns; the local-SGD runs go one after the other (taking turns step by step
-    would synchronise local SGD's ranks at every step)."""
+    rebalanced split in turns; where ``spec.interleave`` is false (GPUs) those settings run one
+    after another instead (:func:`run_settings`); the local-SGD runs go one after the other (taking
+    turns step by step would synchronise local SGD's ranks at every step)."""
     spec = read_spec(StragglerSpec, argv)
     cfg = spec.model
     plan = {e: s for e, s in settings(spec).items() if e in spec.experiments}
@@ -227,26 +251,26 @@ def main(argv: list[str] | None = None) -> None:
         return Setting(w, cfg, data, name or entry[0], entry[1], entry[2], sizes, entry[3], warmup=warm,
                        momentum=spec.momentum)
 
-    result = {}
-    group = {e: [setting(s) for s in plan[e]] for e in ("sweep", "kinds") if e in plan}
-    take_turns([s for ss in group.values() for s in ss], tick)
-    result.update({e: tuple(s.result() for s in ss) for e, ss in group.items()})
-    del group
+    turns = [(e, entry) for e in ("sweep", "kinds") if e in plan for entry in plan[e]]  # sweep and kinds in turns
+    done_turns = run_settings([lambda entry=entry: setting(entry) for _, entry in turns], tick, spec.interleave)
+    result = {e: tuple(r for (ee, _), r in zip(turns, done_turns) if ee == e) for e in ("sweep", "kinds") if e in plan}
     if "rebalance" in plan:  # micro-batches proportional to the speeds measured with equal ones
         probe, entry = setting(plan["rebalance"][0]), plan["rebalance"][1]
         take_turns([probe], tick)
         speeds = torch.zeros(w.world_size, dtype=torch.float64, device=w.device)
         speeds[w.rank] = probe.speed()
+        del probe
         dist.all_reduce(speeds)
-        pair = [setting(entry), setting(entry, rebalance(speeds.tolist(), sum(equal)), "rebalanced")]
-        take_turns(pair, tick)
-        result["rebalance"], result["calibration_speeds"] = tuple(s.result() for s in pair), speeds.tolist()
-        del pair
+        sizes = rebalance(speeds.tolist(), sum(equal))
+        pair = [lambda: setting(entry), lambda: setting(entry, sizes, "rebalanced")]
+        result["rebalance"] = run_settings(pair, tick, spec.interleave)
+        result["calibration_speeds"] = speeds.tolist()
     localsgd = []
     for entry in plan.get("localsgd", []):
         run = setting(entry)
         take_turns([run], tick)
         localsgd.append(run.result(evaluate=True))
+        del run  # before the next is built
     write_result(StragglerResult(**trained_rank(w, cfg), localsgd=tuple(localsgd), **result))
     finish()
 

@@ -26,7 +26,6 @@ the backward pass).
 
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
@@ -35,7 +34,7 @@ from teraflops.data import markov_tokens
 from teraflops.launch.faults import fault_point
 from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 from teraflops.models import lm_loss
-from teraflops.workers.common import build_model, rank_batch, zero_config
+from teraflops.workers.common import build_model, rank_batch, release_device_memory, zero_config
 from teraflops.parallelization.zero import ZeroResult, ZeroSpec, ZeroStageResult
 
 
@@ -134,7 +133,7 @@ def run_stage(stage: int, spec: ZeroSpec, world: int, rank: int, step0: int) -> 
                              step_s=step_s, optimizer_type=type(engine.optimizer).__name__, master_copy=master_copy)
     engine.destroy()
     del engine, model, optimizer
-    gc.collect()
+    release_device_memory(device)  # four stages in one process: a T4 has no room for the last one's cached blocks
     return result
 
 
