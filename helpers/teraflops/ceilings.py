@@ -213,8 +213,9 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
     quiet = quiet_ceilings(dtype, device, matmul_n, copy_bytes)
     if quiet is None:
         return measured  # not trusted: Ceilings.trusted says so, and the verdicts placed on them
-    return replace(quiet, source=f"{quiet.source}; this machine is busy now (load {measured.load:.1f}, "
-                                 f"the probe read {measured.peak_flops / quiet.peak_flops:.0%} and "
+    load = f"load {measured.load:.1f}, " if measured.load is not None else ""  # None: spread, not load, said so
+    return replace(quiet, source=f"{quiet.source}; this machine is busy now ({load}the probe read "
+                                 f"{measured.peak_flops / quiet.peak_flops:.0%} and "
                                  f"{measured.bandwidth / quiet.bandwidth:.0%} of them)")
 
 
