@@ -12,6 +12,11 @@ can simply be restarted after each interrupt and the interrupt re-raised once it
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
+
 
 def uninterruptible(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` run to the end even if Ctrl-Cs arrive meanwhile (it is restarted
@@ -27,3 +32,26 @@ def uninterruptible(fn, *args, **kwargs):
     if interrupted:
         raise KeyboardInterrupt
     return out
+
+
+def stop_groups(procs, grace: float = 5.0) -> None:
+    """SIGTERM the process group of each live ``subprocess.Popen`` in ``procs`` (each started with
+    ``start_new_session=True``), all at once; wait up to ``grace`` s in all, then SIGKILL the groups still
+    running and reap them. Used by the daemons of emulated nodes (:mod:`teraflops.nodes.slurm`,
+    :mod:`teraflops.nodes.ray`)."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait(5)

@@ -53,6 +53,7 @@ from pathlib import Path
 import psutil
 
 from teraflops.errors import CourseError
+from teraflops.teardown import stop_groups
 
 PORT = 6379  # the GCS's port on node 0 (Ray's default)
 STATE_ENV = "TERAFLOPS_RAY_DIR"
@@ -328,22 +329,7 @@ class Ray:
         """Stop every node's Ray by PID (SIGTERM to each ``ray start --block`` process group, in
         parallel; SIGKILL after 5 s), never ``ray stop``. The cluster's ``down`` removes whatever is
         left in the namespaces, and the files."""
-        live = [p for p in self.procs.values() if p.poll() is None]
-        for p in live:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + 5
-        for p in live:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                p.wait(5)
+        stop_groups(self.procs.values())
         self.procs.clear()
 
     def login(self, i: int = 0) -> list[str]:

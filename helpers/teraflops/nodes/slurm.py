@@ -38,13 +38,13 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from teraflops.errors import CourseError
+from teraflops.teardown import stop_groups
 
 INSTALL = ("apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge "
            "slurmdbd mariadb-server")
@@ -391,22 +391,7 @@ class Slurm:
     def stop(self) -> None:
         """Stop the daemons (SIGTERM, in parallel; SIGKILL after 5 s) and reap them. The cluster's
         ``down`` removes whatever is left in the namespaces and the files."""
-        live = [p for p in self.procs.values() if p.poll() is None]
-        for p in live:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + 5
-        for p in live:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                p.wait(5)
+        stop_groups(self.procs.values())
         self.procs.clear()
 
     # ---- using it -----------------------------------------------------------------------------------
