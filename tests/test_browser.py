@@ -166,9 +166,10 @@ class Notebook:
         self.page.keyboard.press("Control+Enter")
         prompt = cell.locator(".jp-InputPrompt")
         try:
-            self.page.wait_for_function("el => /\\[\\d+\\]/.test(el.textContent)", arg=prompt.element_handle(),
-                                        timeout=timeout)
-        except sync_api.TimeoutError:
+            # the locator, found again at every poll: JupyterLab's windowed notebook may replace a cell's node
+            # while it runs (its output grows, the view scrolls), and a handle to the old node never updates
+            sync_api.expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=timeout)
+        except (sync_api.TimeoutError, AssertionError):
             if os.environ.get("TERAFLOPS_BROWSER_SHOTS"):  # a folder for a screenshot of what the page showed
                 self.page.screenshot(path=os.path.join(os.environ["TERAFLOPS_BROWSER_SHOTS"], f"cell{n}.png"))
             raise
