@@ -13,9 +13,12 @@ can simply be restarted after each interrupt and the interrupt re-raised once it
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 
 def uninterruptible(fn, *args, **kwargs):
@@ -55,3 +58,35 @@ def stop_groups(procs, grace: float = 5.0) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
             p.wait(5)
+
+
+@dataclass(frozen=True)
+class StateFolders:
+    """Where an emulated cluster's daemons keep their files: one folder per cluster under a root that an
+    environment variable moves (default under ``/run/teraflops``, a tmpfs: gone at reboot, like the
+    namespaces). One home for :mod:`teraflops.nodes.slurm`'s and :mod:`teraflops.nodes.ray`'s folders.
+
+    Attributes:
+        env: the variable that moves the root (``TERAFLOPS_SLURM_DIR``, ``TERAFLOPS_RAY_DIR``).
+        default: the root when ``env`` is unset or empty.
+    """
+
+    env: str
+    default: str
+
+    def root(self) -> Path:
+        """``$env`` or :attr:`default`."""
+        return Path(os.environ.get(self.env) or self.default)
+
+    def dir(self, name: str) -> Path:
+        """Cluster ``name``'s folder: ``root() / name``."""
+        return self.root() / name
+
+    def names(self) -> list[str]:
+        """The clusters that have a folder now (up, or left by a run whose nodes are gone), sorted."""
+        root = self.root()
+        return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+    def remove(self, name: str) -> None:
+        """Delete cluster ``name``'s folder (after its daemons are gone); nothing there is fine."""
+        shutil.rmtree(self.dir(name), ignore_errors=True)

@@ -53,7 +53,7 @@ from pathlib import Path
 import psutil
 
 from teraflops.errors import CourseError
-from teraflops.teardown import stop_groups
+from teraflops.teardown import StateFolders, stop_groups
 
 PORT = 6379  # the GCS's port on node 0 (Ray's default)
 STATE_ENV = "TERAFLOPS_RAY_DIR"
@@ -84,25 +84,10 @@ def unavailable() -> str | None:
     return None
 
 
-def state_root() -> Path:
-    """Where every cluster's Ray folders live: ``$TERAFLOPS_RAY_DIR`` or ``/run/teraflops/ray``."""
-    return Path(os.environ.get(STATE_ENV) or "/run/teraflops/ray")
-
-
-def state_dir(name: str) -> Path:
-    """Cluster ``name``'s Ray files: each node's ``--temp-dir`` (``node<i>``), logs, ``cluster.json``."""
-    return state_root() / name
-
-
-def state_names() -> list[str]:
-    """The clusters that have Ray files now."""
-    root = state_root()
-    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-
-
-def remove_state(name: str) -> None:
-    """Delete cluster ``name``'s Ray files (after its processes are gone); nothing there is fine."""
-    shutil.rmtree(state_dir(name), ignore_errors=True)
+# Every cluster's Ray files (configuration, state, logs, each node's --temp-dir): one folder per cluster under
+# ``${STATE_ENV}`` or ``/run/teraflops/ray`` (teraflops.teardown.StateFolders).
+STATE = StateFolders(STATE_ENV, "/run/teraflops/ray")
+state_root, state_dir, state_names, remove_state = STATE.root, STATE.dir, STATE.names, STATE.remove
 
 
 def address(cluster) -> str:

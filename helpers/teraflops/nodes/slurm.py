@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from teraflops.errors import CourseError
-from teraflops.teardown import stop_groups
+from teraflops.teardown import StateFolders, stop_groups
 
 INSTALL = ("apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge "
            "slurmdbd mariadb-server")
@@ -74,27 +74,10 @@ def unavailable(accounting: bool = False) -> str | None:
     return None
 
 
-def state_root() -> Path:
-    """Where every cluster's Slurm files live: ``$TERAFLOPS_SLURM_DIR`` or ``/run/teraflops/slurm``
-    (a tmpfs: gone at reboot, like the namespaces)."""
-    return Path(os.environ.get(STATE_ENV) or "/run/teraflops/slurm")
-
-
-def state_dir(name: str) -> Path:
-    """The files of cluster ``name``'s Slurm (configuration, state, logs, job output):
-    ``state_root() / name``."""
-    return state_root() / name
-
-
-def state_names() -> list[str]:
-    """The clusters that have Slurm files now (up, or left by a run whose nodes are gone)."""
-    root = state_root()
-    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-
-
-def remove_state(name: str) -> None:
-    """Delete cluster ``name``'s Slurm files (after its daemons are gone); nothing there is fine."""
-    shutil.rmtree(state_dir(name), ignore_errors=True)
+# Every cluster's Slurm files (configuration, state, logs, job output): one folder per cluster under
+# ``${STATE_ENV}`` or ``/run/teraflops/slurm`` (teraflops.teardown.StateFolders).
+STATE = StateFolders(STATE_ENV, "/run/teraflops/slurm")
+state_root, state_dir, state_names, remove_state = STATE.root, STATE.dir, STATE.names, STATE.remove
 
 
 def saved(name: str) -> tuple[int, "SlurmConfig"] | None:
