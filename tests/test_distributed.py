@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -119,32 +121,33 @@ def test_results_and_progress_files(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_a_stale_build_lock_is_removed_and_a_live_one_kept(monkeypatch, tmp_path):
-    # torch's JIT loader waits forever on a lock file a killed rank left (file_baton.py): the launch clears it
-    from teraflops.launch import ops, wire
+    # torch's JIT loader waits forever on a lock file a killed rank left (file_baton.py): the launch clears it,
+    # but never one a live process holds (open, as FileBaton keeps it), however old, nor beside a mere waiter
+    from teraflops.launch import ops
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / ops.SHM_OP / "lock"
     lock.parent.mkdir()
     assert not ops.clear_stale_build_lock()  # no lock: nothing to do
-    lock.touch()
-    rank = psutil.Popen(["sleep", "30"], env={**os.environ, wire.RESULTS_ENV: str(tmp_path)})
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | "
+                               "os.O_EXCL); print('held', flush=True); time.sleep(60)", str(lock)],
+                              stdout=subprocess.PIPE, text=True)
+    waiter = subprocess.Popen([sys.executable, "-c", "import os, sys, time\nwhile os.path.exists(sys.argv[1]): "
+                               "time.sleep(0.1)", str(lock)])
     try:
-        started = rank.create_time()
-        # /proc/PID/environ reads empty until the kernel has set up the new image, a moment after Popen returns
-        # (vfork resumes the parent first): under CI's load the check below once ran inside that window
-        deadline = time.monotonic() + 10
-        while wire.RESULTS_ENV not in rank.environ() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        os.utime(lock, (started + 5, started + 5))  # made after the rank started: the rank may hold it
+        assert holder.stdout.readline().strip() == "held"
+        os.utime(lock, (time.time() - 3600, time.time() - 3600))  # old, and a waiter started after it: still held
+        assert ops.holders(lock) == [holder.pid]
         assert not ops.clear_stale_build_lock() and lock.exists()
-        os.utime(lock, (started - 60, started - 60))  # made before it started: the rank can only be waiting
-        assert ops.clear_stale_build_lock() and not lock.exists()
-        lock.touch()
-        os.utime(lock, (started + 5, started + 5))
     finally:
-        rank.kill()
-        rank.wait()
-    assert ops.clear_stale_build_lock() and not lock.exists()  # no rank alive at all
+        holder.kill()
+        holder.wait()
+    try:
+        assert ops.clear_stale_build_lock() and not lock.exists()  # the holder died holding it: stale
+        waiter.wait(10)  # and the waiter goes on
+    finally:
+        waiter.kill()
+        waiter.wait()
 
 
 WATCHDOG_LOG = """[rank1]:[E1201 12:00:00.000000 123 ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective \

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 import sys
 import threading
@@ -21,6 +22,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import pytest
 
 from teraflops.launch import loopback
@@ -79,16 +81,30 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def sampled(run) -> tuple[object, dict]:
-    """``run()``'s result, and what the processes of launches listened on meanwhile:
-    ``{(ip, port): {(node, command line), ...}}`` (node: ``$TERAFLOPS_NODE``, None outside one)."""
-    seen, done = {}, threading.Event()
+def _of_launch(pid: int, port: int, known: dict) -> bool:
+    """Whether ``pid`` belongs to the launch whose rendezvous is on ``port``: it or a process above it has
+    ``port`` in its command line (the launcher's agent, torchrun inside an sbatch script, DeepSpeed's
+    launcher); other launches on the machine (another test worker's, another learner's) do not."""
+    if pid not in known:
+        try:
+            chain = [psutil.Process(pid), *psutil.Process(pid).parents()]
+        except psutil.Error:
+            return False
+        mark = re.compile(rf"(?<!\d){port}(?!\d)")
+        known[pid] = any(mark.search(_cmdline(p.pid)) for p in chain)
+    return known[pid]
+
+
+def sampled(run, port: int) -> tuple[object, dict]:
+    """``run()``'s result, and what the processes of its launch (rendezvous on ``port``) listened on
+    meanwhile: ``{(ip, port): {(node, command line), ...}}`` (node: ``$TERAFLOPS_NODE``, None outside one)."""
+    seen, done, known = {}, threading.Event(), {}
 
     def sample():
         while not done.is_set():
             for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
                 env = _environ(pid)
-                if RESULTS_ENV in env and pid != os.getpid():
+                if RESULTS_ENV in env and pid != os.getpid() and _of_launch(pid, port, known):
                     for addr in listening(pid):
                         seen.setdefault(addr, set()).add((env.get("TERAFLOPS_NODE"), _cmdline(pid)))
             time.sleep(0.05)
@@ -157,7 +173,7 @@ def test_a_one_node_run_listens_on_loopback_only(how):
     kw = {"static": {}, "c10d": {"launcher_args": ["--rdzv-backend", "c10d"]},
           "deepspeed": {"launcher": "deepspeed"}}[how]
     spec = replace(STEPS, deepspeed=how == "deepspeed")
-    out, seen = sampled(lambda: run(2, spec, port=port, timeout=120, **kw))
+    out, seen = sampled(lambda: run(2, spec, port=port, timeout=120, **kw), port)
     assert [r.sum for r in out] == [expected_sum(spec, 2)] * 2 == [10 * 3.0] * 2
     print(f"{how}: {sorted(seen)}")
     assert ("127.0.0.1", port) in seen, sorted(seen)  # the rendezvous store was seen, where it belongs
@@ -182,7 +198,7 @@ def test_each_node_listens_on_its_own_address_only(slurm):
     slurm.conf(5)), inside node 0's namespace, so on the emulated subnet only: not the course's."""
     port = free_port()
     with Cluster(2, name="lbs" if slurm else "lbn", slurm=slurm) as c:
-        out, seen = sampled(lambda: run(1, STEPS, cluster=c, port=port, timeout=120))
+        out, seen = sampled(lambda: run(1, STEPS, cluster=c, port=port, timeout=120), port)
     assert [r.node for r in out] == [0, 1] and {r.sum for r in out} == {10 * 3.0}
     print(f"{'sbatch' if slurm else 'agents'}: {sorted(seen)}")
     assert (c.address(0), port) in seen, sorted(seen)  # the rendezvous store, on node 0

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from budgets import assert_within
 
 from teraflops import detect
 from teraflops.course.runner import checked_output_mismatches, format_summary, run_units
@@ -22,6 +23,6 @@ def test_run_unit_2_reports_memory_and_communication_by_stage(tmp_path):
     assert memory[0] > memory[1] >= memory[2] > memory[3] > 0  # each stage holds less ...
     assert comm[3] > 1.4 * comm[2] and abs(comm[0] - comm[2]) <= 0.1 * comm[0]  # ... stage 3 sends 1.5x
     if detect().device == "cpu":
-        assert result.seconds < 300, f"Unit 2 took {result.seconds:.0f} s on CPU; the budget is 300 s"
+        assert_within(result, 300, 2)
     summary = format_summary(detect(), [result])
     assert "ZeRO stage 3" in summary and "communication per rank" in summary

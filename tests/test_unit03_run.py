@@ -5,6 +5,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from budgets import assert_within
 
 from teraflops import detect
 from teraflops.nodes import slurm
@@ -24,7 +25,7 @@ def test_run_unit_3_reports_idle_time_at_the_largest_delay(tmp_path):
     assert 0 < h["idle_at_max_delay"] < 100 and abs(h["idle_at_max_delay"] - h["idle_predicted"]) <= 10
     assert h["backfill_utilisation"] > h["fifo_utilisation"] and h["elastic_time_lost"] > 0
     if detect().device == "cpu":
-        assert result.seconds < 240, f"Unit 3 took {result.seconds:.0f} s on CPU; the budget is 4 minutes"
+        assert_within(result, 240, 3)
     summary = format_summary(detect(), [result])
     assert "healthy ranks idle at" in summary and "%" in summary
     out = "\n".join(o.get("text", "") for c in nbformat.read(result.executed, as_version=4).cells

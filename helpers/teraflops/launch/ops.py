@@ -29,7 +29,6 @@ from teraflops.errors import CourseError
 from teraflops.launch.diagnosis import last_line
 from teraflops.launch.placement import place
 from teraflops.launch.processes import stop
-from teraflops.launch.wire import RESULTS_ENV
 from teraflops.machine import detect
 
 
@@ -57,32 +56,36 @@ def remove_shm_buffers(port: int, addr: str = "127.0.0.1") -> None:
 
 
 def clear_stale_build_lock() -> bool:
-    """Remove the build lock of DeepSpeed's CPU comm op when no live process can hold it; True if removed.
+    """Remove the build lock of DeepSpeed's CPU comm op when no live process holds it; True if removed.
 
     ``torch.utils.cpp_extension.load`` takes a lock file (``FileBaton``, ``<op folder>/lock``, made
     with ``O_EXCL``) around every load, also when nothing needs building, and the others wait for
     the file to go (``torch/utils/file_baton.py``). A rank killed while it holds the lock leaves the
-    file, and every later ``deepspeed.init_distributed`` on CPU then waits forever. A lock is stale
-    when no rank of a launch and no build (:func:`prepare_deepspeed_ops`) with our
-    ``TORCH_EXTENSIONS_DIR`` that started before the lock was made is alive: a process that started
-    after it cannot have made it, it can only be waiting on it (counting such waiters as holders
-    left a stale lock and its waiters waiting on each other for good).
+    file, and every later ``deepspeed.init_distributed`` on CPU then waits forever. The holder keeps the
+    descriptor of its ``O_EXCL`` open until it releases the baton (``FileBaton.release`` closes it, then
+    removes the file), so a lock is stale exactly when no process has it open (:func:`holders`); waiters
+    only poll for the path, they never open it. (An earlier rule, "a launch's process older than the lock
+    may hold it", kept a stale lock for as long as another run of the same cache was alive.)
     """
-    ext = extensions_dir()
-    lock = ext / SHM_OP / "lock"
-    try:
-        made = lock.stat().st_mtime
-    except FileNotFoundError:
+    lock = extensions_dir() / SHM_OP / "lock"
+    if not lock.exists() or holders(lock):
         return False
-    for p in psutil.process_iter():
-        with suppress(psutil.Error):
-            env = p.environ() if p.pid != os.getpid() else {}
-            if env.get("TORCH_EXTENSIONS_DIR") == str(ext) and (
-                    RESULTS_ENV in env or any("ShareMemCommBuilder" in a for a in p.cmdline())) and \
-                    p.create_time() <= made + 1:  # 1 s: start times are read from clock ticks since boot
-                return False  # a rank of a launch, or a build, that may hold it
     lock.unlink(missing_ok=True)
     return True
+
+
+def holders(path: Path) -> list[int]:
+    """Pids of the processes that have ``path`` open now (their ``/proc/PID/fd`` links; processes whose
+    descriptors this user cannot read are not counted: another user's runs use their own caches)."""
+    target, found = str(path), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with suppress(OSError):
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                with suppress(OSError):
+                    if os.readlink(fd.path) == target:
+                        found.append(int(pid))
+                        break
+    return found
 
 
 def _builds(ext: Path) -> list[int]:

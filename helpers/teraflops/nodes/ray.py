@@ -220,7 +220,8 @@ class Ray:
 
     def start(self, timeout: float = 90) -> "Ray":
         """Start the head, then each worker node in turn; return once every node's ``ray start`` has
-        said its raylet registered with the head.
+        said its raylet registered with the head and ``ray status`` lists every node (the autoscaler's
+        view lags the registration by a few seconds on a busy machine: :meth:`wait_listed`).
 
         Raises:
             RayError: Ray is missing (:func:`unavailable`), a ``ray start`` exited, or the nodes did
@@ -238,7 +239,25 @@ class Ray:
         for i in range(1, self.cluster.nodes):  # one at a time: started together on 2 busy cores, their agents'
             self.start_node(i)                   # imports outlasted ray start's 30 s (see _retry)
             self.wait_nodes([i], timeout)
+        self.wait_listed(timeout)
         return self
+
+    def wait_listed(self, timeout: float) -> str:
+        """Wait until ``ray status`` lists every node of the cluster as active; its text.
+
+        Raises:
+            RayError: not within ``timeout`` s (quoting the last status).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.status()
+            listed = text.split("Pending:", 1)[0].count(" node_")
+            if listed >= self.cluster.nodes:
+                return text
+            if time.monotonic() > deadline:
+                raise RayError(f"ray status lists {listed} of {self.cluster.nodes} nodes after {timeout:g} s: "
+                               f"{' '.join(text.split())[:300]}")
+            time.sleep(1.0)
 
     def _retry(self, i: int) -> bool:
         """Start node ``i`` again if its ``ray start`` gave up waiting for its raylet to register (Ray waits a
