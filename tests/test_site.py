@@ -68,6 +68,11 @@ def test_a_slider_shows_its_value():
                                                                   "state": {"value": 8, "description": "ranks"}}}}}
     site.static_widgets(nb)
     assert nb.cells[0].outputs[0].data["text/plain"] == "ranks: 8"
+    nb.cells[0].outputs[0].data[site.WIDGET_VIEW] = {"model_id": "d"}
+    nb.metadata["widgets"] = {site.WIDGET_STATE: {"state": {"d": {"model_name": "DropdownModel", "state": {
+        "index": 1, "_options_labels": ["fp32", "bf16"], "description": "dtype"}}}}}
+    site.static_widgets(nb)
+    assert nb.cells[0].outputs[0].data["text/plain"] == "dtype: bf16"  # a dropdown keeps its choice as an index
 
 
 def test_no_executed_lecture_is_one_line(tmp_path):

@@ -91,6 +91,9 @@ def _render_widget(model_id: str, models: dict, depth: int = 0) -> tuple[str, st
         shown = [_output_html(o) for o in s.get("outputs", [])]
         return "".join(h for h, _ in shown), "\n".join(t for _, t in shown if t)
     value = s.get("value", s.get("label", ""))
+    labels, index = s.get("_options_labels"), s.get("index")
+    if isinstance(labels, list) and isinstance(index, int) and 0 <= index < len(labels):  # Dropdown and kin
+        value = labels[index]
     label = str(s.get("description", ""))
     if isinstance(value, (list, tuple)):
         value = "–".join(str(v) for v in value)
