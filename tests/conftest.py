@@ -52,6 +52,31 @@ def remedies_tiny_run():
     return remedies.run(plan=data_parallel_plan(p, ranks_cpu=p.remedy.ranks_cpu), timeout=240)
 
 
+@pytest.fixture(scope="session")
+def lecture_runs(tmp_path_factory):
+    """One folder for the lectures that this pytest run executes (tests/test_unitNN_run.py), shared by
+    xdist's workers (their base temp folders sit side by side in one), so that tests/test_site.py
+    builds the course site from them instead of executing every lecture again."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "lecture-runs"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@pytest.fixture
+def lecture_out(lecture_runs, request):
+    """Where one tests/test_unitNN_run.py test has ``teraflops run`` write: a folder of its own (each run
+    writes its own machine.json and ceilings.json) in :func:`lecture_runs`, marked :data:`DONE` when the
+    test ends."""
+    folder = lecture_runs / request.node.path.stem
+    folder.mkdir(exist_ok=True)
+    yield folder
+    (folder / DONE).touch()  # also after a failure: tests/test_site.py waits for it under xdist
+
+
+DONE = "done"  # in a lecture_out folder: that lecture's test has ended
+
+
 @pytest.fixture(autouse=True)
 def _first_failure_of_every_check():
     """Each test sees a check's hints as a learner's first failure does (grading.core.reveal)."""

@@ -35,6 +35,8 @@ import psutil
 import pytest
 from traversal import course_paths, traversable
 
+from teraflops.course import setup_cell
+
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "<!-- hub-config: tests/test_hub.py runs the next block -->"
 LAB = "03_orchestration.ipynb"
@@ -342,9 +344,9 @@ async def _run_cells(base: str, token: str, user: str, cells: list[str]) -> list
 
 
 def _exercise_cells(notebook: Path) -> tuple[str, str, str]:
-    """(setup, exercise, check): the notebook's first code cell, the cell defining the function its first
+    """(setup, exercise, check): the notebook's first code cell after the generated setup cell, the cell defining the function its first
     check cell checks, and that check cell."""
-    code = [c for c in nbformat.read(notebook, as_version=4).cells if c.cell_type == "code"]
+    code = [c for c in nbformat.read(notebook, as_version=4).cells if c.cell_type == "code" and not setup_cell.is_setup(c)]
     check = next(c for c in code if re.search(r"\bcheck\.\w+\(", c.source))
     name = re.search(r"\bcheck\.(\w+)\(", check.source).group(1)
     exercise = next(c for c in code if re.search(rf"^def {name}\(", c.source, re.M))

@@ -24,6 +24,7 @@ def test_check_labs_reports_drift(tmp_path):
         (tmp_path / d).mkdir()
     src = SOLUTIONS[0]
     (tmp_path / "solutions" / src.name).write_text(src.read_text())
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())  # the setup cells' source
     labs.build_labs(tmp_path)
     assert labs.check_labs(tmp_path) == []
     lab = tmp_path / "labs" / src.name

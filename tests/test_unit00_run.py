@@ -16,8 +16,8 @@ def _best_rate(stmt: str, work: float, **globals_) -> float:
 
 
 @pytest.mark.slow
-def test_run_unit_0_reports_the_machine_and_its_ceilings(tmp_path):
-    [result] = runner.run_units([0], out_dir=tmp_path, html=False)
+def test_run_unit_0_reports_the_machine_and_its_ceilings(lecture_out):
+    [result] = runner.run_units([0], out_dir=lecture_out, html=False)
     assert result.ok, result.error
     assert set(result.headline) == {"peak_tflops", "bandwidth", "ridge_point"}
     assert not runner.checked_output_mismatches(result.executed, runner.course_root() / "notebooks" / "00_the_map.ipynb")

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_run_unit_1_meets_the_acceptance_numbers(tmp_path):
-    (result,) = run_units([1], out_dir=tmp_path, root=ROOT)
+def test_run_unit_1_meets_the_acceptance_numbers(lecture_out):
+    (result,) = run_units([1], out_dir=lecture_out, root=ROOT)
     assert result.ok, result.error
     # the check cells, compared as nbval compares them: CI executes each lecture once, here, not under nbval too
     assert not checked_output_mismatches(result.executed, ROOT / "notebooks" / result.executed.name)
@@ -24,7 +24,7 @@ def test_run_unit_1_meets_the_acceptance_numbers(tmp_path):
     assert h["ridge_point"] > 0 and h["achieved_tflops"] > 0
     if detect().device == "cpu":
         assert_within(result, 180, 1)
-    assert (tmp_path / "01_model_definition.html").exists()
+    assert (lecture_out / "01_model_definition.html").exists()
     summary = format_summary(detect(), [result])
     assert "ridge point" in summary and "naive/flash" in summary
 

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_run_unit_3_reports_idle_time_at_the_largest_delay(tmp_path):
-    (result,) = run_units([3], out_dir=tmp_path, root=ROOT)
+def test_run_unit_3_reports_idle_time_at_the_largest_delay(lecture_out):
+    (result,) = run_units([3], out_dir=lecture_out, root=ROOT)
     assert result.ok, result.error
     # the check cells, compared as nbval compares them: CI executes each lecture once, here, not under nbval too
     assert not checked_output_mismatches(result.executed, ROOT / "notebooks" / result.executed.name)

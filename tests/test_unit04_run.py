@@ -12,11 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_run_unit_4_reports_launches_tokens_per_s_and_int8_bytes(tmp_path, monkeypatch):
+def test_run_unit_4_reports_launches_tokens_per_s_and_int8_bytes(tmp_path, lecture_out, monkeypatch):
     # a cold compile cache: the budget includes compiling
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    (result,) = run_units([4], out_dir=tmp_path, root=ROOT)
+    (result,) = run_units([4], out_dir=lecture_out, root=ROOT)
     assert result.ok, result.error
     # the check cells, compared as nbval compares them: CI executes each lecture once, here, not under nbval too
     assert not checked_output_mismatches(result.executed, ROOT / "notebooks" / result.executed.name)

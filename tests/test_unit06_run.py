@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_run_unit_6_names_each_units_bottleneck(tmp_path):
-    (result,) = run_units([6], out_dir=tmp_path, root=ROOT, html=False)
+def test_run_unit_6_names_each_units_bottleneck(lecture_out):
+    (result,) = run_units([6], out_dir=lecture_out, root=ROOT, html=False)
     assert result.ok, result.error
     # the check cell prints one ✓ line per unit workload; nbval's comparison of it is done here
     assert not checked_output_mismatches(result.executed, ROOT / "notebooks" / result.executed.name)

@@ -15,6 +15,11 @@ Subcommands::
     teraflops bench attention [...]     Triton FlashAttention vs SDPA on this machine, as ratios
     teraflops labs build|check|refresh  generate labs/ from solutions/, check they agree, or
                                         (maintainers) re-execute notebooks keeping nbval-checked outputs
+    teraflops site [--build build] [--out build/site]
+                                        the course site: the executed lectures, the labs and the report
+                                        card as static HTML, offline (Sphinx + MyST-NB)
+    teraflops setup-cells [--check]     (maintainers) write every notebook's setup cell and Colab/Binder
+                                        links from pyproject's Source, or check they are current
     teraflops cluster up|down|status [--nodes K] [--rate MB/s] [--slurm [--scheduler fifo|backfill]
                                         [--accounting] [--gpus-per-node N]] [--ray]
                                         emulated nodes on this machine (root, Linux), optionally with a
@@ -169,7 +174,48 @@ def build_parser() -> argparse.ArgumentParser:
     triage.add_argument("--peak-flops", type=float, metavar="F", help="FLOP/s, with --bandwidth (default: measured here)")
     triage.add_argument("--bandwidth", type=float, metavar="B", help="bytes/s, with --peak-flops")
     triage.add_argument("--launch-floor", type=float, metavar="S", help="seconds per op (default: measured here)")
+    _add_reading_parsers(sub)
     return parser
+
+
+# --- issue 30: reading and opening the course anywhere (setup cells, the course site) -------------
+
+def _add_reading_parsers(sub) -> None:
+    cells = sub.add_parser("setup-cells", help="write each notebook's setup cell and Colab/Binder links from "
+                           "pyproject's Source (labs: teraflops labs build), or --check they are current")
+    cells.add_argument("--check", action="store_true", help="report notebooks whose setup cells are out of date")
+    site = sub.add_parser("site", help="static HTML of the lectures as `teraflops run` executed them, the labs "
+                          "and the report card, built offline (Sphinx + MyST-NB)")
+    site.add_argument("--build", type=Path, default=Path("build"), metavar="DIR", help="the run's folder (default build)")
+    site.add_argument("--out", type=Path, metavar="DIR", help="where the site goes (default DIR/site)")
+
+
+def _cmd_setup_cells(args: argparse.Namespace) -> int:
+    from teraflops.course import setup_cell
+    from teraflops.course.runner import course_root
+
+    root = course_root()
+    if args.check:
+        problems = setup_cell.stale(root)
+        for problem in problems:
+            print(problem)
+        if not problems:
+            print("setup cells current in notebooks/ and solutions/")
+        return 1 if problems else 0
+    changed = setup_cell.write_all(root)
+    for path in changed:
+        print(f"wrote {path}")
+    print(f"{len(changed)} notebook(s) changed; run `teraflops labs build` for the labs")
+    return 0
+
+
+def _cmd_site(args: argparse.Namespace) -> int:
+    from teraflops.course import site
+
+    print(f"site: {site.build(args.build, args.out)}")
+    return 0
+
+# --- end of issue 30's block ---------------------------------------------------------------------
 
 
 def _cmd_triage(args: argparse.Namespace) -> int:
@@ -506,6 +552,7 @@ def _cluster_exec(args: argparse.Namespace, caller: int) -> int:
 _COMMANDS = {"run": _cmd_run, "preflight": _cmd_preflight, "bench": _cmd_bench, "doctor": _cmd_doctor,
              "lab": _cmd_lab, "grade": _cmd_grade, "labs": _cmd_labs, "cluster": _cmd_cluster, "warmup": _cmd_warmup,
              "triage": _cmd_triage}
+_COMMANDS.update({"setup-cells": _cmd_setup_cells, "site": _cmd_site})  # issue 30's block
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,8 @@ indentation::
 
 Cells tagged ``solution-only`` are dropped, all outputs and execution counts are cleared. A
 solution's metadata names its unit (``{"teraflops": {"unit": N}}``, :data:`UNIT_KEY`); the lab keeps
-it, so ``teraflops grade`` knows the unit of a copy under any file name.
+it, so ``teraflops grade`` knows the unit of a copy under any file name. A lab's setup cells
+(:mod:`teraflops.course.setup_cell`) are its solution's, with links to the lab.
 ``teraflops labs build`` writes ``labs/`` from ``solutions/``; ``teraflops labs check`` reports
 every lab that differs from what build would write (CI fails on drift).
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import nbformat
 
+from teraflops.course import setup_cell
 from teraflops.course.runner import make_client
 from teraflops.errors import PLACEHOLDER_MESSAGE, CourseError
 
@@ -94,8 +96,10 @@ def _pairs(root: Path):
 
 def expected_lab(solution_path: Path) -> str:
     """The exact text ``labs build`` writes for one solution notebook."""
-    sol = nbformat.read(solution_path, as_version=4)
-    return _render(lab_from_solution(sol, solution_path.name))
+    solution_path = Path(solution_path)
+    lab = lab_from_solution(nbformat.read(solution_path, as_version=4), solution_path.name)
+    url = setup_cell.source_url(solution_path.parent.parent)  # the lab's links open the lab, not its solution
+    return _render(setup_cell.with_setup(lab, f"labs/{solution_path.name}", url))
 
 
 def build_labs(root: str | Path = ".") -> list[Path]:

@@ -4,7 +4,9 @@ A check function is decorated with :func:`exercise`. Called in a notebook it eit
 pass line, ``✓ Exercise 3 (naive attention): passed``, or raises a one-line error:
 
 * :class:`~teraflops.errors.NotAttempted` when the learner's code still raises
-  ``NotImplementedError`` (the lab placeholder);
+  ``NotImplementedError`` (the lab placeholder), unless the learner's latest cell defining that
+  function failed to compile (the kernel then still holds the stub): that is an ``ExerciseFailed``
+  naming the error and its line (:mod:`teraflops.grading.history`);
 * :class:`~teraflops.errors.ExerciseFailed` naming the exercise, what was wrong (shape, dtype,
   value, max error) and a hint. Any other exception from the learner's code becomes one too.
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from teraflops.errors import PLACEHOLDER_MESSAGE, CourseError, ExerciseFailed, NotAttempted
+from teraflops.grading import history
 from teraflops.machine import detect, triton_mode
 
 PASS_MARK = "✓"
@@ -62,6 +65,19 @@ def _looks_unattempted(e: BaseException) -> bool:
     return PLACEHOLDER_MESSAGE in str(e) or (type(e) is NotImplementedError and not str(e))
 
 
+def _failed_latest_version(args, kwargs) -> str | None:
+    """When the learner's latest cell defining a function handed to the check did not compile, what to
+    say instead of "not attempted": the kernel still holds the earlier definition (the stub), so the
+    check ran that one (:func:`teraflops.grading.history.failed_definition`)."""
+    for value in (*args, *kwargs.values()):
+        name = history.function_name(value)
+        why = history.failed_definition(name) if name else None
+        if why:
+            return (f"your latest `{name}` cell did not compile, so this kernel still holds the earlier {name}: "
+                    f"{why}. Hint: fix that line, run the cell, then this check again")
+    return None
+
+
 def exercise(number: int, title: str):
     """Register a check function as exercise ``number`` and give it the pass/fail protocol."""
 
@@ -81,6 +97,10 @@ def exercise(number: int, title: str):
                 FAILURES[ex.name] = FAILURES.get(ex.name, 0) + 1
                 raise ExerciseFailed(f"{ex.label}: {e}") from None
             except Exception as e:  # noqa: BLE001 - anything the learner's code raised
+                stale = _failed_latest_version(args, kwargs) if _looks_unattempted(e) else None
+                if stale:
+                    FAILURES[ex.name] = FAILURES.get(ex.name, 0) + 1
+                    raise ExerciseFailed(f"{ex.label}: {stale}") from None
                 if _looks_unattempted(e):
                     raise NotAttempted(f"{ex.label}: not attempted. Replace the `raise NotImplementedError` "
                                        "line with your code, run that cell, then this check again.") from None

@@ -21,6 +21,7 @@ from teraflops.errors import CourseError
 from teraflops.grading import unit01, unit02, unit03, unit04, unit05, unit06  # noqa: F401 - registers the units' exercises
 from teraflops.grading.core import PASS_MARK, REGISTRY, Exercise
 from teraflops.grading.grade_report import GradeReport, GradeRow, current_user
+from teraflops.grading.history import syntax_line
 
 __all__ = ["grade", "unit_of", "cell_error", "GradeReport", "GradeRow"]
 
@@ -55,13 +56,9 @@ def cell_error(cell) -> str | None:
             continue
         ename, evalue = out.get("ename", ""), str(out.get("evalue", "")).strip()
         first = next((ln.strip() for ln in evalue.splitlines() if ln.strip()), "")
-        lines = cell.source.split("\n")
         position = _SYNTAX_POSITION.search(first)
         if position:  # SyntaxError and its subclasses: the position is in the message
-            first = first[:position.start()]
-            number = int(position.group(1))
-            code = lines[number - 1].strip() if 0 < number <= len(lines) else ""
-            return f"{ename}: {first} at line {number} of the cell" + (f": {code}" if code else "")
+            return syntax_line(ename, first[:position.start()], int(position.group(1)), cell.source)
         tb = _ANSI.sub("", "\n".join(out.get("traceback", [])))
         frames = _FRAME_LINE.findall(tb)
         where = f" (line {frames[-1]} of the cell)" if len(out.get("traceback", [])) > 1 and frames else ""

@@ -168,11 +168,12 @@ def qdiscs() -> frozenset:
     return _probe()[1]
 
 
-def unavailable() -> str | None:
+def unavailable(probe: bool = True) -> str | None:
     """Why emulated nodes cannot run here, in one line; ``None`` when they can.
 
     Checks, in order: Linux, root (network namespaces need CAP_NET_ADMIN), ``ip`` and ``tc`` on the
-    PATH, and that a namespace can be made and removed (a container may forbid it).
+    PATH, and (``probe``, the default) that a namespace can be made and removed (a container may
+    forbid it); ``probe=False`` makes no namespace, for a report that must not touch the machine.
     """
     if sys.platform != "linux":
         return f"emulated nodes need Linux network namespaces; this is {sys.platform}"
@@ -181,6 +182,8 @@ def unavailable() -> str | None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"emulated nodes need iproute2 ({' and '.join(missing)} not found; apt install iproute2)"
+    if not probe:
+        return None
     why, found = _probe()
     if why:
         return why
