@@ -135,9 +135,12 @@ def _delta(before: dict, after: dict, name: str) -> float:
 
 
 def measure(server, model: str, *, concurrency: int | None = None, request_rate: float | None = None,
-            interval_ms: int = 800, stability_pct: int = 100, max_trials: int = 8, timeout: float = 120) -> LoadPoint:
+            interval_ms: int = 600, stability_pct: int = 100, max_trials: int = 8, timeout: float = 120,
+            retries: int = 1) -> LoadPoint:
     """One perf_analyzer run against ``server`` (a started :class:`teraflops.compilation.serving.Server`) on ``model``,
     at ``concurrency`` clients or ``request_rate`` requests/s (one of them), over HTTP with the server's token.
+    When its windows never agree ("Failed to obtain stable measurement", common on a busy machine) it is run again
+    up to ``retries`` times with windows twice as long.
 
     Raises:
         ServingError: perf_analyzer missing (:func:`why_not`), neither or both load settings, or its run failed
@@ -146,6 +149,21 @@ def measure(server, model: str, *, concurrency: int | None = None, request_rate:
     check()
     if (concurrency is None) == (request_rate is None):
         raise ServingError("give exactly one of concurrency= (clients) or request_rate= (requests/s)")
+    for attempt in range(retries + 1):
+        try:
+            return _measure(server, model, concurrency, request_rate, interval_ms * 2 ** attempt, stability_pct,
+                            max_trials, timeout)
+        except _Unstable as e:
+            if attempt == retries:
+                raise ServingError(str(e)) from None
+    raise AssertionError("unreachable")
+
+
+class _Unstable(Exception):
+    pass
+
+
+def _measure(server, model, concurrency, request_rate, interval_ms, stability_pct, max_trials, timeout) -> LoadPoint:
     with tempfile.TemporaryDirectory(prefix="teraflops-perf-") as tmp:
         folder = Path(tmp)
         load = (["--concurrency-range", str(int(concurrency))] if concurrency is not None else
@@ -162,8 +180,9 @@ def measure(server, model: str, *, concurrency: int | None = None, request_rate:
         after = server.metrics().get(model, {})
         if run.returncode != 0 or not (folder / "out.csv").exists():
             last = [x for x in (run.stdout + run.stderr).splitlines() if x.strip()]
-            raise ServingError(f"perf_analyzer on {model} failed (status {run.returncode}): "
-                               f"{last[-1].strip() if last else 'no output'}")
+            why = (f"perf_analyzer on {model} failed (status {run.returncode}, {interval_ms} ms windows): "
+                   f"{last[-1].strip() if last else 'no output'}")
+            raise (_Unstable if "stable measurement" in why else ServingError)(why)
         row = parse_csv((folder / "out.csv").read_text())
     requests, executions = _delta(before, after, "nv_inference_count"), _delta(before, after, "nv_inference_exec_count")
     rps = row["Inferences/Second"]
