@@ -424,14 +424,11 @@ def simulate_clients(latency: Callable[[int], float], clients: int, max_batch: i
             if not queue:
                 yield arrived[0]
                 continue
-            deadline = queue[0][0] + max_wait
-            n = dynamic_batch_policy([t for t, _ in queue], env.now, max_batch, max_wait)
-            if n == 0:
-                yield arrived[0] | env.timeout(max(0.0, deadline - env.now))
-                if env.now >= deadline - 1e-12 and queue and len(queue) < max_batch:
-                    n = min(len(queue), max_batch)
-                else:
-                    continue
+            deadline = queue[0][0] + max_wait  # dynamic_batch_policy's rule, on this clock's deadline
+            if len(queue) < max_batch and env.now < deadline:
+                yield arrived[0] | env.timeout(deadline - env.now)
+                continue
+            n = min(len(queue), max_batch)
             batch, queue[:] = queue[:n], queue[n:]
             start, service = env.now, float(latency(len(batch))) + overhead_s
             yield env.timeout(service)
