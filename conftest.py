@@ -32,6 +32,8 @@ MACHINE_WIDE = frozenset({
     "test_ray.py", "test_ray_elastic.py", "test_sbatch.py", "test_slurm.py", "test_slurm_queue.py",
     "test_tensor_parallel.py", "test_traversal.py", "test_unit03_run.py", "test_unit05_run.py",
     "test_workshop.py",
+    # scans every process and port for a Triton server left behind
+    "test_serving.py",
     # lab 3's checks submit to the real Slurm (grading.unit03)
     "03_orchestration.ipynb",
     # not machine-wide, but they share a session fixture's launch with test_cluster (tests/conftest.py): one run

@@ -20,7 +20,9 @@ WORKERS = Path(__file__).resolve().parents[1] / "helpers" / "teraflops" / "worke
 SHARED = {"__init__.py", "common.py"}  # no rank program: what the rank programs share
 # programs that read a Spec but are no rank of the course's launcher, so there is no rank's result file to
 # write_result into: the Result goes to the path their Spec names (wire.write)
-DRIVERS = {"ray_train.py": "Ray Train's driver, run once in node 0 by `cluster exec`; Ray starts the ranks"}
+DRIVERS = {"ray_train.py": "Ray Train's driver, run once in node 0 by `cluster exec`; Ray starts the ranks",
+           "serve_decode.py": "Unit 4's Triton server, started by compilation.serving.Server: its ServeReady goes "
+                              "to ready.json in the folder its Spec names, while it keeps serving"}
 NOT_CHOICES = {
     "collective_sweep.PERIOD": "the check pattern's period (i mod 8), part of the check's arithmetic",
     "zero_train._elements.element_size": "bytes of an fp32 element, the unit the memory is counted in",

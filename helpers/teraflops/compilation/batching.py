@@ -49,7 +49,7 @@ from teraflops.models import GPT
 from teraflops.tables import table
 from teraflops.timing import benchmark, format_seconds
 
-__all__ = ["BatchingError", "BatchLatency", "measure_batch_latency", "ServerResult", "simulate_server", "sweep",
+__all__ = ["BatchingError", "BatchLatency", "measure_batch_latency", "ServerResult", "simulate_server", "simulate_clients", "sweep",
            "batching_table", "plot_tradeoff", "cost_per_million_tokens", "dynamic_batch_policy"]
 
 
@@ -387,6 +387,70 @@ def simulate_server(latency: Callable[[int], float], rate: float, max_batch: int
         p50_s=float(np.percentile(lat, 50)), p99_s=float(np.percentile(lat, 99)), mean_s=float(lat.mean()),
         mean_queue_s=float((start - times).mean()), mean_batch=float(np.mean(sizes)), batches=len(sizes),
         utilisation=busy[0] / span if span > 0 else 1.0, latencies=tuple(lat.tolist()), batch_sizes=tuple(sizes))
+
+
+def simulate_clients(latency: Callable[[int], float], clients: int, max_batch: int, max_wait: float,
+                     duration: float = 10.0, *, overhead_s: float = 0.0, tokens_per_request: int = 1) -> ServerResult:
+    """Closed-loop load, as ``perf_analyzer --concurrency-range N`` makes it: ``clients`` clients each send a
+    request, wait for its answer and send the next at once, for ``duration`` seconds of simulated time; one
+    dynamic-batching server (:func:`dynamic_batch_policy`) runs ``latency(B) + overhead_s`` per batch
+    (``overhead_s``: a fixed cost per execution the latency model leaves out, e.g. a server's hand-off).
+
+    Returns a :class:`ServerResult` over the requests that finished (``throughput_rps`` = finished / duration).
+
+    Raises:
+        BatchingError: ``clients`` not an integer >= 1, or a setting :func:`simulate_server` refuses.
+    """
+    if isinstance(clients, bool) or not isinstance(clients, (int, np.integer)) or clients < 1:
+        raise BatchingError(f"clients must be an integer >= 1; got {clients!r}")
+    _check(1.0, max_batch, max_wait, duration, "poisson", latency)
+    env = simpy.Environment()
+    queue: list[tuple[float, simpy.Event]] = []
+    arrived = [env.event()]
+    done: list[tuple[float, float, float]] = []  # arrival, start, finish
+    sizes: list[int] = []
+    busy = [0.0]
+
+    def client():
+        while env.now < duration:
+            answer = env.event()
+            queue.append((env.now, answer))
+            ev, arrived[0] = arrived[0], env.event()
+            ev.succeed()
+            yield answer
+
+    def server():
+        while True:
+            if not queue:
+                yield arrived[0]
+                continue
+            deadline = queue[0][0] + max_wait  # dynamic_batch_policy's rule, on this clock's deadline
+            if len(queue) < max_batch and env.now < deadline:
+                yield arrived[0] | env.timeout(deadline - env.now)
+                continue
+            n = min(len(queue), max_batch)
+            batch, queue[:] = queue[:n], queue[n:]
+            start, service = env.now, float(latency(len(batch))) + overhead_s
+            yield env.timeout(service)
+            busy[0] += service
+            sizes.append(len(batch))
+            for t, answer in batch:
+                done.append((t, start, env.now))
+                answer.succeed()
+
+    for _ in range(int(clients)):
+        env.process(client())
+    env.process(server())
+    env.run(until=duration)
+    if not done:
+        raise BatchingError(f"no request finished in {duration} s. Hint: a longer duration")
+    arr, st, fin = (np.array(x) for x in zip(*done))
+    lat = fin - arr
+    rps = len(done) / duration
+    return ServerResult(requests=len(done), makespan_s=duration, throughput_rps=rps, tokens_per_s=rps * tokens_per_request,
+                        p50_s=float(np.percentile(lat, 50)), p99_s=float(np.percentile(lat, 99)), mean_s=float(lat.mean()),
+                        mean_queue_s=float((st - arr).mean()), mean_batch=float(np.mean(sizes)), batches=len(sizes),
+                        utilisation=min(1.0, busy[0] / duration), latencies=tuple(lat.tolist()), batch_sizes=tuple(sizes))
 
 
 # --------------------------------------------------------------------------- sweeps, cost, showing

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+from teraflops.compilation import loadgen, serving
 from teraflops.machine import GiB, Machine, detect, triton_mode
 from teraflops.launch.placement import place
 
@@ -161,6 +162,16 @@ def _links(m: Machine) -> list[str]:
     return lines
 
 
+def _serving() -> list[str]:
+    """Unit 4's real server (PyTriton's Triton Inference Server) and Triton's load generator perf_analyzer."""
+    server = serving.why_not()
+    pytriton = (f"nvidia-pytriton {serving.metadata.version('nvidia-pytriton')}: ready (127.0.0.1 only)"
+                if server is None else f"cannot run: {server}")
+    load = loadgen.why_not()
+    perf = f"{loadgen.binary()}: ready" if load is None else f"cannot run: {load}"
+    return [f"{_INDENT}Triton Inference Server  {pytriton}", f"{_INDENT}perf_analyzer            {perf}"]
+
+
 def skipped(m: Machine | None = None) -> list[str]:
     """What the course skips on machine ``m`` (default: this one), one reason per entry."""
     m = m or detect()
@@ -173,6 +184,10 @@ def skipped(m: Machine | None = None) -> list[str]:
         ]
     if triton_mode() == "interpreter":
         items.append("bf16 Triton kernels: the Triton interpreter has no bf16, so fp32 is used")
+    for reason in (serving.why_not(), loadgen.why_not()):
+        if reason:
+            items.append(f"Unit 4's real server under perf_analyzer: {reason}")
+            break
     if not m.gpus:
         items.append("multi-GPU link (NVLink/PCIe) measurements: need at least 2 GPUs")
     elif m.gpu_count == 1:
@@ -189,6 +204,7 @@ def doctor() -> str:
         ("Triton", _triton()),
         ("C++ compiler for torch.compile on CPU", _compiler()),
         ("GPUs and links", _links(m)),
+        ("Serving (Unit 4)", _serving()),
     ]
     skips = skipped(m)
     nothing = [f"{_INDENT}nothing: every part of the course runs here"]

@@ -10,6 +10,7 @@ the notebook-side process that called :func:`teraflops.launch.launcher.launch` (
   launchers and ranks and removes the files. Each rank's wrapper (``launch/scripts/rank_wrapper.py``) also watches
   the owner, in case the watchdog is killed too.
 * :func:`sweep` (at the start of every launch) removes what a run of a dead owner left: launch folders
+  (in the temporary folder, and a served model's in ``/dev/shm``: :mod:`teraflops.compilation.serving`)
   whose ``owner.json`` names a process that is gone, shared-memory files of this user that no live
   launch owns and no process maps, and ``/tmp/torchelastic_*`` folders of this user that no live
   torchrun older than the folder can be writing. A live run's files are never touched.
@@ -47,10 +48,12 @@ def record(results: Path, port: int, addr: str = "127.0.0.1") -> None:
     (results / "owner.json").write_text(json.dumps({**ownership.owner(), "port": port, "addr": addr}))
 
 
-def start_watchdog(results: Path, port: int, pgids: list[int], addr: str = "127.0.0.1") -> subprocess.Popen:
-    """Start the watchdog of a launch (terminate it when the launch is over)."""
+def start_watchdog(results: Path, port: int, pgids: list[int], addr: str = "127.0.0.1",
+                   also: list[Path] = ()) -> subprocess.Popen:
+    """Start the watchdog of a launch (terminate it when the launch is over); ``also``: more folders of the
+    launch it removes with ``results`` (a served model's ``/dev/shm`` folder)."""
     return subprocess.Popen([sys.executable, str(_WATCHDOG), str(os.getpid()), str(proc_start(os.getpid())),
-                             str(results), str(port), addr, ",".join(map(str, pgids))],
+                             str(results), str(port), addr, ",".join(map(str, pgids)), ",".join(map(str, also))],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
 
@@ -90,7 +93,7 @@ def sweep() -> list[Path]:
     import psutil
 
     removed, tmp, uid = [], Path(tempfile.gettempdir()), os.getuid()
-    for folder in tmp.glob("teraflops-launch-*"):
+    for folder in [*tmp.glob("teraflops-launch-*"), *SHM.glob("teraflops-launch-*")]:
         try:
             held = json.loads((folder / "owner.json").read_text())
         except (OSError, ValueError):

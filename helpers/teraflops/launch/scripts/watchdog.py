@@ -1,12 +1,13 @@
-"""Watchdog of one launch: ``python watchdog.py OWNER_PID OWNER_START RESULTS PORT ADDR PGIDS``.
+"""Watchdog of one launch: ``python watchdog.py OWNER_PID OWNER_START RESULTS PORT ADDR PGIDS [ALSO]``.
 
 Started by :func:`teraflops.launch.leftovers.start_watchdog` in a session of its own, so that a SIGKILL of the
 notebook kernel (the owner) does not reach it; the launch terminates it when it is over. Twice a
 second it checks that the owner still runs (same pid, same start time, field 22 of
 ``/proc/<pid>/stat``); once it is gone it SIGTERMs, then after 2 s SIGKILLs, the launchers' process
 groups and every process whose environment names this launch's results folder, then removes the
-launch's DeepSpeed shared-memory files (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_*``)
-and the folder. Started as a script: importing the package would import torch.
+launch's DeepSpeed shared-memory files (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_*``),
+the folder and the launch's other folders ``ALSO`` (comma-separated paths; a served model's ``/dev/shm``
+folder, :mod:`teraflops.compilation.serving`). Started as a script: importing the package would import torch.
 """
 
 import glob
@@ -32,7 +33,7 @@ def _members(results: str) -> list:
     return out
 
 
-def main(owner: int, start: str, results: str, port: str, addr: str, pgids: list[int]) -> None:
+def main(owner: int, start: str, results: str, port: str, addr: str, pgids: list[int], also: list[str] = ()) -> None:
     while proc_start(owner) == start and os.path.isdir(results):
         time.sleep(0.5)
     if not os.path.isdir(results):
@@ -58,7 +59,8 @@ def main(owner: int, start: str, results: str, port: str, addr: str, pgids: list
             os.unlink(path)
         except OSError:
             pass
-    shutil.rmtree(results, ignore_errors=True)
+    for folder in [results, *also]:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -71,4 +73,5 @@ def _group_alive(pgid: int) -> bool:
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(int(a[0]), a[1], a[2], a[3], a[4], [int(g) for g in a[5].split(",") if g])
+    main(int(a[0]), a[1], a[2], a[3], a[4], [int(g) for g in a[5].split(",") if g],
+         [f for f in (a[6] if len(a) > 6 else "").split(",") if f])
