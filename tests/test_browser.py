@@ -329,7 +329,12 @@ def test_demo_slides_open_in_rise(page):
     assert "Five ways a GPU job goes wrong" in reveal.first.inner_text()
     page.keyboard.press("ArrowRight")
     sync_api.expect(page.locator(".reveal .slides > section.present")).to_contain_text("Attention memory", timeout=10_000)
-    # RISE's page asks a CDN for MathJax (jupyterlab_rise/app.py, "TODO Remove CDN usage"); offline that load
-    # fails, and the slides render without it
-    errors = [e for e in page.errors if "mathjax" not in e.lower() and "net::ERR" not in e]
+    if os.environ.get("TERAFLOPS_BROWSER_SHOTS"):
+        page.screenshot(path=os.path.join(os.environ["TERAFLOPS_BROWSER_SHOTS"], "rise.png"))
+    # Known upstream noise of jupyterlab-rise 0.43.1 on JupyterLab 4.6, the slides rendering regardless:
+    # its page asks a CDN for MathJax (jupyterlab_rise/app.py, "TODO Remove CDN usage"), which fails
+    # offline, and it loads the environment's other lab extensions into a shared scope without
+    # @jupyterlab/console ("Shared module ... doesn't exist", then "Maximum call stack size exceeded")
+    upstream = ("mathjax", "net::ERR", "Shared module @jupyterlab/console", "Maximum call stack size exceeded")
+    errors = [e for e in page.errors if not any(u.lower() in e.lower() for u in upstream)]
     assert not errors, errors
