@@ -30,3 +30,23 @@ def assert_text_off_lines(ax, text_part: str, lines) -> None:
     for line in lines:
         for x, y in ax.transData.transform(line.get_xydata()):
             assert not box.contains(x, y), f"{text_part!r} sits on a point of {line.get_label()!r}"
+
+
+def _tick_boxes(axis):
+    return [(t.get_text(), t.get_window_extent()) for t in axis.get_ticklabels()
+            if t.get_visible() and t.get_text().strip()]
+
+
+def assert_figure_readable(fig) -> None:
+    """Every axes of ``fig`` passes :func:`assert_texts_inside_and_apart`, and no two tick labels of one
+    axis overlap (at a large figure scale, long tick labels run into each other first). Draws the figure."""
+    fig.canvas.draw()
+    for ax in fig.axes:
+        if not ax.get_visible() or not ax.axison:
+            continue
+        assert_texts_inside_and_apart(ax)
+        for axis in (ax.xaxis, ax.yaxis):
+            boxes = _tick_boxes(axis)
+            for i, (a, box_a) in enumerate(boxes):
+                for b, box_b in boxes[i + 1:]:
+                    assert not box_a.overlaps(box_b), f"tick labels {a!r} and {b!r} overlap ({ax.get_title()!r})"

@@ -12,6 +12,7 @@ the reason otherwise. ``TERAFLOPS_PRESET=tiny`` keeps each lab's setup cheap.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from teraflops.course import cli, setup_cell
+from teraflops.course import cli, demo, setup_cell
 from teraflops.launch.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +87,7 @@ def _setup_cells(lab: str, exercise: int) -> list[int]:
 def course(tmp_path_factory):
     root = tmp_path_factory.mktemp("course")
     shutil.copytree(ROOT / "labs", root / "labs")
+    shutil.copytree(ROOT / "demo", root / "demo")
     (root / "scratch").mkdir()
     return root
 
@@ -96,7 +98,7 @@ def server(course, tmp_path_factory):
     port, token = free_port(18990), secrets.token_hex(16)
     env = {**os.environ, "TERAFLOPS_PRESET": "tiny", "JUPYTER_RUNTIME_DIR": str(work / "runtime"),
            "JUPYTER_CONFIG_DIR": str(work / "config"), "IPYTHONDIR": str(work / "ipython"),
-           "PYTHONPATH": str(ROOT / "helpers")}
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT / "helpers"), os.environ.get("PYTHONPATH"))))}
     extra = (f"--LabApp.workspaces_dir={work / 'workspaces'}", f"--LabApp.user_settings_dir={work / 'settings'}",
              "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate")
     proc = subprocess.Popen(cli.lab_command(course, port, token, extra=extra), cwd=course, env=env,
@@ -318,3 +320,28 @@ def test_every_lecture_widget_redraws_when_a_control_moves(page, course):
     for n, name in enumerate(WIDGETS, 1):
         text = again.goto(n).locator(".jp-Cell-outputArea").inner_text()
         assert "run this cell" in text, f"{name}, reopened, does not say to run its cell: {text[:300]}"
+
+
+def test_demo_slides_open_in_rise(page):
+    """Issue 30: the demo notebook opens as slides in JupyterLab's RISE (``jupyterlab-rise``, the test
+    extra): one slide per failure mode after the title, each mode's code on its slide. Nothing runs."""
+    if importlib.util.find_spec("jupyterlab_rise") is None:
+        pytest.skip("jupyterlab-rise is not installed (pip install jupyterlab-rise: the test extra)")
+    cells = json.loads((ROOT / "demo" / "demo.ipynb").read_text())["cells"]
+    slides = [c for c in cells if c["metadata"].get("slideshow", {}).get("slide_type") == "slide"]
+    page.goto(f"{page.base}/rise/demo/demo.ipynb?token={page.token}")  # RISE's own page for a notebook
+    reveal = page.locator(".reveal .slides > section")
+    sync_api.expect(reveal.first).to_be_visible(timeout=90_000)
+    assert reveal.count() == len(slides) == 1 + len(demo.MODES)
+    assert "Five ways a GPU job goes wrong" in reveal.first.inner_text()
+    page.keyboard.press("ArrowRight")
+    sync_api.expect(page.locator(".reveal .slides > section.present")).to_contain_text("Attention memory", timeout=10_000)
+    if os.environ.get("TERAFLOPS_BROWSER_SHOTS"):
+        page.screenshot(path=os.path.join(os.environ["TERAFLOPS_BROWSER_SHOTS"], "rise.png"))
+    # Known upstream noise of jupyterlab-rise 0.43.1 on JupyterLab 4.6, the slides rendering regardless:
+    # its page asks a CDN for MathJax (jupyterlab_rise/app.py, "TODO Remove CDN usage"), which fails
+    # offline, and it loads the environment's other lab extensions into a shared scope without
+    # @jupyterlab/console ("Shared module ... doesn't exist", then "Maximum call stack size exceeded")
+    upstream = ("mathjax", "net::ERR", "Shared module @jupyterlab/console", "Maximum call stack size exceeded")
+    errors = [e for e in page.errors if not any(u.lower() in e.lower() for u in upstream)]
+    assert not errors, errors

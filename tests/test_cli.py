@@ -39,6 +39,10 @@ def tiny_course(tmp_path_factory):
         'raise ZeroDivisionError("broken on purpose")',
         'print("never runs")',
     )
+    checked = nbformat.v4.new_notebook()  # issue 30: a checked cell whose run differs from the committed output
+    checked.cells = [nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint('matched 4 of 6')")]
+    checked.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="matched 6 of 6\n")]
+    nbformat.write(checked, root / "notebooks" / "03_checked.ipynb")
     return root
 
 
@@ -61,6 +65,7 @@ def test_doctor_mentions_torch_and_triton_mode(capsys):
     assert "torch" in out
     assert "mode: interpreter" in out or "mode: compiled" in out
     assert "Skipped on this machine" in out
+    assert "Size preset" in out and ("(chosen for this machine" in out or "(TERAFLOPS_PRESET=" in out)
 
 
 @pytest.mark.slow
@@ -88,6 +93,30 @@ def test_run_writes_outputs_and_reports_failures(cli_run):
     card = (build / "report_card.html").read_text()  # the run ends with the report card
     assert f"report card: {build / 'report_card.html'}" in out
     assert "01_tiny" in card and "The answer" in card and "42 x" in card and "failed: cell 2" in card
+
+
+@pytest.mark.slow
+def test_run_warns_about_a_checked_cell_that_differs(cli_run):
+    """Issue 30: triage matched 4 of 6, its checked cell showed it, and `teraflops run` said ok."""
+    _, out, build = cli_run
+    row = next(line for line in out.splitlines() if line.startswith("03_checked"))
+    assert row.split()[1] == "WARNING", out
+    assert "WARNING: unit 3 (03_checked) cell 0: checked output differs from the committed one" in row
+    assert "matched 4 of 6" in row and "matched 6 of 6" in row
+    assert "1/3 notebooks ok (1 ran with a checked output that differs" in out
+    assert "WARNING: unit 3 (03_checked) cell 0" in (build / "report_card.html").read_text()
+
+
+def test_summary_names_the_unit_and_cell_of_a_differing_checked_output():
+    from teraflops.course.runner import NotebookResult
+    from teraflops.machine import Machine
+
+    r = NotebookResult("06_triage", 61.0, True, mismatches=["cell 23: expected 'a', got 'b'"])
+    assert r.status == "WARNING"
+    text = format_summary(Machine("cpu", cpu_cores=2), [r, NotebookResult("01_x", 1.0, True)])
+    assert "06_triage  WARNING" in text and "01_x       ok" in text
+    assert "WARNING: unit 6 (06_triage) cell 23: checked output differs from the committed one (expected 'a', got 'b')" in text
+    assert "1/2 notebooks ok (1 ran with a checked output that differs" in text
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def test_the_top_level_holds_only_the_shared_base():
     root = Path(__file__).resolve().parents[1] / "helpers" / "teraflops"
     top = sorted(p.stem for p in root.glob("*.py"))
     base = ["__init__", "__main__", "caches", "ceilings", "data", "datasheets", "errors", "gpu_fit", "headlines",
-            "machine", "mechanism", "memory", "models", "ownership", "sizing", "tables", "teardown", "timing",
+            "machine", "mechanism", "memory", "models", "ownership", "plots", "sizing", "tables", "teardown", "timing",
             "widgets"]
     assert top == base, f"top-level modules changed: {sorted(set(top) ^ set(base))} (a lesson goes in its unit's package)"
 

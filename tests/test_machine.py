@@ -5,6 +5,7 @@ import torch
 
 import teraflops
 from teraflops import sizing
+from teraflops.errors import CourseError
 
 
 def test_detect_describes_this_machine():
@@ -24,9 +25,13 @@ def test_preset_follows_the_machine_and_can_be_overridden(monkeypatch):
     assert sizing.preset().device == teraflops.detect().device
     monkeypatch.setenv("TERAFLOPS_PRESET", "tiny")
     assert sizing.preset().name == "tiny"
+    assert sizing.preset_name() == "tiny"
     monkeypatch.setenv("TERAFLOPS_PRESET", "huge")
-    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+    with pytest.raises(CourseError, match="unknown TERAFLOPS_PRESET 'huge'; the presets are tiny, cpu, gpu") as e:
         sizing.preset()
+    assert "\n" not in str(e.value)
+    with pytest.raises(CourseError, match="unknown preset 'demo'"):
+        sizing.preset("demo")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU refusal")

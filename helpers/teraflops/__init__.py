@@ -7,6 +7,8 @@ first imported, by an import hook, so ``TRITON_INTERPRET`` is set before any ``@
 decorator runs. If torch or Triton is already imported, it is decided at once. Where a workshop
 host ran ``teraflops warmup``, the import also seeds this user's torch.compile caches from the
 host's (:func:`teraflops.caches.seed_compile_caches`; without one it costs one failed ``open``).
+Figures take the course's scale (:mod:`teraflops.plots`, ``TERAFLOPS_FIG_SCALE``) once Matplotlib is
+imported, by a second hook.
 """
 
 import importlib.abc as _abc
@@ -46,6 +48,47 @@ if "TRITON_INTERPRET" not in _os.environ:
         _configure_triton()
     elif not any(isinstance(f, _ConfigureTritonFirst) for f in _sys.meta_path):
         _sys.meta_path.insert(0, _ConfigureTritonFirst())
+
+class _StyleFiguresAfterImport(_abc.MetaPathFinder):
+    """Applies the course's figure scale (:func:`teraflops.plots.style`) right after ``matplotlib`` is
+    imported: the usual finders find it, and its loader's ``exec_module`` is wrapped to style it once run."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "matplotlib":
+            return None
+        _sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _style_or_warn()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _style_or_warn() -> None:
+    """Style figures; a bad ``TERAFLOPS_FIG_SCALE`` warns (one line) rather than breaking an import."""
+    from teraflops.errors import CourseError
+    from teraflops.plots import style
+
+    try:
+        style()
+    except CourseError as e:
+        import warnings
+
+        warnings.warn(str(e), stacklevel=3)
+
+
+if "matplotlib" in _sys.modules:
+    _style_or_warn()
+elif not any(isinstance(f, _StyleFiguresAfterImport) for f in _sys.meta_path):
+    _sys.meta_path.insert(0, _StyleFiguresAfterImport())
 
 from teraflops.errors import install_notebook_hooks as _install_notebook_hooks  # noqa: E402
 

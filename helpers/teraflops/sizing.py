@@ -3,8 +3,14 @@
 A notebook asks ``preset()`` for its sizes and never hard-codes one: on a CPU the sizes keep a
 lecture under a few minutes (the Triton interpreter runs kernels with NumPy, ~10^4× slower
 than a GPU); on a GPU they are large enough to show real behaviour, including naive attention
-running out of memory. ``TERAFLOPS_PRESET=cpu|gpu|tiny`` overrides the choice (``tiny`` is for
-smoke tests of the notebooks' code paths).
+running out of memory. ``TERAFLOPS_PRESET=cpu|gpu|tiny`` overrides the choice.
+
+``tiny`` is for smoke tests of the notebooks' code paths, not for reading numbers: its problems are so
+small that timings are dominated by launch overhead and noise (on a busy machine they can contradict a
+lecture's story). It shortens Units 0, 1, 4 and 6 to under a minute each but not Units 2, 3 and 5, whose
+time is mostly process launches, emulated nodes and Slurm (~2.5 min each at ``tiny`` on the course's
+2-core CPU machine, measured under load). For one failure mode at a size that tells the story, use
+``teraflops demo`` (:mod:`teraflops.course.demo`).
 
 Each unit's sizes are one frozen, keyword-only record (:class:`ZeroSizes`, :class:`DecodeSizes`, ...);
 a :class:`Preset` composes them by name (``p.zero.steps``, ``p.gpt.d_model``). The CPU preset spells
@@ -19,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from teraflops.errors import CourseError
 from teraflops.gpu_fit import fit_preset, gpu_share
 from teraflops.machine import detect
 
@@ -417,6 +424,24 @@ PRESETS = {
 }
 
 
+class PresetError(CourseError, ValueError):
+    """An unknown preset name (argument or ``TERAFLOPS_PRESET``); the message lists the presets."""
+
+
+def preset_name() -> str:
+    """The name of the preset in force: ``TERAFLOPS_PRESET`` if set, else the machine's (``"gpu"`` with
+    CUDA, else ``"cpu"``). Raises :class:`PresetError` for an unknown ``TERAFLOPS_PRESET``."""
+    env = os.environ.get("TERAFLOPS_PRESET")
+    return _checked(env, "TERAFLOPS_PRESET") if env else ("gpu" if detect().device == "cuda" else "cpu")
+
+
+def _checked(name: str, where: str = "preset") -> str:
+    if name not in PRESETS:
+        raise PresetError(f"unknown {where} {name!r}; the presets are {', '.join(PRESETS)}. "
+                          "Hint: unset TERAFLOPS_PRESET to size for this machine, or set it to one of them")
+    return name
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The GPT (:class:`teraflops.models.GPT`), batch and optimizer of a training run on ranks, as a
@@ -469,11 +494,10 @@ def preset(name: str | None = None) -> Preset:
     preset is fitted to the GPU's memory and compute capability (:func:`teraflops.gpu_fit.fit_preset`).
 
     Raises:
-        ValueError: unknown name (in the argument or ``TERAFLOPS_PRESET``).
+        PresetError: unknown name (in the argument or ``TERAFLOPS_PRESET``), one line listing the presets.
+        ValueError: the GPU preset without a CUDA GPU.
     """
-    name = name or os.environ.get("TERAFLOPS_PRESET") or ("gpu" if detect().device == "cuda" else "cpu")
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    name = _checked(name) if name else preset_name()
     p = PRESETS[name]
     if p.device == "cuda":
         gpus = detect().gpus

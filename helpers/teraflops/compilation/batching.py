@@ -43,7 +43,7 @@ import numpy as np
 import simpy
 import torch
 
-from teraflops import widgets
+from teraflops import plots, widgets
 from teraflops.errors import CourseError
 from teraflops.models import GPT
 from teraflops.tables import table
@@ -511,19 +511,20 @@ def plot_tradeoff(rows: list[dict]):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = []
     for mw in sorted({r["max_wait_s"] for r in rows}):
         pts = sorted((r for r in rows if r["max_wait_s"] == mw), key=lambda r: r["max_batch"])
         ax.plot([1e3 * r["p99_s"] for r in pts], [r["throughput_rps"] for r in pts], marker="o",
                 label=f"max wait {1e3 * mw:g} ms")
-        for r in pts:
-            ax.annotate(str(r["max_batch"]), (1e3 * r["p99_s"], r["throughput_rps"]), textcoords="offset points",
-                        xytext=(3, 3), fontsize=7)
+        labels += [ax.annotate(str(r["max_batch"]), (1e3 * r["p99_s"], r["throughput_rps"]), textcoords="offset points",
+                               xytext=(3, 3), fontsize="x-small") for r in pts]
     if rows:
         ax.axhline(rows[0]["rate"], color="grey", linestyle="--", linewidth=0.8, label="offered rate")
     ax.set(xscale="log", xlabel="p99 latency (ms)", ylabel="served requests/s",
            title="Dynamic batching: throughput vs tail latency (labels: max batch)")
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(fontsize="small", frameon=False)
     fig.tight_layout()
+    plots.place_labels(ax, labels)  # points of different max_wait sit close: their labels must not collide
     return fig
 
 

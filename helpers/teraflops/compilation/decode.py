@@ -533,7 +533,7 @@ def plot_batch_sweep(rows: list[BatchRow]):
     for ax in (ax1, ax2):
         ax.set_xticks(b, [str(x) for x in b])
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, frameon=False)
+        ax.legend(fontsize="small", frameon=False)
     fig.tight_layout()
     return fig
 

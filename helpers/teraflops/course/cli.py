@@ -33,6 +33,10 @@ Subcommands::
     teraflops triage TRACE [--waits WAITS.json] [--peak-flops F --bandwidth B] [--launch-floor S]
                                         compute-, memory-, overhead- or communication-bound, or
                                         waiting on a straggler? from a torch.profiler trace
+    teraflops demo [MODE ...] [--warm] [--out DIR] [--record DIR] [--fallback DIR] [--scale S]
+                                        one failure mode per command, for a talk: one large figure
+                                        and one sentence of verdict each (attention, zero, straggler,
+                                        compile, interconnect, triage; default all)
 
 Exit codes: 0 success; 1 a notebook failed, a check failed or labs are out of sync;
 2 a usage or course error, printed as one line ``error: ...``.
@@ -175,6 +179,25 @@ def build_parser() -> argparse.ArgumentParser:
     triage.add_argument("--bandwidth", type=float, metavar="B", help="bytes/s, with --peak-flops")
     triage.add_argument("--launch-floor", type=float, metavar="S", help="seconds per op (default: measured here)")
     _add_reading_parsers(sub)
+
+    # --- i30-demo: teraflops demo ---
+    from teraflops.course.demo import MODES as DEMO_MODES  # the standard library only at import
+
+    demo = sub.add_parser("demo", help="each failure mode in one command, for a talk: a large figure and a verdict",
+                          description="Run failure modes of the course live, each ending in one large figure "
+                                      "(PNG and SVG under --out) and one sentence of verdict computed from what it "
+                                      "measured. Modes: " + ", ".join(DEMO_MODES) + " (default: all).")
+    demo.add_argument("modes", nargs="*", metavar="MODE",
+                      help="some of: " + ", ".join(DEMO_MODES))
+    demo.add_argument("--warm", action="store_true", help="before the talk: build DeepSpeed's op, the compiled "
+                                                          "decode step and the font cache, then run no mode")
+    demo.add_argument("--out", type=Path, default=Path("build/demo"), help="folder for the figures (default: build/demo)")
+    demo.add_argument("--record", type=Path, metavar="DIR", help="also record each run (MODE.json, .png, .svg) "
+                                                                "in DIR, for --fallback")
+    demo.add_argument("--fallback", type=Path, metavar="DIR", help="when a live mode fails, show the run recorded in DIR")
+    demo.add_argument("--scale", default="room", help="figure scale: room (default, 1.6), laptop (1) or a number "
+                                                      "(teraflops.plots)")
+    # --- /i30-demo ---
     return parser
 
 
@@ -237,6 +260,24 @@ def _cmd_triage(args: argparse.Namespace) -> int:
     print(result.summary())
     print(result.table())
     return 0
+
+
+# --- i30-demo: teraflops demo ---
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """The talk's modes (teraflops.course.demo); exit 1 if a mode's numbers did not tell its story."""
+    os.environ.setdefault("MPLBACKEND", "Agg")  # figures go to files: no window to open
+    from teraflops import plots
+    from teraflops.course import demo
+
+    plots.scale(args.scale)  # a bad scale: one line, before minutes of work
+    modes = demo.check_modes(args.modes) if args.modes else demo.MODES
+    if args.warm:
+        demo.warm()
+        return 0
+    results = demo.run_modes(modes, out=args.out, record_to=args.record, fallback=args.fallback, scale=args.scale,
+                             echo=lambda line: print(line, flush=True))
+    return 0 if all(r.story for r in results) else 1
+# --- /i30-demo ---
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -551,7 +592,8 @@ def _cluster_exec(args: argparse.Namespace, caller: int) -> int:
 
 _COMMANDS = {"run": _cmd_run, "preflight": _cmd_preflight, "bench": _cmd_bench, "doctor": _cmd_doctor,
              "lab": _cmd_lab, "grade": _cmd_grade, "labs": _cmd_labs, "cluster": _cmd_cluster, "warmup": _cmd_warmup,
-             "triage": _cmd_triage}
+             "triage": _cmd_triage,
+             "demo": _cmd_demo}  # i30-demo
 _COMMANDS.update({"setup-cells": _cmd_setup_cells, "site": _cmd_site})  # issue 30's block
 
 

@@ -16,7 +16,9 @@ import shutil
 import subprocess
 import sys
 
+from teraflops import sizing
 from teraflops.compilation import loadgen, serving
+from teraflops.errors import CourseError
 from teraflops.machine import GiB, Machine, detect, triton_mode
 from teraflops.launch.placement import place
 
@@ -112,6 +114,20 @@ def _devices(m: Machine) -> list[str]:
     return lines
 
 
+def _preset() -> list[str]:
+    """The size preset in force and where it came from (``TERAFLOPS_PRESET`` or the machine)."""
+    env = os.environ.get("TERAFLOPS_PRESET")
+    try:
+        name = sizing.preset_name()
+    except CourseError as e:
+        return [f"{_INDENT}{' '.join(str(e).split())}"]
+    source = f"TERAFLOPS_PRESET={env}" if env else "chosen for this machine; TERAFLOPS_PRESET overrides it"
+    what = {"tiny": "smoke tests of the code paths only: timings are noise, not the lectures' story",
+            "cpu": "sizes that keep a lecture to a few minutes on a 2-core CPU",
+            "gpu": "sizes fitted to this GPU's memory"}.get(name, "")
+    return [f"{_INDENT}{name} ({source}){': ' + what if what else ''}"]
+
+
 def _triton() -> list[str]:
     mode = triton_mode()
     env = os.environ.get("TRITON_INTERPRET", "unset")
@@ -201,6 +217,7 @@ def doctor() -> str:
     sections = [
         ("Versions", _versions()),
         ("Devices", _devices(m)),
+        ("Size preset", _preset()),
         ("Triton", _triton()),
         ("C++ compiler for torch.compile on CPU", _compiler()),
         ("GPUs and links", _links(m)),

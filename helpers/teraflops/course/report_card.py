@@ -119,7 +119,7 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
     run's ``machine.json`` (:func:`read_machine`: ceilings, busy warning)."""
     references = load_references() if references is None else references
     context = context or {}
-    passed = sum(r.ok for r in results)
+    passed = sum(r.status == "ok" for r in results)
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>Tensors to Teraflops: report card</title>",
              f"<style>{_STYLE}</style></head><body><h1>Tensors to Teraflops: report card</h1>",
              f"<p><b>Machine:</b> {html.escape(machine.summary())}<br>"]
@@ -128,7 +128,7 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
             parts.append(_ceilings_line(context["ceilings"], context.get("ceilings_source")) + "<br>")
         except (KeyError, ValueError, TypeError, ZeroDivisionError):
             pass
-    parts.append(f"<b>Notebooks:</b> {passed}/{len(results)} ran without error, "
+    parts.append(f"<b>Notebooks:</b> {passed}/{len(results)} ran without error or warning, "
                  f"{sum(r.seconds for r in results):.0f} s in all.</p>")
     if context.get("busy_warning"):
         parts.append(f"<p class='warn'><b>Busy machine:</b> {html.escape(str(context['busy_warning']))}</p>")
@@ -136,7 +136,9 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
         parts.append("<p class='note'>No reference results from a real GPU ship with this version of the course, "
                      "so there is nothing to set your numbers beside.</p>")
     for r in results:
-        status = "<span class='ok'>ok</span>" if r.ok else f"<span class='fail'>failed: {html.escape(str(r.error))}</span>"
+        status = "<span class='ok'>ok</span>" if r.status == "ok" else \
+            f"<span class='fail'>failed: {html.escape(str(r.error))}</span>" if not r.ok else \
+            "<span class='fail'>" + "<br>".join(html.escape(w) for w in r.warnings()) + "</span>"
         unit = unit_of(r.name)
         question = QUESTIONS.get(unit)
         title = f"Unit {unit}: {question}" if question else r.name

@@ -86,6 +86,9 @@ class NotebookResult:
         stalls: cells whose answer reached the run :data:`STALL_SECONDS` or more after the kernel sent it.
         load: the 1-minute load average while it ran, ``{"mean", "max", "cores"}``
             (:class:`teraflops.machine.LoadMonitor`).
+        mismatches: checked cells (``# NBVAL_CHECK_OUTPUT``) whose output differs from the committed
+            notebook's (:func:`checked_output_mismatches`), one line each; the run is then a warning,
+            not ``ok`` (:attr:`status`).
     """
 
     name: str
@@ -99,6 +102,20 @@ class NotebookResult:
     html_error: str | None = None
     stalls: list[CellStall] = field(default_factory=list)
     load: dict = field(default_factory=dict)
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        """``"ok"``, ``"WARNING"`` (ran, but a checked cell's output differs from the committed one) or
+        ``"FAILED"``."""
+        return "FAILED" if not self.ok else "WARNING" if self.mismatches else "ok"
+
+    def warnings(self) -> list[str]:
+        """One line per checked cell whose output differs, naming the unit and the cell."""
+        m = _NOTEBOOK_NAME.match(f"{self.name}.ipynb")
+        unit = f"unit {int(m.group(1))} ({self.name})" if m else self.name
+        return [_one_line(f"WARNING: {unit} {line.split(':', 1)[0]}: checked output differs from the committed "
+                          f"one ({line.split(':', 1)[1].strip()})", 300) for line in self.mismatches]
 
 
 def course_root() -> Path:
@@ -169,6 +186,11 @@ def run_notebook(
 
     result.executed = out_dir / f"{name}.ipynb"
     nbformat.write(nb, result.executed)
+    if result.ok:  # a stopped notebook's later checked cells are empty: its failure says enough
+        try:
+            result.mismatches = checked_output_mismatches(result.executed, path)
+        except CourseError as e:  # not comparable (edited meanwhile): say so rather than hide it
+            result.mismatches = [f"cell -: {_one_line(str(e))}"]
     if html:
         try:
             from nbconvert import HTMLExporter
@@ -437,23 +459,24 @@ def load_text(load: dict) -> str:
 
 def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
     """A plain-text table: the machine, then one row per notebook with status, time, its failure and
-    stalled cells (:class:`CellStall`, by cell and time) if any, its headline numbers (one per line)
-    and the load it ran under, then the output folder(s)."""
+    stalled cells (:class:`CellStall`, by cell and time) if any, a ``WARNING:`` line per checked cell
+    whose output differs from the committed one (status ``WARNING``, not ``ok``), its headline numbers
+    (one per line) and the load it ran under, then the output folder(s)."""
     lines = [f"machine: {machine.summary()}"]
     if not results:
         return "\n".join(lines + ["no notebooks ran"])
     name_w = max(len("notebook"), *(len(r.name) for r in results))
-    status_w = len("status")
+    status_w = len("WARNING")
     time_w = len("time (s)")
     header = f"{'notebook':<{name_w}}  {'status':<{status_w}}  {'time (s)':>{time_w}}  headline"
     lines += [header, "-" * max(len(header), 60)]
     pad = " " * (name_w + status_w + time_w + 6)
     for r in results:
-        status = "ok" if r.ok else "FAILED"
-        first = f"{r.name:<{name_w}}  {status:<{status_w}}  {r.seconds:>{time_w}.1f}  "
+        first = f"{r.name:<{name_w}}  {r.status:<{status_w}}  {r.seconds:>{time_w}.1f}  "
         details: list[str] = []
         if r.error is not None:
             details.append(str(r.error))
+        details += r.warnings()
         details += [f"STALLED: {st}" for st in r.stalls]
         entries = list(r.headline.values())
         if entries:
@@ -473,8 +496,10 @@ def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
         lines += [(pad + d).rstrip() for d in details[1:]]
     folders = sorted({str(r.executed.parent.resolve()) for r in results if r.executed})
     lines.append("-" * max(len(header), 60))
-    passed = sum(r.ok for r in results)
-    lines.append(f"{passed}/{len(results)} notebooks ok; outputs in {', '.join(folders) or '-'}")
+    passed = sum(r.status == "ok" for r in results)
+    warned = sum(r.status == "WARNING" for r in results)
+    also = f" ({warned} ran with a checked output that differs: see WARNING)" if warned else ""
+    lines.append(f"{passed}/{len(results)} notebooks ok{also}; outputs in {', '.join(folders) or '-'}")
     return "\n".join(lines)
 
 

@@ -203,7 +203,7 @@ def plot_sweep(rows: list[dict], fit: AlphaBeta | None = None, links=PUBLISHED_L
     the published link ceilings (per direction) as horizontal lines, labelled. Returns the figure."""
     import matplotlib.pyplot as plt
 
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8, 4.5))
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8, 6))  # tall: link labels 2x apart
     for c in dict.fromkeys(r["collective"] for r in rows):
         mine = [r for r in rows if r["collective"] == c]
         ax.plot([r["size"] for r in mine], [r["busbw"] / GB for r in mine], "o-", ms=4,
@@ -223,14 +223,34 @@ def plot_sweep(rows: list[dict], fit: AlphaBeta | None = None, links=PUBLISHED_L
         # off the data, the links and the legend
         ax.annotate(f"80% of B at {saturation_text(fit)} " if sat is not None else f" 80% of B {saturation_text(fit)}",
                     (sat if sat is not None else min(fit.sizes), (top * low) ** 0.5),
-                    ha="right" if sat is not None else "left", va="center", fontsize=8, color="gray")
-    ordered = sorted(links, key=lambda link: link.bandwidth)  # PCIe Gen5 and NDR are 63 and 50 GB/s
-    for i, link in enumerate(ordered):  # two right-aligned columns: neighbours in bandwidth never share one
-        ax.axhline(link.bandwidth / GB, color="tab:red", lw=0.8, alpha=0.6)
-        ax.annotate(f"{link.name}: {link.bandwidth / GB:.3g} GB/s", (0.99 if i % 2 == 0 else 0.6, link.bandwidth / GB),
-                    xycoords=("axes fraction", "data"), fontsize=8, color="tab:red", ha="right", va="bottom")
+                    ha="right" if sat is not None else "left", va="center", fontsize="small", color="gray")
     ax.set(xscale="log", yscale="log", xlabel="message size S (bytes)", ylabel="busbw (GB/s, per direction)",
            title="Collective bandwidth on this machine against published links")
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
+    ax.legend(fontsize="small", loc="lower right")
+    _label_links(ax, links)
     return fig
+
+
+def _label_links(ax, links) -> None:
+    """A red line per link, labelled at the first spot (right edge, left edge, middle; above its line, then
+    below) where its label overlaps no label placed before it: links close in bandwidth (PCIe Gen5 63, NDR
+    50, Gen4 31.5 GB/s) get different spots at any figure scale. The top link's label sits below its line."""
+    ordered = sorted(links, key=lambda link: link.bandwidth)
+    for link in ordered:
+        ax.axhline(link.bandwidth / GB, color="tab:red", lw=0.8, alpha=0.6)
+    ax.set_ylim(ax.get_ylim())  # fixed now: a later autoscale would move the labels placed below
+    ax.figure.tight_layout()
+    renderer = ax.figure.canvas.get_renderer()
+    placed = [t.get_window_extent(renderer) for t in ax.texts]
+    for i, link in enumerate(ordered):
+        above = "top" if i == len(ordered) - 1 else "bottom"  # above, the top link's label would leave the frame
+        spots = [(x, ha, va) for va in (above, "top") for x, ha in ((0.99, "right"), (0.01, "left"), (0.5, "center"))]
+        for x, ha, va in spots:
+            t = ax.annotate(f"{link.name}: {link.bandwidth / GB:.3g} GB/s", (x, link.bandwidth / GB),
+                            xycoords=("axes fraction", "data"), fontsize="small", color="tab:red", ha=ha, va=va)
+            box = t.get_window_extent(renderer)
+            if not any(box.overlaps(b) for b in placed):
+                break
+            if (x, ha, va) != spots[-1]:
+                t.remove()
+        placed.append(box)

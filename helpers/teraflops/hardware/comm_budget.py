@@ -221,11 +221,12 @@ def plot_comm_fraction(n: int = 8, links=PUBLISHED_LINKS, fit: AlphaBeta | None 
     for k, ys in series.items():
         ax.plot(tokens, ys, label=k.removesuffix(" fraction"), lw=2.5 if k.startswith("measured") else 1.5)
     ax.axhspan(0.5, 1.0, color="0.92", zorder=0)
-    ax.text(tokens[-1], 0.97, "communication-bound", ha="right", va="top", fontsize=8, color="0.35")
+    ax.text(tokens[-1], 0.97, "communication-bound", ha="right", va="top", fontsize="small", color="0.35")
     ax.set(xscale="log", xlabel="tokens per GPU per optimizer step (micro-batch × sequence × accumulation)",
            ylabel="share of the step in all-reduce", ylim=(0, 1),
            title=f"gradient all-reduce vs math: {params / 1e9:g}B parameters, n = {n}, MFU {mfu:g} (no overlap)")
-    ax.legend(fontsize=8)
+    # below the axes, off the curves and the communication-bound band's label, at any figure scale
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, frameon=False)
     return ax
 
 

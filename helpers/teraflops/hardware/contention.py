@@ -310,12 +310,12 @@ def plot_contention(rows: list[dict], ax=None):
     if rows[0]["device"] == "cpu" and max(k) > rows[0]["cores"]:
         ax.axvline(rows[0]["cores"], color="gray", ls=":", lw=1)
         ax.annotate(f"{rows[0]['cores']} cores", (rows[0]["cores"], 0), xycoords=("data", "axes fraction"),
-                    xytext=(3, 5), textcoords="offset points", fontsize=8, color="gray")
+                    xytext=(3, 5), textcoords="offset points", fontsize="small", color="gray")
     ax.set_xscale("log", base=2)
     ax.set_xticks(k, [str(x) for x in k])
     ax.set_ylim(bottom=0)
     ax.set(xlabel="k concurrent copy streams", ylabel="bandwidth (GB/s)",
            title=f"Contention for {_LINK[rows[0]['kind']]}: the total plateaus, each stream's share falls")
-    ax.legend(fontsize=8, loc="center right")
+    ax.legend(fontsize="small", loc="center right")
     fig.tight_layout()
     return fig

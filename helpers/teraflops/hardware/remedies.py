@@ -342,16 +342,16 @@ def plot_remedies(rows: list[dict]):
             colors[m["setting"]] = line.get_color()
     ax_loss.set(xlabel="samples seen (sequences, all ranks)", ylabel="training loss (nats, global micro-batch)",
                 title="Loss by setting (same data, same seed)")
-    ax_loss.legend(fontsize=8)
+    ax_loss.legend(fontsize="small")
     labels = [r.get("label", r["setting"]) for r in rows][::-1]
     vals = [r["bytes_per_sample"] for r in rows][::-1]
     ax_bytes.barh(labels, vals, color=[colors[r["setting"]] for r in rows][::-1])
     for y, r in enumerate(rows[::-1]):
         ax_bytes.text(r["bytes_per_sample"], y, f" {fmt_bytes(r['bytes_per_sample'])} ({r['sample_cut']:.1f}× fewer)"
-                      if r["sample_cut"] != 1 else f" {fmt_bytes(r['bytes_per_sample'])}", va="center", fontsize=8)
+                      if r["sample_cut"] != 1 else f" {fmt_bytes(r['bytes_per_sample'])}", va="center", fontsize="small")
     ax_bytes.set_xlim(0, max(vals) * 1.9)  # room for the labels right of the longest bar
     ax_bytes.set_xticks([])
     ax_bytes.set(xlabel="bytes all-reduced per sample, per rank (bar length to scale)", title="Communication per sample")
-    ax_bytes.tick_params(axis="y", labelsize=8)
+    ax_bytes.tick_params(axis="y", labelsize="small")
     fig.tight_layout()
     return fig

@@ -254,8 +254,8 @@ def plot_sweep(results: list[AttentionResult], batch: int, heads: int, head_dim:
         ax.minorticks_off()
     ax_t.set(xlabel="sequence length N", ylabel="seconds per call", title="Time")
     ax_m.set(xlabel="sequence length N", ylabel="peak MiB above inputs", title="Peak memory")
-    ax_t.legend(fontsize=8)
-    ax_m.legend(fontsize=8)
+    ax_t.legend(fontsize="small")
+    ax_m.legend(fontsize="small")
     fig.tight_layout()
     return fig
 
@@ -282,9 +282,9 @@ def attention_memory_figure(log2_seq_len: int, head_dim: int, heads: int, batch:
     for gb, name, side in ((80, "H100 80 GB ", "right"), (141, " H200 141 GB", "left")):
         ax.axvline(gb, color="grey", ls=":")
         # between the two bars, in axes coordinates for y: H100's label left of its line, H200's right
-        ax.text(gb, 0.5, name, fontsize=8, ha=side, va="center", transform=ax.get_xaxis_transform())
+        ax.text(gb, 0.5, name, fontsize="small", ha=side, va="center", transform=ax.get_xaxis_transform())
     ax.set_xlabel("extra memory for one attention call (GB = 1e9 bytes)")
-    ax.set_title(f"N = {n:,}: naive {widgets.bytes_text(naive * 1e9)} vs flash {widgets.bytes_text(flash * 1e9)} ({naive / flash:,.0f}×)", fontsize=10)
+    ax.set_title(f"N = {n:,}: naive {widgets.bytes_text(naive * 1e9)} vs flash {widgets.bytes_text(flash * 1e9)} ({naive / flash:,.0f}×)", fontsize="medium")
     fig.tight_layout()
     return fig, ax
 

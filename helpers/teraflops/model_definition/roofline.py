@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from teraflops import plots
 from teraflops.ceilings import Ceilings
 from teraflops.tables import table
 from teraflops.timing import benchmark
@@ -158,7 +159,7 @@ def plot_roofline(points: list[RooflinePoint], c: Ceilings, ax=None, title: str 
     import numpy as np
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4.5))
+        _, ax = plt.subplots(figsize=(9, 4.5))
     flop_points = [p for p in points if p.flops > 0]
     lo = min([p.intensity for p in flop_points] + [c.ridge_point]) / 4
     hi = max([p.intensity for p in flop_points] + [c.ridge_point]) * 4
@@ -171,42 +172,17 @@ def plot_roofline(points: list[RooflinePoint], c: Ceilings, ax=None, title: str 
         y = p.achieved_flops if p.flops > 0 else c.attainable(lo) * p.fraction_of_roof(c)
         color = "tab:red" if p.bound(c) == "compute" and p.flops > 0 else "tab:blue"
         ax.loglog([x], [y], "o", color=color)
-        label = p.name if p.flops > 0 else f"{p.name} (0 FLOP: drawn at the left edge)"
+        label = p.name if p.flops > 0 else f"{p.name} (0 FLOP, at the left edge)"
         right = x > hi / 8  # near the right edge: label below-left of the point
         labels.append(ax.annotate(label, (x, y), textcoords="offset points", xytext=(-4, -12) if right else (4, 4),
-                                  fontsize=8, ha="right" if right else "left"))
+                                  fontsize="small", ha="right" if right else "left"))
     ax.plot([], [], "o", color="tab:red", label="compute-bound")
     ax.plot([], [], "o", color="tab:blue", label="memory-bound")
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
     ax.set_ylabel("FLOP/s")
     ax.set_title(title or f"Roofline of this machine ({c.device}, {str(c.dtype).replace('torch.', '')})")
-    ax.legend(loc="best", fontsize=8)
-    place_labels(ax, labels)
+    # beside the axes, off the points and their labels, at any figure scale
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize="small")
+    ax.figure.tight_layout()
+    plots.place_labels(ax, labels)
     return ax
-
-
-def place_labels(ax, labels, step: float = 9.0, tries: int = 16) -> None:
-    """Move point labels (offset-point annotations) apart: each in turn, from the lowest point up,
-    steps away from its point (alternately below and above, ``step`` points further each try)
-    until its box overlaps no label placed before it and lies inside the axes; one running past
-    the right (left) edge is turned to end (start) at its point. Greedy, good for the few labels of
-    a roofline."""
-    renderer = ax.figure.canvas.get_renderer()
-    frame = ax.get_window_extent(renderer)
-    placed = []
-    for t in sorted(labels, key=lambda t: (t.xy[1], t.xy[0])):
-        ox, oy = t.xyann
-        for k in range(tries):
-            box = t.get_window_extent(renderer)
-            if box.x1 > frame.x1 and t.get_ha() == "left":
-                t.set_ha("right")
-                ox = -abs(ox)
-            elif box.x0 < frame.x0 and t.get_ha() == "right":
-                t.set_ha("left")
-                ox = abs(ox)
-            t.xyann = (ox, oy + (-1) ** k * step * ((k + 1) // 2))
-            box = t.get_window_extent(renderer)
-            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
-            if inside and not any(box.overlaps(b) for b in placed):
-                break
-        placed.append(t.get_window_extent(renderer))

@@ -276,7 +276,7 @@ def plot_recovery(run: ElasticRun):
                     label=f"checkpoint resumed from (step {run.last_checkpoint_step})")
     ax_step.axvline(run.kill_step - 0.5, color="red", label=f"rank {run.kill_rank} killed (step {run.kill_step})")
     ax_step.set(xlabel="step", ylabel="training loss (nats, global batch)", title="Same losses, some steps twice")
-    ax_step.legend(fontsize=8, loc="upper right")
+    ax_step.legend(fontsize="small", loc="upper right")
     ax_time.plot([r["time"] for r in run.reference_records], [r["step"] for r in run.reference_records], ".-",
                  color="grey", label=f"uninterrupted ({run.reference_wall_s:.1f} s launch)")
     for records, label in ((first, "first attempt"), (again, "after the restart")):
@@ -288,6 +288,6 @@ def plot_recovery(run: ElasticRun):
                 title=f"{run.training_lost_s:.1f} s lost between first and last step "
                       f"({run.time_lost_s:+.1f} s in launch wall time)")
     ax_time.set_xlim(left=0)
-    ax_time.legend(fontsize=8, loc="upper left")
+    ax_time.legend(fontsize="small", loc="upper left")
     fig.tight_layout()
     return fig

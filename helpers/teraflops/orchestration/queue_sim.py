@@ -586,7 +586,7 @@ def plot_timeline(result: SimResult):
     ax.set_yticks([n * gpn + (gpn - 1) / 2 for n in range(result.nodes)], [f"node {n}" for n in range(result.nodes)])
     ax.set_ylim(gpus - 0.5, -0.5)
     ax.set(title=f"{result.policy}: utilisation {100 * result.utilisation:.1f}%, mean wait {result.mean_wait_h:.1f} h")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
     t = [p[0] for p in result.timeline]
     ax_busy.step(t, [p[1] for p in result.timeline], where="post", label="busy GPUs")
     ax_busy.axhline(gpus, color="grey", linestyle="--", linewidth=0.8)

@@ -410,7 +410,7 @@ def plot_gantt(runs: list[QueueRun]):
                 for g in r.gpus_held:
                     ax.barh(g, r.end - r.start, left=r.start, height=0.9, color=colours[r.job.user],
                             edgecolor="white", linewidth=0.5)
-                    ax.text(r.start + (r.end - r.start) / 2, g, str(r.job.id), ha="center", va="center", fontsize=8,
+                    ax.text(r.start + (r.end - r.start) / 2, g, str(r.job.id), ha="center", va="center", fontsize="small",
                             color="white")
             for n in range(1, res.nodes):
                 ax.axhline(n * gpn - 0.5, color="black", linewidth=0.6)
@@ -418,11 +418,11 @@ def plot_gantt(runs: list[QueueRun]):
             ax.set_ylim(gpus - 0.5, -0.5)
             ax.set_xlim(0, end * 1.02)
             ax.set_title(f"{res.policy}: utilisation {100 * res.utilisation:.0f}%, mean wait {res.mean_wait_h:.1f} s",
-                         fontsize=10)
+                         fontsize="medium")
     for ax in axes[-1]:
         ax.set_xlabel("seconds since the queue opened")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[u]) for u in users]
-    fig.legend(handles, users, loc="upper center", ncol=len(users), frameon=False, fontsize=9)
+    fig.legend(handles, users, loc="upper center", ncol=len(users), frameon=False, fontsize="small")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return fig
 

@@ -627,7 +627,7 @@ def plot_timeline(timeline: Timeline, steps: int = 6, first: int = 0, ax=None):
                    for r in range(timeline.step.shape[1])])
     ax.invert_yaxis()
     ax.set(xlabel="time (ms)", title=timeline_title(timeline))
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize="small", frameon=False)
     fig.tight_layout()
     return fig
 
@@ -667,6 +667,6 @@ def plot_rebalance(rows: list[dict]):
             left = left + width
         ax.invert_yaxis()
         ax.set(xlabel="mean ms per step", title=f"{row['phase']}: {row['step_ms']:.0f} ms/step")
-    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize="small", frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig

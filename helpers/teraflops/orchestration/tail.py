@@ -118,6 +118,6 @@ def plot_tail(rows: list[dict], p: float | None = None):
     ax.set_ylabel("expected slowest busy time (ms)")
     ax.set_title("A synchronous step waits for the slowest of N ranks")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize="small")
     fig.tight_layout()
     return fig

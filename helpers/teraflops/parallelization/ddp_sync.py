@@ -339,7 +339,7 @@ def plot_staleness(rows: list[dict]):
         line, = ax_loss.plot(range(len(r["losses"])), r["losses"], label=f"τ = {r['tau']}")
         ax_trade.scatter(r["final_loss"], r["tokens_per_s"], color=line.get_color(), s=50, zorder=3)
         ax_trade.annotate(f"τ = {r['tau']}  ({r['speedup']:.2f}×)", (r["final_loss"], r["tokens_per_s"]),
-                          textcoords="offset points", xytext=(6, 4), fontsize=9)
+                          textcoords="offset points", xytext=(6, 4), fontsize="small")
     ax_loss.set(xlabel="step", ylabel="training loss (nats, global batch)", title="Loss by staleness τ")
     ax_loss.legend()
     ax_trade.set(xlabel=f"final loss (nats, mean of the last {LAST_STEPS} steps)", ylabel="tokens/s (all ranks)",
@@ -370,6 +370,6 @@ def plot_overlap(rows: list[dict]):
         ax.text(max(r["step_ms"], left[y] + rest[y]), y, f"  {r['step_ms']:.1f} ms", va="center")
     ax.set(xlabel="median time per step (ms)", title="DDP bucketing (overlap) vs all-reduce after backward")
     ax.set_xlim(0, 1.25 * max(r["step_ms"] for r in rows))
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize="small", frameon=False)
     fig.tight_layout()
     return fig

@@ -331,7 +331,7 @@ def plot_model_states(rows: list[ModelStates], ax=None, highlight: int | None = 
 
     own = ax is None
     if own:
-        _, ax = plt.subplots(figsize=(8, 4))
+        _, ax = plt.subplots(figsize=(10, 5))
     x = list(range(len(rows)))
     bottom = [0.0] * len(rows)
     handles = []
@@ -345,7 +345,7 @@ def plot_model_states(rows: list[ModelStates], ax=None, highlight: int | None = 
     capacities = memory_capacities()
     top = max(bottom + [gb for _, gb in capacities])
     for xi, total in zip(x, bottom):
-        ax.text(xi, total + 0.01 * top, f"{format_gb(total * GB)} GB", ha="center", va="bottom", fontsize=8)
+        ax.text(xi, total + 0.01 * top, f"{format_gb(total * GB)} GB", ha="center", va="bottom", fontsize="small")
     for (label, gb), style in zip(capacities, ("--", ":")):
         handles.append(ax.axhline(gb, color="black", ls=style, lw=1, label=label))
     ax.set_xticks(x, [f"stage {r.stage}\n{r.name}" for r in rows])
@@ -353,8 +353,10 @@ def plot_model_states(rows: list[ModelStates], ax=None, highlight: int | None = 
     ax.set_ylabel("model states per device (GB = 1e9 bytes)")
     r = rows[0]
     ax.set_title(f"computed from ZeRO's formulas, not measured: Ψ = {r.psi / 1e9:.3g} billion parameters, "
-                 f"Nd = {r.nd}, {r.precision.name}", fontsize=10)
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+                 f"Nd = {r.nd}, {r.precision.name}", fontsize="medium")
+    # below the axes: the bars keep the figure's width, so their tick labels stay apart at a room's scale
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, fontsize="small",
+              frameon=False)
     if own:
         ax.figure.tight_layout()
     return ax
@@ -380,12 +382,12 @@ def model_state_widget():
     def show(psi, nd, stage, precision):
         rows = figure1(psi, nd, precision)
         chosen = rows[stage]
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, ax = plt.subplots(figsize=(10, 5))
         plot_model_states(rows, ax=ax, highlight=stage)
         fits = [label for label, gb in memory_capacities() if chosen.total_bytes / GB <= gb]
         verdict = f"fits {fits[0]} (model states only)" if fits else "fits on neither GPU"
         ax.set_title(f"stage {stage} ({chosen.name}, {chosen.formula}): {format_gb(chosen.total_bytes)} GB per device, "
-                     f"{verdict}\nΨ = {psi / 1e9:.3g} billion, Nd = {nd}, {precision.name}", fontsize=9)
+                     f"{verdict}\nΨ = {psi / 1e9:.3g} billion, Nd = {nd}, {precision.name}", fontsize="small")
         fig.tight_layout()
         plt.show()
         return chosen

@@ -202,7 +202,7 @@ def plot_timeline(row: dict):
         for kind, mb, start, end in events:
             ax.barh(s, (end - start) * 1e3, left=start * 1e3, color="tab:blue" if kind == "F" else "tab:orange",
                     edgecolor="white")
-            ax.text((start + end) / 2 * 1e3, s, str(mb), ha="center", va="center", fontsize=7, color="white")
+            ax.text((start + end) / 2 * 1e3, s, str(mb), ha="center", va="center", fontsize="x-small", color="white")
     ax.set(yticks=range(row["p"]), yticklabels=[f"stage {s}" for s in range(row["p"])], xlabel="ms from the step's start",
            title=f"{row['schedule']}, m = {row['m']}: bubble {row['bubble']:.0%} (theory {row['theory']:.0%}); "
                  "blue forward, orange backward")

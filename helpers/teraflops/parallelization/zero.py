@@ -63,7 +63,8 @@ class ZeroStageResult:
     """One stage on one rank (see :mod:`teraflops.workers.zero_train`): ``held`` fp32 elements by
     category, ``comms`` DeepSpeed's comms log ``{op: {msg_size_bytes: [count, latencies, algbws,
     busbws]}}`` of the ``logged_steps`` steps after the first, ``losses`` (nats) and ``step_s`` (s)
-    per step."""
+    per step; ``grads_peak``: the most gradient elements live at once during the first backward pass
+    (sampled after each parameter's gradient is accumulated; ``held["grads"]`` is after it)."""
 
     stage: int
     psi: int
@@ -74,6 +75,7 @@ class ZeroStageResult:
     step_s: list[float]
     optimizer_type: str
     master_copy: bool
+    grads_peak: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,8 @@ class StageRun:
         step_s: per rank, wall seconds of each step (forward + backward + optimizer step).
         master_copy: the ZeRO optimizer keeps its fp32 master partition apart from the parameters
             (stage 3 on a GPU uses an fp32 parameter shard itself as the master).
+        grads_peak: per rank, the most gradient elements live at once during the backward pass
+            (stage 1 holds all Ψ until the end of backward, stage 2 its partition plus a bucket).
     """
 
     stage: int
@@ -223,6 +227,15 @@ class StageRun:
     losses: list
     step_s: list
     master_copy: bool = True
+    grads_peak: list = ()
+
+    def peak_bytes(self, rank: int = 0, bytes_per_element: int = 4) -> int:
+        """Model-state bytes of ``rank`` at the peak of the backward pass: parameters, gradients at
+        their peak (:attr:`grads_peak`, at least those held after backward) and optimizer states,
+        measured (fp32 runs: 4 bytes per element)."""
+        h = self.held[rank]
+        grads = max(h["grads"], self.grads_peak[rank] if self.grads_peak else 0)
+        return (h["params"] + grads + h["optimizer"]) * bytes_per_element
 
     @property
     def global_losses(self) -> list[float]:
@@ -290,7 +303,8 @@ def stage_runs(spec: ZeroSpec, ranks: list[ZeroResult]) -> list[StageRun]:
         runs.append(StageRun(stage=stage, psi=first.psi, world_size=ranks[0].world_size, backend=ranks[0].backend,
                              held=[r.held for r in per_rank], comms=[r.comms for r in per_rank],
                              logged_steps=first.logged_steps, losses=[r.losses for r in per_rank],
-                             step_s=[r.step_s for r in per_rank], master_copy=first.master_copy))
+                             step_s=[r.step_s for r in per_rank], master_copy=first.master_copy,
+                             grads_peak=[r.grads_peak for r in per_rank]))
     return runs
 
 
@@ -366,16 +380,16 @@ def plot_tradeoff(runs: list[StageRun]):
         bottom = [b + m for b, m in zip(bottom, mb)]
     mem.set_xticks(x, labels)
     mem.set_ylabel("model states per rank (MB, measured)")
-    mem.legend(fontsize=8)
-    mem.set_title("memory falls with each stage", fontsize=10)
+    mem.legend(fontsize="small")
+    mem.set_title("memory falls with each stage", fontsize="medium")
     com.bar(x, [r.comm_bytes / 1e6 for r in runs], color="tab:purple", label="measured (comms logger)")
     com.scatter(x, [comm_volume(r.psi, r.stage, 4) / 1e6 for r in runs], color="black", marker="_", s=600,
                 label="paper's formula for this Ψ: 2Ψ, 3Ψ", zorder=3)
     com.set_xticks(x, labels)
     com.set_ylabel("bytes sent per rank per step (MB)")
-    com.legend(fontsize=8)
-    com.set_title("communication rises at stage 3", fontsize=10)
+    com.legend(fontsize="small")
+    com.set_title("communication rises at stage 3", fontsize="medium")
     fig.suptitle(f"measured here on the course's small model: ZeRO on {runs[0].world_size} ranks ({runs[0].backend}), "
-                 f"Ψ = {runs[0].psi:,} parameters, fp32", fontsize=11)
+                 f"Ψ = {runs[0].psi:,} parameters, fp32", fontsize="large")
     fig.tight_layout()
     return fig

@@ -241,10 +241,10 @@ def plot_shares(rows: list[dict], ax=None, title: str = "Where each workload's s
         ax.barh(names, vals, left=left, color=COLORS[c], label=c)
         left = [a + b for a, b in zip(left, vals)]
     for y, r in enumerate(rows[::-1]):
-        ax.text(1.01, y, r["result"].verdict, va="center", fontsize=9)
+        ax.text(1.01, y, r["result"].verdict, va="center", fontsize="small")
     ax.set_xlim(0, 1)
     ax.set_xlabel("share of the step's wall time")
     ax.set_title(title)
     ax.legend(ncol=len(CATEGORIES), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / max(len(rows), 1)),
-              fontsize=8, frameon=False)
+              fontsize="small", frameon=False)
     return ax

@@ -17,6 +17,9 @@ Per stage and rank it hands back a :class:`teraflops.parallelization.zero.ZeroSt
   [latency_ms…], [algbw_Gbps…], [busbw_Gbps…]]}}``, for the steps after the first (the first step is
   warm-up), and ``logged_steps``.
 * ``step_s`` (wall seconds per step) and ``losses`` (this rank's micro-batch loss per step).
+* ``grads_peak``: the most gradient elements live at once during the first backward pass, sampled
+  by a hook after each parameter's gradient is accumulated (stage 1 frees the full gradients only
+  after the backward pass, stage 2 reduces them bucket by bucket during it).
 
 Training runs in fp32 on every machine so that the stages can be compared to 1e-4; the DeepSpeed
 config (:func:`teraflops.workers.common.zero_config`) keeps ZeRO's communication visible per
@@ -92,6 +95,17 @@ def _optimizer_states(engine) -> list:
     return states + _master_partitions(engine)
 
 
+def _watch_grads_peak(engine, stage: int) -> tuple[list, list]:
+    """Hooks that keep, in ``peak[0]``, the most gradient elements live after any parameter's gradient
+    was accumulated; returns ``(peak, handles)`` (remove the handles when done)."""
+    peak = [0]
+
+    def sample(_param) -> None:
+        peak[0] = max(peak[0], _elements(_grads(engine, stage)))
+
+    return peak, [p.register_post_accumulate_grad_hook(sample) for p in engine.module.parameters()]
+
+
 def run_stage(stage: int, spec: ZeroSpec, world: int, rank: int, step0: int) -> ZeroStageResult:
     import deepspeed
     import deepspeed.comm as ds_comm
@@ -105,6 +119,7 @@ def run_stage(stage: int, spec: ZeroSpec, world: int, rank: int, step0: int) -> 
     data = markov_tokens(world * cfg.micro_batch * steps, cfg.seq_len, cfg.vocab, seed=cfg.seed)
     device = engine.device
     losses, step_s, held = [], [], {}
+    grads_peak, hooks = _watch_grads_peak(engine, stage)
     for step in range(steps):
         fault_point(step0 + step)
         if step == 1:
@@ -115,6 +130,8 @@ def run_stage(stage: int, spec: ZeroSpec, world: int, rank: int, step0: int) -> 
         engine.backward(loss)
         if step == 0:
             held["grads"] = _elements(_grads(engine, stage))
+            for h in hooks:
+                h.remove()
         engine.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -130,7 +147,8 @@ def run_stage(stage: int, spec: ZeroSpec, world: int, rank: int, step0: int) -> 
              for op, sizes in ds_comm.comms_logger.comms_dict.items()}
     ds_comm.comms_logger.comms_dict.clear()
     result = ZeroStageResult(stage=stage, psi=psi, held=held, comms=comms, logged_steps=steps - 1, losses=losses,
-                             step_s=step_s, optimizer_type=type(engine.optimizer).__name__, master_copy=master_copy)
+                             step_s=step_s, optimizer_type=type(engine.optimizer).__name__, master_copy=master_copy,
+                             grads_peak=grads_peak[0])
     engine.destroy()
     del engine, model, optimizer
     release_device_memory(device)  # four stages in one process: a T4 has no room for the last one's cached blocks

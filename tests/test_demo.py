@@ -1,0 +1,110 @@
+"""``teraflops demo`` (issue 30): each failure mode's story holds beside other learners' runs; a failed
+live mode falls back to a recorded one; bad input is one line."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import matplotlib
+import pytest
+
+from teraflops import plots
+from teraflops.course import cli, demo
+from teraflops.errors import CourseError
+
+# Beside the hog (two NumPy copiers, two torch matmuls on two cores), with 2-3 other engineers' runs on the
+# same machine, the modes took: attention 37 s, compile 40 s, straggler 69 s, interconnect 70 s (zero ~70 s
+# without the hog). All of them are far past this suite's budget, so CI runs the two in-process modes, whose
+# timings a busy machine bends most (compiled faster than eager, flash below naive); the launches' stories
+# run with TERAFLOPS_DEMO_ALL=1 (about 4 minutes here), and ZeRO's per-rank ordering is also asserted on the
+# ZeRO tests' own runs (tests/test_zero.py::test_zero_peak_model_states_fall_stage_by_stage).
+BESIDE_HOG = ("attention", "compile")
+BESIDE_HOG_ALL = ("attention", "compile", "straggler", "interconnect", "zero")
+
+
+def test_unknown_mode_and_bad_scale_are_one_line_errors(capsys):
+    with pytest.raises(CourseError, match="unknown demo mode 'zer0'. Hint: one or more of attention, zero"):
+        demo.check_modes(["zer0"])
+    assert cli.main(["demo", "zer0"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert cli.main(["demo", "--scale", "huge"]) == 2
+    assert "is not a figure scale" in capsys.readouterr().err
+
+
+def _fake(mode, story=True):
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [2, 1])
+    return demo.DemoResult(mode, demo.TITLES[mode], f"{mode} verdict", {"x": 1.0}, story, figure=fig)
+
+
+def test_a_failed_live_mode_shows_the_recorded_run(tmp_path, monkeypatch):
+    monkeypatch.setitem(demo.RUNNERS, "attention", lambda: _fake("attention"))
+    lines = []
+    (live,) = demo.run_modes(["attention"], record_to=tmp_path / "rec", echo=lines.append)
+    assert {p.name for p in (tmp_path / "rec").iterdir()} == {"attention.json", "attention.png", "attention.svg"}
+    assert lines[-1] == "attention: attention verdict" and live.machine and live.recorded_at
+
+    def broken():
+        raise RuntimeError("rank 1 died")
+
+    monkeypatch.setitem(demo.RUNNERS, "attention", broken)
+    lines.clear()
+    (shown,) = demo.run_modes(["attention"], fallback=tmp_path / "rec", echo=lines.append)
+    assert shown.verdict == "attention verdict" and shown.figure is None and shown.recorded_at == live.recorded_at
+    assert "live run failed (RuntimeError: rank 1 died); showing the run recorded" in lines[1]
+    with pytest.raises(RuntimeError, match="rank 1 died"):  # no fallback: the failure is the speaker's to see
+        demo.run_modes(["attention"], echo=lines.append)
+    with pytest.raises(CourseError, match="no recorded run of 'attention'.*--record"):
+        demo.run_modes(["attention"], fallback=tmp_path / "nothing", echo=lines.append)
+
+
+def test_a_story_that_does_not_hold_is_said_and_exits_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(demo.RUNNERS, "triage", lambda: _fake("triage", story=False))
+    assert cli.main(["demo", "triage", "--out", str(tmp_path)]) == 1
+    assert "do not tell the lecture's story" in capsys.readouterr().out
+
+
+def test_figure_scale_sets_font_lines_and_dpi(monkeypatch):
+    monkeypatch.setenv(plots.ENV_VAR, "room")
+    rc = plots.rc()
+    assert rc["font.size"] == 16 and rc["figure.dpi"] == 160 and rc["lines.linewidth"] == pytest.approx(2.4)
+    assert plots.rc(1.0)["font.size"] == 10  # scale 1: Matplotlib's defaults
+    monkeypatch.setenv(plots.ENV_VAR, "9")
+    with pytest.raises(CourseError, match="TERAFLOPS_FIG_SCALE=9 is not a figure scale"):
+        plots.scale()
+
+
+@pytest.mark.slow
+def test_each_modes_story_holds_beside_a_hog(hog, tmp_path):
+    """The issue's acceptance: beside two memory-streaming and two matmul processes, each mode's numbers
+    tell its lecture's story (flash < naive memory, compiled faster than eager; with TERAFLOPS_DEMO_ALL=1
+    also a straggler's idle share, busbw below the link, ZeRO 3 < 2 < 1 < 0 per rank), and each ends in
+    one figure, readable at the room's scale, and one sentence."""
+    from figure_checks import assert_figure_readable
+
+    modes = BESIDE_HOG_ALL if os.environ.get("TERAFLOPS_DEMO_ALL") else BESIDE_HOG
+    times = {}
+    for mode in modes:
+        start = time.perf_counter()
+        (r,) = demo.run_modes([mode], out=tmp_path, echo=lambda line: None)
+        times[mode] = time.perf_counter() - start
+        assert r.story, r.line()
+        assert (tmp_path / f"{mode}.png").stat().st_size > 10_000 and "\n" not in r.verdict
+        with matplotlib.rc_context(plots.rc("room")):
+            assert_figure_readable(r.figure)
+    n = demo.recorded("attention", tmp_path).numbers
+    assert all(n["flash"][k] < n["naive"][k] for k in n["flash"])
+    c = demo.recorded("compile", tmp_path).numbers
+    assert c["step_s_compiled"] < c["step_s_eager"] and c["launches_compiled"] < c["launches_eager"]
+    if "straggler" in modes:
+        s = demo.recorded("straggler", tmp_path).numbers
+        assert s["straggler"]["healthy_idle"] > s["baseline"]["healthy_idle"] + 0.2
+        i = demo.recorded("interconnect", tmp_path).numbers
+        assert i["busbw_peak"] < i["link"]
+        z = demo.recorded("zero", tmp_path).numbers["peak_bytes"]
+        assert z["3"] < z["2"] < z["1"] < z["0"]
+    print("beside the hog:", ", ".join(f"{m} {t:.0f} s" for m, t in times.items()))
