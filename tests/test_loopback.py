@@ -81,17 +81,19 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _of_launch(pid: int, port: int, known: dict) -> bool:
-    """Whether ``pid`` belongs to the launch whose rendezvous is on ``port``: it or a process above it has
-    ``port`` in its command line (the launcher's agent, torchrun inside an sbatch script, DeepSpeed's
-    launcher); other launches on the machine (another test worker's, another learner's) do not."""
+def _of_launch(pid: int, port: int, known: dict) -> str | None:
+    """``pid``'s command line if it belongs to the launch whose rendezvous is on ``port`` (it or a process
+    above it has ``port`` in its command line: the launcher's agent, torchrun inside an sbatch script,
+    DeepSpeed's launcher), else None: other launches on the machine (another test worker's, another
+    learner's), and a process gone before its command line was read. Read once per process."""
     if pid not in known:
         try:
             chain = [psutil.Process(pid), *psutil.Process(pid).parents()]
         except psutil.Error:
-            return False
+            return None
         mark = re.compile(rf"(?<!\d){port}(?!\d)")
-        known[pid] = any(mark.search(_cmdline(p.pid)) for p in chain)
+        cmd = _cmdline(pid)
+        known[pid] = cmd if cmd and any(mark.search(_cmdline(p.pid)) for p in chain) else None
     return known[pid]
 
 
@@ -104,9 +106,9 @@ def sampled(run, port: int) -> tuple[object, dict]:
         while not done.is_set():
             for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
                 env = _environ(pid)
-                if RESULTS_ENV in env and pid != os.getpid() and _of_launch(pid, port, known):
+                if RESULTS_ENV in env and pid != os.getpid() and (cmd := _of_launch(pid, port, known)):
                     for addr in listening(pid):
-                        seen.setdefault(addr, set()).add((env.get("TERAFLOPS_NODE"), _cmdline(pid)))
+                        seen.setdefault(addr, set()).add((env.get("TERAFLOPS_NODE"), cmd))
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
