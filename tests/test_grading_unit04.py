@@ -1,6 +1,7 @@
 """Unit 4's checks: answers written here from the exercises' definitions pass, plausible wrong answers fail
 with the hint that names them."""
 
+import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,9 +10,9 @@ import teraflops  # noqa: F401 - sets up Triton (interpreter on CPU) before trit
 import triton
 import triton.language as tl
 
-from teraflops.compilation import batching, decode, quantization
+from teraflops.compilation import batching, decode, loadgen, quantization, serving
 from teraflops.errors import ExerciseFailed, NotAttempted
-from teraflops.grading import unit04 as check
+from teraflops.grading import grader, unit04 as check
 from teraflops.course.labs import PLACEHOLDER_MESSAGE
 
 
@@ -290,3 +291,48 @@ def _go(w, mb):
 def test_batch_policy_mistakes(wrong, hint):
     with pytest.raises(ExerciseFailed, match=hint):
         check.batch_policy(wrong)
+
+
+# --- exercise 7: judged on the real server ------------------------------------------------------
+
+CAN_SERVE = serving.why_not() or loadgen.why_not()
+
+
+def test_queue_delay_placeholder_is_not_attempted():
+    def todo(*args):
+        raise NotImplementedError(PLACEHOLDER_MESSAGE)
+
+    with pytest.raises(NotAttempted):
+        check.queue_delay(todo)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda clients, max_batch: "2", "should return a number"),
+    (lambda clients, max_batch: -1.0, "in \\[0, 10000\\]"),
+    (lambda clients, max_batch: float("nan"), "in \\[0, 10000\\]"),
+])
+def test_queue_delay_not_a_delay_fails_before_any_server(wrong, hint, monkeypatch):
+    monkeypatch.setattr(check.serving, "Server", None)  # no server may start for these
+    with pytest.raises(ExerciseFailed, match=hint):
+        check.queue_delay(wrong)
+
+
+def test_queue_delay_says_in_one_line_why_it_skips(monkeypatch, capsys):
+    monkeypatch.setattr(check.serving, "why_not", lambda: "nvidia-pytriton is not installed. Fix: pip install")
+    check.queue_delay(lambda clients, max_batch: 2.0)
+    out = capsys.readouterr().out
+    assert out == "– Exercise 7 (a queue delay for the real server): skipped: nvidia-pytriton is not installed. " \
+                  "Fix: pip install\n"
+    cell = nbformat.v4.new_code_cell("check.queue_delay(choose_queue_delay)",
+                                     outputs=[nbformat.v4.new_output("stream", name="stdout", text=out)])
+    row = grader._result_for(check.queue_delay.exercise, [cell])
+    assert row.status == "failed" and row.detail == "skipped here: nvidia-pytriton is not installed. Fix: pip install"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CAN_SERVE is not None, reason=CAN_SERVE or "")
+def test_a_huge_queue_delay_fails_against_the_reference_measured_beside_it():
+    """500 ms with 8 clients and max_batch 32: every batch waits the whole delay (measured under load 4: p99
+    930 ms, 3.4x the 2 ms setting's 273 ms; throughput below 0.3x), so it fails, naming why."""
+    with pytest.raises(ExerciseFailed, match="never fills, so every batch waits the whole delay"):
+        check.queue_delay(lambda clients, max_batch: 500.0)

@@ -34,6 +34,10 @@ class NotAttempted(CourseError, NotImplementedError):
     """The exercise still holds its placeholder (``raise NotImplementedError``)."""
 
 
+class ExerciseSkipped(CourseError):
+    """A check cannot run on this machine (a package or the hardware it needs is missing); the message says why."""
+
+
 def expect_shape(name: str, tensor, shape: tuple, hint: str = "") -> None:
     """Raise :class:`ShapeError` unless ``tensor.shape == shape`` (``None`` matches any size)."""
     actual = tuple(tensor.shape)

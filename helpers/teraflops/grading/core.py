@@ -7,6 +7,8 @@ pass line, ``✓ Exercise 3 (naive attention): passed``, or raises a one-line er
   ``NotImplementedError`` (the lab placeholder), unless the learner's latest cell defining that
   function failed to compile (the kernel then still holds the stub): that is an ``ExerciseFailed``
   naming the error and its line (:mod:`teraflops.grading.history`);
+* ``– Exercise 7 (...): skipped: <why>`` when the check raised :class:`~teraflops.errors.ExerciseSkipped`
+  (this machine cannot run it: a package or the hardware it needs is missing);
 * :class:`~teraflops.errors.ExerciseFailed` naming the exercise, what was wrong (shape, dtype,
   value, max error) and a hint. Any other exception from the learner's code becomes one too.
 
@@ -26,11 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from teraflops.errors import PLACEHOLDER_MESSAGE, CourseError, ExerciseFailed, NotAttempted
+from teraflops.errors import PLACEHOLDER_MESSAGE, CourseError, ExerciseFailed, ExerciseSkipped, NotAttempted
 from teraflops.grading import history
 from teraflops.machine import detect, triton_mode
 
 PASS_MARK = "✓"
+SKIP_MARK = "–"
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,9 @@ def exercise(number: int, title: str):
                 check_fn(*args, **kwargs)
             except NotAttempted:
                 raise
+            except ExerciseSkipped as e:  # this machine cannot run the check: one line, why (no pass line)
+                print(f"{SKIP_MARK} {ex.label}: skipped: {e}")
+                return
             except ExerciseFailed as e:
                 FAILURES[ex.name] = FAILURES.get(ex.name, 0) + 1
                 raise ExerciseFailed(f"{ex.label}: {e}") from None

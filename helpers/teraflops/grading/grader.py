@@ -19,7 +19,7 @@ from pathlib import Path
 from teraflops.course.runner import execute_cells, make_client
 from teraflops.errors import CourseError
 from teraflops.grading import unit01, unit02, unit03, unit04, unit05, unit06  # noqa: F401 - registers the units' exercises
-from teraflops.grading.core import PASS_MARK, REGISTRY, Exercise
+from teraflops.grading.core import PASS_MARK, REGISTRY, SKIP_MARK, Exercise
 from teraflops.grading.grade_report import GradeReport, GradeRow, current_user
 from teraflops.grading.history import syntax_line
 
@@ -104,6 +104,10 @@ def _result_for(ex: Exercise, cells) -> GradeRow:
             return GradeRow(ex.label, "failed", f"the check cell raised {why}")
         if any(f"{PASS_MARK} {ex.label}: passed" in t for t in texts):
             return GradeRow(ex.label, "passed")
+        skipped = next((t.split(": skipped: ", 1)[1].strip() for t in texts
+                        if f"{SKIP_MARK} {ex.label}: skipped: " in t), None)
+        if skipped:  # not passed: this machine could not run the check; the row says why
+            return GradeRow(ex.label, "failed", f"skipped here: {skipped}")
     return GradeRow(ex.label, "failed", "the check cell did not run to its pass line")
 
 

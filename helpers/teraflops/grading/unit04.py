@@ -3,7 +3,9 @@
 Every check compares the learner's answer with the package's reference on cases built here
 (:mod:`teraflops.compilation.decode`, :mod:`teraflops.compilation.quantization`, :mod:`teraflops.compilation.batching`) and, on a wrong
 answer, tries the plausible wrong versions: a mistake is named only when it reproduces every answer
-the learner gave.
+the learner gave. Exercise 7 is judged by measurement: the learner's queue delay served by the real server
+(:mod:`teraflops.compilation.serving`) under perf_analyzer (:mod:`teraflops.compilation.loadgen`), beside
+alternatives measured in the same check.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from teraflops.compilation import loadgen, serving
 from teraflops.compilation.batching import BatchingError, dynamic_batch_policy, simulate_server
 from teraflops.compilation.decode import (VIEW_OPS, count_launches as reference_launches, decode_model, decode_step,
     inside_aten_op, profile_step)
+from teraflops.errors import ExerciseSkipped
 from teraflops.model_definition.profiling import count_ops
 from teraflops.compilation.quantization import (QMAX, dequantize as reference_dequantize,
     quantize_per_channel as reference_quantize)
@@ -476,3 +480,61 @@ def batch_policy(fn) -> None:
             fail(f"in the simulated server (rate {rate:g}/s) your batches differ from the dynamic batcher's "
                  f"(first {list(got.batch_sizes[:6])} vs {list(want.batch_sizes[:6])}). Hint: decide only from "
                  "len(waiting), now - waiting[0], max_batch and max_wait")
+
+
+# --- exercise 7: a queue delay for the real server ------------------------------------------------
+
+SERVE_CLIENTS, SERVE_MAX_BATCH = 8, 32  # closed-loop clients < max_batch: a batch never fills by itself
+REFERENCE_DELAY_MS = 2.0  # the lecture's setting (section 6): about the time the clients take to come back
+MIN_SPEEDUP = 1.3  # over the unbatched server at the same clients, measured in the same check
+P99_SLACK, THROUGHPUT_SLACK = 1.5, 0.7  # against the reference delay measured in the same check
+_DELAY_HINT = ("with fewer clients than max_batch a batch never fills, so every batch waits the whole delay; "
+               "wait only as long as the clients take to come back (a millisecond or two over loopback)")
+
+
+def _serve(delay_ms: float, models: tuple[str, ...]) -> list:
+    """perf_analyzer at :data:`SERVE_CLIENTS` clients on each of ``models`` of one server with ``delay_ms``."""
+    try:
+        with serving.Server(queue_delay_ms=delay_ms, max_batch=SERVE_MAX_BATCH) as server:
+            return [loadgen.measure(server, m, concurrency=SERVE_CLIENTS, interval_ms=800, max_trials=5)
+                    for m in models]
+    except serving.ServingError as e:
+        fail(f"the measurement at max_queue_delay {delay_ms:g} ms did not complete (not your answer's fault; "
+             f"a busy machine?): {e}. Hint: run the check again")
+
+
+@exercise(7, "a queue delay for the real server")
+def queue_delay(fn) -> None:
+    """``fn(clients, max_batch) -> float``: the dynamic batcher's ``max_queue_delay`` (ms) for ``clients``
+    closed-loop clients and ``max_batch``.
+
+    Judged by measurement, with ratios so that it holds on a loaded machine: the delay is served by
+    :class:`teraflops.compilation.serving.Server` to perf_analyzer's :data:`SERVE_CLIENTS` clients beside the
+    unbatched model (``decode_single``) of the same server: it must serve at least :data:`MIN_SPEEDUP` × its
+    requests/s. A delay off the reference (not within ½×–2× of :data:`REFERENCE_DELAY_MS`) is also measured
+    against the reference delay on a second server: p99 at most :data:`P99_SLACK` × and throughput at least
+    :data:`THROUGHPUT_SLACK` × the reference's. Where the server cannot run (:func:`serving.why_not`,
+    :func:`loadgen.why_not`) it skips, saying why in one line. About 20–30 s (one server), 40–50 s with the second.
+    """
+    delay = expect_number("choose_queue_delay", fn(SERVE_CLIENTS, SERVE_MAX_BATCH), "milliseconds")
+    if not (math.isfinite(delay) and 0 <= delay <= 1e4):
+        fail(f"choose_queue_delay returned {delay:g}: a queue delay is a number of milliseconds in [0, 10000]")
+    reason = serving.why_not() or loadgen.why_not()
+    if reason:
+        raise ExerciseSkipped(reason)
+    yours, single = _serve(delay, (serving.BATCHED, serving.SINGLE))
+    said = f"at max_queue_delay {delay:g} ms ({SERVE_CLIENTS} clients, max_batch {SERVE_MAX_BATCH})"
+    if not REFERENCE_DELAY_MS / 2 <= delay <= 2 * REFERENCE_DELAY_MS:
+        (ref,) = _serve(REFERENCE_DELAY_MS, (serving.BATCHED,))
+        versus = f"at {REFERENCE_DELAY_MS:g} ms, measured just now"
+        if yours.p99_ms > P99_SLACK * ref.p99_ms:
+            fail(f"{said} the p99 latency was {yours.p99_ms:.0f} ms, {yours.p99_ms / ref.p99_ms:.1f}x the "
+                 f"{ref.p99_ms:.0f} ms {versus} (target: at most {P99_SLACK:g}x). Hint: {_DELAY_HINT}")
+        if yours.throughput_rps < THROUGHPUT_SLACK * ref.throughput_rps:
+            fail(f"{said} the server served {yours.throughput_rps:.0f} requests/s, "
+                 f"{yours.throughput_rps / ref.throughput_rps:.2f}x the {ref.throughput_rps:.0f} {versus} (target: at "
+                 f"least {THROUGHPUT_SLACK:g}x). Hint: {_DELAY_HINT}")
+    if yours.throughput_rps < MIN_SPEEDUP * single.throughput_rps:
+        fail(f"{said} the server served {yours.throughput_rps:.0f} requests/s, only "
+             f"{yours.throughput_rps / single.throughput_rps:.2f}x the unbatched model's {single.throughput_rps:.0f} "
+             f"(executed batch {yours.executed_batch:.1f}; target: at least {MIN_SPEEDUP:g}x). Hint: {_DELAY_HINT}")
