@@ -58,6 +58,7 @@ def test_a_drifted_notebook_is_reported(tmp_path):
     assert setup_cell.stale(tmp_path) == []
 
 
+@pytest.mark.slow  # the doctor's serving check runs ldd on perf_analyzer
 def test_the_report_says_what_this_platform_skips():
     text = setup_cell.report()
     assert text.startswith("teraflops ") and " on this machine" in text

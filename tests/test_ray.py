@@ -135,7 +135,8 @@ def test_ray_listens_on_node_addresses_only_and_down_after_sigkill_leaves_nothin
             assert sorted(x.split()[3] for x in addrs.splitlines()) == sorted(["127.0.0.1/8", f"{cl.Cluster.address(i)}/24"])
             for local in _listening(["ip", "netns", "exec", ns]):
                 host = local.rsplit(":", 1)[0]
-                assert host in (cl.Cluster.address(i), "127.0.0.1", "0.0.0.0", "*", "[::]"), (ns, local)
+                assert host in (cl.Cluster.address(i), "127.0.0.1", "[::ffff:127.0.0.1]", "[::1]", "0.0.0.0", "*", "[::]"), \
+                        (ns, local)  # loopback also as IPv6 (the Ray client server: [::ffff:127.0.0.1]:10001)
         assert _ray_on_host() == []  # nothing of Ray on the machine's own interfaces
         assert set(glob.glob("/tmp/ray*")) == tmp_ray_before  # temp dirs are the cluster's, not /tmp/ray
         assert (ray_mod.state_dir(name) / "node1").is_dir()

@@ -176,12 +176,18 @@ def _libdir_env() -> dict:
     return {"LD_LIBRARY_PATH": os.pathsep.join(x for x in (libdir, rest) if x)}
 
 
-def _hidden_by_private_tmp() -> str | None:
+def kept_under_tmp() -> list[str]:
+    """The top-level folders of ``/tmp`` that the server needs to see through its private ``/tmp``: those
+    holding this Python environment, the course package or the working folder (a clone in a
+    ``mktemp -d`` folder, a venv under ``/tmp``). Each is bound into the private ``/tmp`` before it goes
+    over the real one (:meth:`Server._start`), so the server runs from where the learner installed it."""
     tmp = os.path.realpath("/tmp")
-    for what, path in (("the Python environment", sys.prefix), ("the course package", __file__)):
-        if os.path.realpath(path).startswith(tmp + os.sep):
-            return f"{what} lives under /tmp ({path}), which the server's private /tmp hides. Fix: install it elsewhere"
-    return None
+    found = set()
+    for path in (sys.prefix, __file__, os.getcwd()):
+        real = os.path.realpath(path)
+        if real.startswith(tmp + os.sep):
+            found.add(os.path.relpath(real, tmp).split(os.sep, 1)[0])
+    return sorted(found)
 
 
 class Server:
@@ -225,9 +231,6 @@ class Server:
     def start(self) -> "Server":
         """Start the server and wait until it serves; on any failure (or Ctrl-C) nothing of it is left."""
         check()
-        hidden = _hidden_by_private_tmp()
-        if hidden:
-            raise ServingError(hidden)
         leftovers.sweep()
         try:
             self._start()
@@ -254,9 +257,14 @@ class Server:
                               owner_pid=me, owner_start=proc_start(me), folder="/tmp", latency_batches=batches)
         wire.write(self.spec, self.folder / "spec.json")
         user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-        inner = 'mount --bind "$1" /tmp && mount --bind "$2" /dev/shm && cd /tmp && shift 2 && exec "$@"'
+        # the folders of /tmp the server runs from are bound into its own folder first, which then goes over
+        # /tmp with them (--rbind carries them); in the machine's view they stay empty folders of the server's
+        keep = kept_under_tmp()
+        inner = ('own=$1 shm=$2 k=$3; shift 3; while [ "$k" -gt 0 ]; do mkdir -p "$own/$1" && '
+                 'mount --bind "/tmp/$1" "$own/$1" || exit 1; shift; k=$((k - 1)); done; '
+                 'mount --rbind "$own" /tmp && mount --bind "$shm" /dev/shm && cd /tmp && exec "$@"')
         cmd = ["unshare", *user, "--mount", "--propagation", "private", "sh", "-c", inner, "sh",
-               str(self.folder), str(self.shm), sys.executable, "-m", "teraflops.workers.serve_decode",
+               str(self.folder), str(self.shm), str(len(keep)), *keep, sys.executable, "-m", "teraflops.workers.serve_decode",
                "--spec", "/tmp/spec.json"]
         env = {**os.environ, **_libdir_env(), **leftovers.owner_env(), wire.RESULTS_ENV: str(self.folder)}
         with open(self.folder / "server.log", "wb") as log:
