@@ -16,7 +16,7 @@ that act on the whole machine run one after another on one worker.
   tests/hog.py) or whose verdicts are measured and compared with a committed answer hold an exclusive
   lock for the whole file while every other test holds a shared one for its own run (:class:`_Quiet`):
   the other worker waits between two of its tests. A file joins by :data:`QUIET`, one test by
-  ``@pytest.mark.quiet``. Without xdist the lock is not taken.
+  ``@pytest.mark.quiet``. Without xdist the lock is not taken; the controller removes its file at the end.
 """
 
 import fcntl
@@ -39,9 +39,9 @@ MACHINE_WIDE = frozenset({
     # not machine-wide, but they share a session fixture's launch with test_cluster (tests/conftest.py): one run
     "test_remedies.py", "test_zero.py",
 })
+LAST = "test_site.py"  # builds the site from the lectures tests/test_unitNN_run.py executed
 # a hog of their own (tests/hog.py) and what they assert about it; measured verdicts checked against the
 # committed answer (Unit 6: issue 29 records verdicts flipping at load ~3)
-LAST = "test_site.py"  # builds the site from the lectures tests/test_unitNN_run.py executed
 QUIET = frozenset({"test_busy_widgets.py", "test_busy_verdicts.py", "06_triage.ipynb", "test_unit06_run.py",
                    "test_preflight.py", "test_demo.py"})
 
@@ -83,18 +83,35 @@ class FileScheduling(LoadScopeScheduling):
         return unit_of_work(nodeid)
 
 
+LOCK_ENV = "TERAFLOPS_PYTEST_LOCK"  # the quiet lock's file, made by the controller, inherited by its workers
+
+
+def pytest_configure(config):
+    """The controller of an xdist run makes the quiet lock's file (:class:`_Quiet`) for its workers."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        fd, path = tempfile.mkstemp(prefix="teraflops-pytest-", suffix=".lock")
+        os.close(fd)
+        os.environ[LOCK_ENV] = config.stash[_LOCK_FILE] = path
+
+
+def pytest_unconfigure(config):
+    if _LOCK_FILE in config.stash:
+        Path(config.stash[_LOCK_FILE]).unlink(missing_ok=True)
+        os.environ.pop(LOCK_ENV, None)
+
+
 class _Quiet:
-    """A readers-writer lock across xdist's workers (``flock`` on one file per test run): a quiet file
-    holds it exclusively from its first test's setup to its last test's teardown, every other test holds
+    """A readers-writer lock across xdist's workers (``flock`` on the file ``$TERAFLOPS_PYTEST_LOCK``): a quiet
+    file holds it exclusively from its first test's setup to its last test's teardown, every other test holds
     it shared for its own run."""
 
-    def __init__(self, run_id: str):
-        self.path = Path(tempfile.gettempdir()) / f"teraflops-pytest-{run_id}.lock"
+    def __init__(self, path: str):
+        self.path = path
         self.fd = None
         self.exclusive_group = None
 
     def acquire(self, mode: int) -> None:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.fd = os.open(self.path, os.O_RDWR)
         fcntl.flock(self.fd, mode)
 
     def release(self) -> None:
@@ -109,11 +126,11 @@ def _quiet_group(item) -> bool:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run_id:  # one process: nothing runs beside the test
+    path = os.environ.get(LOCK_ENV) if hasattr(item.config, "workerinput") else None
+    if not path:  # one process: nothing runs beside the test
         yield
         return
-    lock = item.config.stash.setdefault(_LOCK, _Quiet(run_id))
+    lock = item.config.stash.setdefault(_LOCK, _Quiet(path))
     group = _group(item)
     if lock.exclusive_group != group:
         if _quiet_group(item):
@@ -130,3 +147,4 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 _LOCK = pytest.StashKey[_Quiet]()
+_LOCK_FILE = pytest.StashKey[str]()

@@ -16,7 +16,7 @@ def share() -> int:
 
 def assert_within(result, budget_s: float, unit: int) -> None:
     """Fail when ``result`` (a :class:`teraflops.course.runner.NotebookResult`) took longer than
-    ``budget_s`` seconds, times :func:`share` when other workers run beside it."""
+    ``budget_s`` seconds, twice that when other pytest workers run beside it (:func:`share`)."""
     bound = budget_s * min(share(), 2)
-    beside = "" if bound == budget_s else f" ({bound:.0f} s allowed beside {share() - 1} other pytest worker)"
+    beside = "" if bound == budget_s else f" ({bound:.0f} s allowed beside {share() - 1} other pytest worker(s))"
     assert result.seconds < bound, f"Unit {unit} took {result.seconds:.0f} s on CPU; the budget is {budget_s:.0f} s{beside}"

@@ -21,7 +21,8 @@ step reads every weight whatever the batch) is exactly what batching amortises.
 **Lifecycle** (like every run of the course, :mod:`teraflops.launch.leftovers`): the server's folder
 ``$TMPDIR/teraflops-launch-serve-*`` (``owner.json``, the Spec, logs, PyTriton's workspace) and a second
 one in ``/dev/shm`` are bound over ``/tmp`` and ``/dev/shm`` in a private mount namespace
-(``unshare --mount``; ``--user --map-root-user`` when not root), so everything Triton writes there (its
+(``unshare --mount``; ``--user --map-root-user`` when not root; the folders of ``/tmp`` the server runs
+from, a clone or venv there, are carried into it: :func:`kept_under_tmp`), so everything Triton writes there (its
 Python backend unpacks each model to ``/tmp/folderXXXXXX`` and ``/tmp/python_env_XXXXXX`` whatever
 ``TMPDIR`` says; its shared-memory regions) lands in folders that are the server's own and go with it.
 It listens on 127.0.0.1 only (the workshop's loopback rule); its statistics API wants an access token
