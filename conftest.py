@@ -22,6 +22,7 @@ that act on the whole machine run one after another on one worker.
 import fcntl
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ LAST = "test_site.py"  # builds the site from the lectures tests/test_unitNN_run
 # a hog of their own (tests/hog.py) and what they assert about it; measured verdicts checked against the
 # committed answer (Unit 6: issue 29 records verdicts flipping at load ~3)
 QUIET = frozenset({"test_busy_widgets.py", "test_busy_verdicts.py", "06_triage.ipynb", "test_unit06_run.py",
-                   "test_preflight.py", "test_demo.py"})
+                   "test_preflight.py", "test_demo.py", "test_workloads.py"})
 
 
 def unit_of_work(nodeid: str) -> str:
@@ -132,18 +133,34 @@ def pytest_runtest_protocol(item, nextitem):
         return
     lock = item.config.stash.setdefault(_LOCK, _Quiet(path))
     group = _group(item)
+    asked = time.time()
     if lock.exclusive_group != group:
         if _quiet_group(item):
             lock.acquire(fcntl.LOCK_EX)
             lock.exclusive_group = group
         else:
             lock.acquire(fcntl.LOCK_EX if item.get_closest_marker("quiet") else fcntl.LOCK_SH)
+    start = time.time()
     try:
         yield
     finally:
         if lock.exclusive_group is None or nextitem is None or _group(nextitem) != lock.exclusive_group:
             lock.release()
             lock.exclusive_group = None
+        _timeline(item, asked, start, time.time())
+
+
+TIMELINE_ENV = "TERAFLOPS_PYTEST_TIMELINE"  # a file: each worker appends a line per test (maintainers)
+
+
+def _timeline(item, asked: float, start: float, end: float) -> None:
+    """With ``$TERAFLOPS_PYTEST_TIMELINE`` set, append ``worker asked start end nodeid`` (Unix seconds; the
+    gap from asked to start is time spent waiting for the quiet lock) to that file, to see where a
+    two-worker run's wall time goes."""
+    out = os.environ.get(TIMELINE_ENV)
+    if out:
+        with open(out, "a") as f:
+            f.write(f"{item.config.workerinput['workerid']} {asked:.2f} {start:.2f} {end:.2f} {item.nodeid}\n")
 
 
 _LOCK = pytest.StashKey[_Quiet]()
