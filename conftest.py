@@ -45,7 +45,8 @@ LAST = "test_site.py"  # builds the site from the lectures tests/test_unitNN_run
 # committed answer (Unit 6: issue 29 records verdicts flipping at load ~3)
 QUIET = frozenset({"test_busy_widgets.py", "test_busy_verdicts.py", "06_triage.ipynb", "test_unit06_run.py",
                    "test_preflight.py", "test_demo.py", "test_workloads.py",
-                   # a measured verdict, bandwidth ratio or bubble each (the other worker's load flipped them)
+                   # a measured verdict (Unit 6's mysteries), a copy-bandwidth ratio and pipeline bubbles (a busy core beside a
+                   # stage reads as bubble): the other worker's load flipped each
                    "test_grading_unit06.py", "test_contention.py", "test_pipeline.py"})
 
 

@@ -139,7 +139,6 @@ def test_importing_the_modules_probes_no_hardware():
 
 
 @pytest.mark.slow
-@pytest.mark.quiet  # a bandwidth ratio: the other xdist worker's copies move it
 def test_cpu_sweep_aggregate_flattens_while_per_transfer_falls():
     if torch.cuda.is_available():
         pytest.skip("the CPU acceptance shape; on a GPU see test_gpu_sweep_shares_pcie")

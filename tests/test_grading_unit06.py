@@ -433,10 +433,9 @@ def test_evidence_needs_the_profiles(found):
 # --- the real mysteries ---------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.quiet
 def test_real_mysteries_pass_the_solution_and_name_the_missing_waits(tmp_path, capsys):
-    """The lab's setup for real (two workloads across 4 gloo ranks, ~1 min on the CPU machine). Quiet: it
-    holds measured verdicts to the key, and the naive attention's matmul share read compute-bound beside
+    """The lab's setup for real (two workloads across 4 gloo ranks, ~1 min on the CPU machine). Quiet (its file is in
+    conftest.QUIET): it holds measured verdicts to the key, and the naive attention's matmul share read compute-bound beside
     the other xdist worker once (CI, 2 cores); beside a hog the lab says so (the machine was busy)."""
     found = workloads.mysteries(SEED, tmp_path)
     reports = {k: tr.triage(m.trace, waits=m.waits) for k, m in found.items()}

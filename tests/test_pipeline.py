@@ -34,7 +34,6 @@ def test_in_flight_counts_forwards_not_yet_backwarded():
 
 
 @pytest.mark.slow
-@pytest.mark.quiet  # measured idle time per stage: a busy core beside a stage reads as bubble
 def test_two_stage_bubbles_follow_the_formula_and_1f1b_bounds_memory():
     cfg = pp_config(PRESETS["cpu"])
     rows = pp.run(cfg, 2, micro_batches=(1, 4, 8), steps=1, warmup=1)
