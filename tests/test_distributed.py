@@ -33,11 +33,12 @@ def assert_clean(port):
 
 @pytest.mark.slow
 def test_killed_rank_fails_in_one_line_then_the_port_is_reusable():
-    port, start = free_port(), time.monotonic()
+    port = free_port()
     with pytest.raises(LaunchFailed) as info:
-        run(2, env={FAULT_ENV: "kill:rank=1:step=2"}, port=port, timeout=60)
+        run(2, env={FAULT_ENV: "kill:rank=1:step=2"}, port=port, timeout=600)
     msg = str(info.value)
-    assert time.monotonic() - start < 60
+    # the death was seen, not waited out: the launch's own timeout says "timed out after"
+    assert "timed out after 600 s" not in msg
     assert "\n" not in msg and "rank 1 of 2 was killed by SIGKILL" in msg and info.value.rank == 1, msg
     assert str(info.value.logs) in msg
     shutil.rmtree(info.value.logs)
@@ -47,11 +48,12 @@ def test_killed_rank_fails_in_one_line_then_the_port_is_reusable():
 
 @pytest.mark.slow
 def test_hung_rank_makes_the_collective_time_out():
-    port, start = free_port(), time.monotonic()
+    port = free_port()
     with pytest.raises(LaunchFailed) as info:
-        run(2, SelftestSpec(timeout_s=5), env={FAULT_ENV: "hang:rank=1:step=2"}, port=port, timeout=60)
+        run(2, SelftestSpec(timeout_s=5), env={FAULT_ENV: "hang:rank=1:step=2"}, port=port, timeout=600)
     msg = str(info.value)
-    assert time.monotonic() - start < 60
+    # the collective's own 5 s timeout ended the run, not the launch's 600 s one
+    assert "timed out after 600 s" not in msg
     assert "\n" not in msg and "timed out" in msg.lower() and "rank(s) [1] never reached it" in msg, msg
     shutil.rmtree(info.value.logs)
     assert_clean(port)

@@ -3,7 +3,7 @@ checkpoint, on two gloo ranks with the tiny preset's sizes (each launch ~10-20 s
 
 import shutil
 import tempfile
-import time
+from types import SimpleNamespace
 
 import matplotlib
 import psutil
@@ -68,8 +68,11 @@ def test_killed_rank_restarts_from_the_last_checkpoint_to_the_reference_loss(pri
     assert {r["attempt"] for r in run.reference_records} == {0}
     for r in run.records:  # a recomputed step sees the same batch and parameters, so the same loss
         assert abs(r["loss"] - run.reference_losses[r["step"]]) <= 1e-4
-    assert run.step_s > 0 and run.restart_s > 0 and run.interrupted_wall_s > run.restart_s
-    assert run.training_lost_s == pytest.approx(run.restart_s + 2 * run.step_s, abs=3.0)  # noisy steps
+    # the restart's cost from the recorded step times (its size is this machine's, not asserted; the
+    # derivation is tested on injected times below): a restart starts processes, a step does not
+    assert run.step_s > 0 and run.restart_s > 0 and run.interrupted_wall_s > run.restart_s  # not timed: the interrupted run's wall time contains its restart
+    spans = [rs[-1]["time"] - rs[0]["time"] for rs in (run.reference_records, run.records)]
+    assert run.training_lost_s == pytest.approx(spans[1] - spans[0])
     table = elastic.recovery_table(run)
     assert "rank 1 killed at step 5" in table and len(table.splitlines()) == 4
     assert len(elastic.plot_recovery(run).axes) == 2
@@ -79,12 +82,13 @@ def test_killed_rank_restarts_from_the_last_checkpoint_to_the_reference_loss(pri
 @pytest.mark.slow
 def test_without_restarts_a_kill_fails_the_launch_naming_the_rank(private_tmp):
     tmp, ports = private_tmp
-    checkpoints, start = tmp / "checkpoints", time.monotonic()
+    checkpoints = tmp / "checkpoints"
     checkpoints.mkdir()
     with pytest.raises(LaunchFailed) as info:
-        elastic.launch_training(checkpoints, tiny_plan(), 8, 3, fault="kill:rank=1:step=4", max_restarts=0, timeout=60)
+        elastic.launch_training(checkpoints, tiny_plan(), 8, 3, fault="kill:rank=1:step=4", max_restarts=0, timeout=600)
     msg = str(info.value)
-    assert time.monotonic() - start < 60
+    # the death was seen (rank and signal named), not waited out: the launch's timeout says "timed out after"
+    assert "timed out after 600 s" not in msg
     assert "\n" not in msg and "rank 1 of 2 was killed by SIGKILL" in msg and info.value.rank == 1, msg
     assert [p.name for p in sorted(checkpoints.iterdir())] == ["step-000003.pt", "steps.jsonl"]  # kept for a rerun
     shutil.rmtree(info.value.logs)  # kept for the learner on a failure
@@ -115,3 +119,26 @@ def test_run_removes_its_checkpoint_folders_when_a_launch_fails(private_tmp, mon
     with pytest.raises(LaunchFailed):
         elastic.run(tiny_plan())
     assert list(tmp.iterdir()) == []
+
+
+def test_restart_cost_is_derived_from_the_recorded_step_times(monkeypatch):
+    """Injected step times (1 s per step; rank 1 killed at step 5, the job back from step 3's checkpoint
+    at t = 25 s): the restart is 25 - 14 - one step = 10 s, and the training lost between first and last
+    step is the restart plus the two recomputed steps."""
+    ref = [{"step": s, "attempt": 0, "time": 10.0 + s, "loss": 4.0 - s / 10} for s in range(8)]
+    got = [dict(r) for r in ref[:5]] + [{"step": s, "attempt": 1, "time": 25.0 + s - 3, "loss": 4.0 - s / 10}
+                                        for s in range(3, 8)]
+    losses = [r["loss"] for r in ref]
+
+    def launch(checkpoint_dir, plan, steps, every, timeout=None, fault=None, desc=""):
+        if fault is None:
+            return [SimpleNamespace(losses=losses, attempt=0, resumed_from=None, backend="gloo")], ref, 20.0
+        assert fault == "kill:rank=1:step=5"
+        return [SimpleNamespace(losses=losses, attempt=1, resumed_from=3, backend="gloo")], got, 33.0
+
+    monkeypatch.setattr(elastic, "launch_training", launch)
+    run = elastic.run(tiny_plan())
+    assert (run.kill_step, run.kill_rank, run.restarts, run.last_checkpoint_step, run.steps_recomputed) == (5, 1, 1, 3, 2)
+    assert run.step_s == 1.0 and run.restart_s == 10.0 and run.time_lost_s == 13.0
+    assert run.training_lost_s == run.restart_s + run.steps_recomputed * run.step_s == 12.0
+    assert run.final_loss_diff == 0 and run.max_loss_diff == 0

@@ -3,13 +3,16 @@ with the hint that names them.
 
 Exercises 1 and 2 run on the checks' own cases. Exercise 3 needs only the seed's key. Exercise 4
 triages the lab's traces; here they are synthetic (as torch 2.x writes them, see tests/test_triage.py)
-and the machine's ceilings are fixed, so nothing is launched. One slow test runs the real mysteries.
+and the machine's ceilings are fixed, so nothing is launched. The verdicts of real mysteries are held to the
+key on recorded traces (tests/data/triage); one slow test runs the real setup and asserts what does not
+depend on the load.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -432,18 +435,59 @@ def test_evidence_needs_the_profiles(found):
 
 # --- the real mysteries ---------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_real_mysteries_pass_the_solution_and_name_the_missing_waits(tmp_path, capsys):
-    """The lab's setup for real (two workloads across 4 gloo ranks, ~1 min on the CPU machine). Quiet (its file is in
-    conftest.QUIET): it holds measured verdicts to the key, and the naive attention's matmul share read compute-bound beside
-    the other xdist worker once (CI, 2 cores); beside a hog the lab says so (the machine was busy)."""
-    found = workloads.mysteries(SEED, tmp_path)
+DATA = Path(__file__).parent / "data" / "triage"
+RECORDED = json.loads((DATA / "recorded.json").read_text())
+AT_RECORDING = Ceilings(RECORDED["ceilings"]["peak_flops"], RECORDED["ceilings"]["bandwidth"], torch.float32, "cpu",
+                        0, 0, source="recorded")
+# the workload workloads.mysteries profiles for each kind (its _MYSTERY_LOCAL and _MYSTERY_RANKS)
+RECORDED_KIND = {"compute": "matmul", "memory": "naive_attention", "overhead": "decode",
+                 "communication": "allreduce", "waiting": "straggler"}
+
+
+@pytest.fixture
+def recorded_mysteries(monkeypatch):
+    """Seed 6's mysteries as recorded traces of the workloads ``workloads.mysteries`` profiles for each
+    kind (at scale 1; tests/data/triage), with their recorded waits and the recording's ceilings and launch
+    floor as triage's defaults (the checks call triage with its defaults, as the lab does)."""
+    monkeypatch.setattr(tr, "measured_ceilings", lambda device=None: AT_RECORDING)
+    monkeypatch.setattr(tr, "measured_launch_floor", lambda device=None: RECORDED["launch_floor"])
+    found = {}
+    for label, kind in workloads.mystery_key(SEED).items():
+        w = RECORDED["workloads"][RECORDED_KIND[kind]]
+        found[label] = workloads.Profiled(f"mystery {label}", 0, DATA / w["trace"], w["waits"], None, "a mystery")
+    return found
+
+
+def test_recorded_mysteries_pass_the_solution_and_name_the_missing_waits(recorded_mysteries, capsys):
+    """The lab's solution on recorded real traces: each mystery's verdict is its key's, its evidence is
+    what the check reads; left without its waits, the straggler's trace reads communication-bound and the
+    check says to pass the waits."""
+    found = recorded_mysteries
     reports = {k: tr.triage(m.trace, waits=m.waits) for k, m in found.items()}
     check.verdicts({k: r.verdict for k, r in reports.items()}, SEED)
     check.evidence({k: (r.evidence[0].name, r.evidence[0].intensity) for k, r in reports.items()}, found)
     assert capsys.readouterr().out.count("passed") == 2
     blind = {k: tr.triage(m.trace).verdict for k, m in found.items()}  # the waits left out
     fails(check.verdicts, blind, SEED, found, match="pass the mystery's waits")
+
+
+@pytest.mark.slow
+def test_real_mysteries_are_profiled_and_the_evidence_check_reads_them(tmp_path, capsys):
+    """The lab's setup for real (two workloads across 4 gloo ranks, ~1 min on the CPU machine): five
+    labelled traces, waits with the two multi-rank ones, names hidden; the evidence check reads them as the
+    solution does. Which verdict each gets depends on the load while it was profiled: the recorded
+    mysteries above hold the verdicts to the key."""
+    found = workloads.mysteries(SEED, tmp_path)
+    assert list(found) == list(workloads.MYSTERY_LABELS)
+    key = workloads.mystery_key(SEED)
+    for label, m in found.items():
+        assert m.trace == tmp_path / f"mystery_{label}.json" and m.trace.exists() and m.expected is None
+        assert m.name == f"mystery {label}" and (m.waits is not None) == (key[label] in ("communication", "waiting"))
+    reports = {k: tr.triage(m.trace, waits=m.waits) for k, m in found.items()}
+    for r in reports.values():
+        assert abs(sum(r.shares.values()) - 1) < 1e-9 and min(r.shares.values()) >= 0
+    check.evidence({k: (r.evidence[0].name, r.evidence[0].intensity) for k, r in reports.items()}, found)
+    assert capsys.readouterr().out.count("passed") == 1
 
 
 def test_an_answer_the_tool_agrees_with_is_told_so(found):

@@ -1,6 +1,8 @@
 """Pipeline parallelism (teraflops.parallelization.pipeline): the bubble formula, the stage split, and one
 real 2-stage run of GPipe and 1F1B (slow)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,17 +35,81 @@ def test_in_flight_counts_forwards_not_yet_backwarded():
     assert in_flight(gpipe) == 2 and in_flight(one_f_one_b) == 1
 
 
+def ideal_results(p: int, m: int, t_f: float = 1.0, t_b: float = 2.0) -> list[pp.PipelineResult]:
+    """The recorded timings of a perfect GPipe step (no transfer time, every forward ``t_f`` s, every backward
+    ``t_b`` s): stage ``s`` runs micro-batch ``i``'s forward from ``(s + i) t_f``; the last stage's backwards
+    start when its forwards end, and each stage's backward ``i`` runs ``p - 1 - s`` backward slots later.
+    Span = (m + p − 1)(t_f + t_b) and busy = m(t_f + t_b) on every stage, so the bubble is the formula's."""
+    span = (m + p - 1) * (t_f + t_b)
+    out = []
+    for s in range(p):
+        events = [["F", i, (s + i) * t_f, (s + i + 1) * t_f] for i in range(m)]
+        b0 = (m + p - 1) * t_f + (p - 1 - s) * t_b
+        events += [["B", i, b0 + i * t_b, b0 + (i + 1) * t_b] for i in range(m)]
+        run = pp.ScheduleResult(schedule="gpipe", micro_batches=m, refused=None, busy_s=[sum(e[3] - e[2] for e in events)],
+                                span_s=[span], events=events, peak_in_flight=in_flight(events), saved_bytes=100,
+                                loss_diff=0.0 if s == p - 1 else None)
+        out.append(pp.PipelineResult(rank=s, world_size=p, backend="gloo", device="cpu", stage=s, runs=(run,)))
+    return out
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (2, 8), (4, 4), (4, 13)])
+def test_bubble_from_recorded_busy_intervals_is_the_formula_for_a_perfect_schedule(p, m):
+    (row,) = pp.bubble_rows(ideal_results(p, m))
+    assert row["bubble"] == pytest.approx(pp.bubble_fraction(p, m)) == pytest.approx(row["theory"])
+    assert row["bubble_per_stage"] == pytest.approx([pp.bubble_fraction(p, m)] * p)
+    assert row["peak_in_flight"] == [m] * p and row["activation_bytes"] == [100 * m] * p
+    assert row["step_ms"] == pytest.approx((m + p - 1) * 3e3)
+
+
+def test_bubble_is_the_median_over_steps_per_stage_then_the_mean_over_stages():
+    results = ideal_results(2, 4)
+    stage0, stage1 = (r.runs[0] for r in results)
+    results[0] = dataclasses.replace(results[0], runs=(dataclasses.replace(stage0, busy_s=[6, 9, 3], span_s=[10] * 3),))
+    results[1] = dataclasses.replace(results[1], runs=(dataclasses.replace(stage1, busy_s=[8, 8, 2], span_s=[10] * 3),))
+    (row,) = pp.bubble_rows(results)
+    assert row["bubble_per_stage"] == pytest.approx([0.4, 0.2]) and row["bubble"] == pytest.approx(0.3)
+    assert row["step_ms"] == pytest.approx(10e3)
+
+
+def test_a_refused_schedule_is_a_row_without_measurements():
+    run = pp.ScheduleResult(schedule="1f1b", micro_batches=1, refused="n_microbatches must be greater than or equal to "
+                            "the number of stages", busy_s=[], span_s=[], events=[], peak_in_flight=0, saved_bytes=1,
+                            loss_diff=None)
+    results = [pp.PipelineResult(rank=s, world_size=2, backend="gloo", device="cpu", stage=s, runs=(run,))
+               for s in range(2)]
+    (row,) = pp.bubble_rows(results)
+    assert row["refused"].startswith("n_microbatches") and "bubble" not in row and row["theory"] == 0.5
+
+
+def _order(events) -> list[tuple]:
+    return [(kind, mb) for kind, mb, *_ in sorted(events, key=lambda e: e[2])]
+
+
 @pytest.mark.slow
-def test_two_stage_bubbles_follow_the_formula_and_1f1b_bounds_memory():
+def test_two_stage_schedules_run_each_micro_batch_once_each_way_and_1f1b_bounds_memory():
+    """One real 2-stage launch. The bubble's size is the machine's (a busy core beside a stage reads as
+    bubble: scripts/benchmark.py prints it against the formula); asserted here is the schedule itself: every
+    micro-batch's forward and backward once per stage in the schedule's order, the in-flight bound, the
+    refusal of m < p, the loss of the unsplit model, and a bubble that is a fraction."""
     cfg = pp_config(PRESETS["cpu"])
     rows = pp.run(cfg, 2, micro_batches=(1, 4, 8), steps=1, warmup=1)
     print(pp.bubble_table(rows))
     got = {(r["schedule"], r["m"]): r for r in rows}
-    assert "must be greater than or equal" in got[("1f1b", 1)]["refused"]
-    for schedule in ("gpipe", "1f1b"):
-        for m in (4, 8):
-            r = got[(schedule, m)]
-            assert abs(r["bubble"] - r["theory"]) < 0.15, (schedule, m, r["bubble"], r["theory"])
-            assert r["loss_diff"] < 1e-5
-        assert got[(schedule, 8)]["bubble"] < got[(schedule, 4)]["bubble"]
-    assert got[("gpipe", 8)]["peak_in_flight"] == [8, 8] and max(got[("1f1b", 8)]["peak_in_flight"]) <= 2
+    assert sorted(got) == sorted((s, m) for s in ("gpipe", "1f1b") for m in (1, 4, 8))
+    assert "must be greater than or equal" in got[("1f1b", 1)]["refused"] and "bubble" not in got[("1f1b", 1)]
+    for (schedule, m), r in got.items():
+        if r["refused"]:
+            continue
+        assert r["p"] == 2 and r["theory"] == pp.bubble_fraction(2, m) and r["loss_diff"] < 1e-5
+        assert all(0 <= b < 1 for b in r["bubble_per_stage"]) and r["step_ms"] > 0
+        for stage, events in enumerate(r["events"]):
+            order = _order(events)
+            assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]), order
+            assert [mb for kind, mb in order if kind == "F"] == list(range(m))  # forwards in micro-batch order
+            assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
+            if schedule == "gpipe":  # all forwards, then all backwards: every micro-batch in flight at once
+                assert [kind for kind, _ in order] == ["F"] * m + ["B"] * m
+                assert r["peak_in_flight"][stage] == m
+            else:  # 1F1B: stage s holds at most p - s micro-batches
+                assert r["peak_in_flight"][stage] <= 2 - stage

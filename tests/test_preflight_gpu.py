@@ -25,8 +25,19 @@ def _collected(check: preflight.Check):
 @pytest.mark.parametrize("check", [_collected(c) for c in preflight.CHECKS])
 def test_preflight_check_on_this_gpu(check: preflight.Check):
     """The check's function as ``teraflops preflight`` calls it: its :class:`~teraflops.course.preflight.CheckFailed`
-    (an AssertionError) names the number that failed; it returns ``(value, unit, detail)``."""
-    value, unit, detail = check.fn()
+    (an AssertionError) names the number that failed; it returns ``(value, unit, detail)``. A check whose
+    outcome is a verdict on timings taken now (:data:`~teraflops.course.preflight.TIMED_VERDICTS`) must
+    reach a judgment: passed, or one line naming the verdicts it got (inconclusive or failed); which one
+    is not this machine's test (the judgment on given verdicts is tests/test_busy_verdicts.py's)."""
+    if check.name in preflight.TIMED_VERDICTS:
+        try:
+            value, unit, detail = check.fn()
+        except preflight.CheckFailed as e:
+            assert "verdicts" in str(e) and "\n" not in str(e), str(e)
+            print(f"{check.name}: {type(e).__name__}: {e}")
+            return
+    else:
+        value, unit, detail = check.fn()
     assert isinstance(unit, str) and isinstance(detail, str) and detail, (value, unit, detail)
     assert value is None or isinstance(value, (int, float, str)), value
     print(f"{check.name}: {value} {unit}  {detail}")

@@ -38,8 +38,16 @@ def test_profile_of_a_block_has_matmuls_as_math_and_norms_as_memory():
 
 
 def test_launch_floor_is_the_smallest_time():
+    """The floor is the sweep's smallest median, wherever it falls (given timings), and a live sweep
+    gives one positive median per size."""
+    from types import SimpleNamespace
+
+    given = [(1, SimpleNamespace(median=3e-6)), (1 << 10, SimpleNamespace(median=2e-6)),
+             (1 << 20, SimpleNamespace(median=4e-4))]
+    assert launch_overhead.launch_floor(given) == 2e-6
     sweep = launch_overhead.op_time_vs_size((1, 1 << 20), "cpu", min_run_time=0.02)
-    assert launch_overhead.launch_floor(sweep) == sweep[0][1].median < sweep[1][1].median
+    assert [n for n, _ in sweep] == [1, 1 << 20] and all(t.median > 0 for _, t in sweep)
+    assert launch_overhead.launch_floor(sweep) == min(t.median for _, t in sweep)
 
 
 def test_block_rejects_wrong_shape_in_one_line():

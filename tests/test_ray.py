@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -150,14 +149,13 @@ def test_ray_listens_on_node_addresses_only_and_down_after_sigkill_leaves_nothin
         os.kill(victim.pid, signal.SIGKILL)  # as a crashed notebook: its clean-up never runs
         victim.communicate()
     assert len(_in_namespaces(inodes)) >= 6  # the Ray processes outlived their owner
-    start = time.monotonic()
+    # how long `down` takes is a figure of scripts/benchmark.py --clusters; what makes it short (one round of
+    # signals to every process, returning once they are gone) is tests/test_cluster.py's fake-clock test
     down = subprocess.run([sys.executable, "-m", "teraflops", "cluster", "down"], capture_output=True, text=True,
                           timeout=120)
-    down_s = time.monotonic() - start
     assert down.returncode == 0 and f"{cl.PREFIX}{name}-node2" in down.stdout, down.stderr
     assert psutil.wait_procs(_in_namespaces(inodes), timeout=5)[1] == []
     assert not [ns for ns in cl.namespaces() if cl.cluster_of(ns) == name]
     assert not ray_mod.state_dir(name).exists() and ownership.read(name) is None
     assert set(glob.glob("/tmp/ray*")) == tmp_ray_before
     assert _ray_on_host() == []
-    assert down_s < 20, f"`cluster down` took {down_s:.1f} s"

@@ -94,7 +94,7 @@ def _results(folder: Path):
 
 @pytest.fixture(scope="module")
 def built(lecture_runs, tmp_path_factory, request):
-    """(index.html, the executed lectures, seconds to build): this run's executed lectures in one folder,
+    """(index.html, the executed lectures): this run's executed lectures in one folder,
     their report card, and the site built from them."""
     from teraflops import detect
     from teraflops.course import report_card, runner
@@ -110,9 +110,7 @@ def built(lecture_runs, tmp_path_factory, request):
             shutil.copy(f, build / f.name)
     shutil.copy(executed[0].parent / runner.MACHINE_FILE, build / runner.MACHINE_FILE)
     report_card.write(detect(), _results(build), build)
-    start = time.perf_counter()
-    index = site.build(build, root=ROOT)
-    return index, site.lectures_in(build), time.perf_counter() - start
+    return site.build(build, root=ROOT), site.lectures_in(build)  # its time: scripts/benchmark.py --site
 
 
 def _wait_for_lecture_tests(lecture_runs: Path, items, timeout: float = 1800) -> None:
@@ -137,8 +135,7 @@ def _figures(executed: Path) -> int:
 @pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason="no Chromium at /usr/bin/chromium (apt-get install chromium)")
 def test_the_site_reads_offline_in_the_browser(built):
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
-    index, lectures, seconds = built
-    assert seconds < 90, f"the site took {seconds:.0f} s to build"
+    index, lectures = built
     home = index.parent
     pages = [index, home / "report_card.html", *sorted((home / "lectures").glob("*.html")),
              *sorted((home / "labs").glob("*.html"))]

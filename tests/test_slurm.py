@@ -189,6 +189,13 @@ def _assert_nothing_left(name: str) -> None:
     assert "port0" not in links and "br0" not in links  # nothing in the machine's own namespace
 
 
+def _name(p: psutil.Process) -> str | None:
+    try:
+        return p.name()
+    except psutil.Error:  # gone meanwhile
+        return None
+
+
 def _wait(ready, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while not (found := ready()):
@@ -200,16 +207,13 @@ def _wait(ready, timeout: float, what: str):
 @NEEDS_SLURM
 @pytest.mark.slow
 def test_cli_up_slurm_exec_status_down(tmp_path):
-    start = time.monotonic()
-    up = _cli("up", "--nodes", "3", "--slurm")
-    up_s = time.monotonic() - start
+    up = _cli("up", "--nodes", "3", "--slurm")  # its time: scripts/benchmark.py --clusters
     # the CLI's default: cli<the leader of its caller's login session> (this test's session), found by `exec`
     name = up.stdout.split("cluster '", 1)[1].split("'", 1)[0] if "cluster '" in up.stdout else "?"
     try:
         assert up.returncode == 0, up.stderr
         assert name == f"cli{ownership.read(name)['pid']}" and ownership.alive(ownership.read(name))
         assert "slurmctld (node0)" in up.stdout and "slurmd (node2)" in up.stdout
-        assert up_s < 20, f"`cluster up --slurm` took {up_s:.1f} s"
         sinfo = _cli("exec", "--", "sinfo", "-h", "-N", "-o", "%N %T")  # the daemons outlived `up`
         assert sinfo.returncode == 0 and sinfo.stdout.split() == ["node0", "idle", "node1", "idle", "node2", "idle"]
         shell = _cli("exec", "--node", "2", "--", "sh", "-c", "hostname; pwd; cat; exit 3", input="typed\n",
@@ -218,7 +222,7 @@ def test_cli_up_slurm_exec_status_down(tmp_path):
         batch = _cli("exec", "--name", name, "--", "sbatch", "-N3", "--wrap", "srun hostname", cwd=tmp_path)
         assert batch.returncode == 0 and batch.stdout.startswith("Submitted batch job"), batch.stderr
         out = tmp_path / f"slurm-{batch.stdout.split()[-1]}.out"  # written in the directory sbatch ran in
-        hosts = _wait(lambda: out.exists() and len(found := sorted(out.read_text().split())) >= 3 and found, 20,
+        hosts = _wait(lambda: out.exists() and len(found := sorted(out.read_text().split())) >= 3 and found, 60,
                       "the job did not finish")
         assert hosts == ["node0", "node1", "node2"]
         status = _cli("status").stdout
@@ -257,9 +261,9 @@ def test_down_after_the_owner_was_killed_mid_job_leaves_nothing(tmp_path):
                               text=True)
     try:
         assert victim.stdout.readline().strip() == "submitted", victim.stderr.read()
-        _wait(lambda: _sleeps(name) == {"3001", "3002"}, 20, "the jobs did not start")
+        _wait(lambda: _sleeps(name) == {"3001", "3002"}, 60, "the jobs did not start")
         sacct = _wait(lambda: (done := _cli("exec", "--name", name, "--", "sacct", "-n", "-X", "-o", "JobID,State"))
-                      and done.stdout.split() == ["1", "RUNNING", "2", "COMPLETED"] and done, 20,
+                      and done.stdout.split() == ["1", "RUNNING", "2", "COMPLETED"] and done, 60,
                       "sacct did not show the running and the finished job")
         assert sacct.returncode == 0
         names = {p.name() for p in _course_processes(name)}
@@ -268,10 +272,13 @@ def test_down_after_the_owner_was_killed_mid_job_leaves_nothing(tmp_path):
         os.kill(victim.pid, signal.SIGKILL)  # as a crashed notebook: its clean-up never runs
         victim.communicate()
     assert _sleeps(name) == {"3001", "3002"}  # left behind, the double-forked one outside any job
-    start = time.monotonic()
+    # what keeps `down` short: slurmctld (saves its state on SIGTERM) and the job-step managers (ignore
+    # SIGTERM) get SIGKILL at once instead of a grace period (tests/test_cluster.py tests the rounds on a fake
+    # clock); its time is a figure of scripts/benchmark.py --clusters
+    procs = {p.pid: p for p in _course_processes(name)}
+    at_once = {_name(procs[pid]) for pid in slurm.kill_at_once(procs)} - {None}
+    assert "slurmctld" in at_once and at_once <= {"slurmctld", "slurmstepd"}, at_once
     down = _cli("down")
-    down_s = time.monotonic() - start
     assert down.returncode == 0 and f"teraflops-{name}-node1" in down.stdout, down.stderr
     assert "Slurm daemons" in down.stdout
     _assert_nothing_left(name)
-    assert down_s < 15, f"`cluster down` took {down_s:.1f} s"

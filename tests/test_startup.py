@@ -3,10 +3,8 @@ Triton still runs the right way (TRITON_INTERPRET decided before Triton is impor
 
 import os
 import shutil
-import statistics
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -41,27 +39,52 @@ def test_detect_is_still_the_packages():
     assert _python("import teraflops; print(teraflops.detect().device in ('cpu', 'cuda'))") == "True"
 
 
+HEAVY = ("torch", "triton", "numpy", "matplotlib", "IPython")  # what made the command line take seconds
+
+
+def _imported(importtime_lines) -> list[str]:
+    """Top-level names of the modules that ``python -X importtime`` reported in ``importtime_lines``."""
+    return [line.rsplit("|", 1)[1].strip().split(".")[0] for line in importtime_lines
+            if line.startswith("import time:") and "|" in line]
+
+
 @pytest.mark.skipif(shutil.which("teraflops") is None, reason="the teraflops console script is not installed")
-def test_help_answers_in_under_a_second_median_of_five():
-    """Acceptance criterion of issue 18 (a behaviour: the command line answers at once)."""
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        subprocess.run(["teraflops", "--help"], env=ENV, capture_output=True, check=True, timeout=60)
-        times.append(time.perf_counter() - start)
-    assert statistics.median(times) < 1.0, f"teraflops --help took {statistics.median(times):.2f} s (median of 5)"
+def test_help_imports_none_of_the_heavy_modules():
+    """Why ``teraflops --help`` answers at once: the console script reaches its help without
+    importing torch, Triton, NumPy or matplotlib (``-X importtime`` lists every import, in order). Its time
+    is a figure of scripts/benchmark.py, not a test: a busy core stretches it whatever the code does."""
+    done = subprocess.run([sys.executable, "-X", "importtime", shutil.which("teraflops"), "--help"], env=ENV,
+                          capture_output=True, text=True, check=True, timeout=120)
+    imported = _imported(done.stderr.splitlines())
+    assert "teraflops" in imported and "argparse" in imported  # importtime did report this run's imports
+    assert "usage:" in done.stdout
+    assert sorted(set(imported) & set(HEAVY)) == [], "`teraflops --help` imported " + ", ".join(set(imported) & set(HEAVY))
 
 
-def test_grade_answers_within_a_second_before_it_imports_the_grader(tmp_path):
-    """Issue 18: `teraflops grade`'s first line came after torch's import (35 s on a busy machine)."""
+def test_grade_says_its_first_line_before_it_imports_the_grader(tmp_path):
+    """`teraflops grade`'s first line once came after torch's import (35 s on a busy machine). The
+    line and ``-X importtime``'s report share stderr, in the order they happened: no heavy module may be
+    imported before the line, and the grader's torch comes after it (the run is stopped there)."""
     out = subprocess.run([sys.executable, "-m", "teraflops.course.cli", "grade", str(tmp_path / "missing.ipynb")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no such notebook" in out.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "teraflops.course.cli", "grade", __file__], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
-    start = time.perf_counter()
-    first = proc.stderr.readline()
-    elapsed = time.perf_counter() - start
-    proc.kill()
-    proc.wait()
-    assert first.startswith("grading ") and elapsed < 1.0, (first, elapsed)
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "teraflops.course.cli", "grade", __file__],
+                            env=ENV, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    before, first, after = [], None, []
+    try:
+        for line in proc.stderr:
+            if first is None and line.startswith("grading "):
+                first = line
+            elif first is None:
+                before.append(line)
+            else:
+                after.append(line)
+                if "torch" in _imported([line]):
+                    break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert first is not None, "".join(before[-5:])
+    assert "teraflops" in _imported(before)  # the report was on: imports before the line were seen
+    assert sorted(set(_imported(before)) & set(HEAVY)) == [], set(_imported(before)) & set(HEAVY)
+    assert "torch" in _imported(after)  # the grader does import torch: after the line

@@ -366,9 +366,9 @@ def test_a_killed_notebook_takes_its_run_with_it(tmp_path, launcher):
         os.kill(victim.pid, signal.SIGKILL)  # as a kernel killed by a restart: its finally never runs
         victim.wait()
         killed = time.monotonic()
-        while time.monotonic() - killed < 10 and (_members(folder) or os.path.exists(folder)):
+        while time.monotonic() - killed < 60 and (_members(folder) or os.path.exists(folder)):  # a hang guard
             time.sleep(0.2)
-        assert _members(folder) == [], f"still running 10 s after the kill: {[p.cmdline() for p in _members(folder)]}"
+        assert _members(folder) == [], f"still running 60 s after the kill: {[p.cmdline() for p in _members(folder)]}"
         assert not os.path.exists(folder)
         assert leftovers.shm_files(port) == []
         assert glob.glob(f"{folder}/torchelastic*") == []

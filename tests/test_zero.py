@@ -1,7 +1,6 @@
 """Unit 2's ZeRO runs: the comms-log accounting, real DeepSpeed runs, and a rank killed mid-run."""
 
 import shutil
-import time
 
 import psutil
 import pytest
@@ -86,11 +85,10 @@ def test_zero_losses_agree_and_communication_follows_the_paper(runs):
 @pytest.mark.slow
 def test_a_rank_killed_mid_run_fails_cleanly_and_the_next_run_starts():
     plan = data_parallel_plan(PRESETS["tiny"])
-    start = time.monotonic()
     with pytest.raises(LaunchFailed) as info:
         zero.run_zero(stages=(2,), plan=plan, steps=3, env={"TERAFLOPS_FAULT": "kill:rank=1:step=1"})
-    assert time.monotonic() - start < 60
     message = str(info.value)
+    assert "timed out after 600 s" not in message  # the death was seen, not waited out (the launch's own timeout)
     assert "\n" not in message and "rank 1" in message
     assert not psutil.Process().children(recursive=True)
     assert not port_in_use(info.value.port)

@@ -13,7 +13,6 @@ import itertools
 import linecache
 import math
 import os
-import time
 
 import pytest
 import torch
@@ -156,11 +155,9 @@ def test_error_in_a_rank_is_one_line_with_a_hint():
 def test_the_lab_placeholder_is_not_attempted_without_launching(no_launch):
     lab_cell = strip_solution(solution_cell(REFERENCE))
     assert lab_cell.count(PLACEHOLDER) == 3
-    for cls in (Placeholder, notebook_class(lab_cell)):
-        start = time.perf_counter()
+    for cls in (Placeholder, notebook_class(lab_cell)):  # answered at once: no_launch fails the test on a launch
         with pytest.raises(NotAttempted, match=r"^Exercise 3 \(hand-built ZeRO-1\): not attempted"):
             check.zero1_optimizer(cls)
-        assert time.perf_counter() - start < 1
 
 
 def test_source_of_a_class_defined_in_a_notebook_cell():

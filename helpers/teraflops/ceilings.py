@@ -55,14 +55,38 @@ class Ceilings:
     source: str = "measured"  # "measured" here, or where they came from (SHARED_ENV's file, "given")
     spread: float = 0.0  # 1 - worst/best of the probe's repeats (the larger of the two probes'): 0 = steady
     load: float | None = None  # the 1-minute load average when measured, if the machine was busy (machine.busy_load)
+    of_quiet: float | None = None  # the probe over this machine's remembered quiet figures (the lower of the two); None: none known
+    doubt: str = ""  # on quiet values returned in place of a probe that was not trusted: that probe's reason
+
+    @property
+    def reason(self) -> str:
+        """Why these ceilings are not :attr:`trusted` (one clause, the first that applies), or ``""``:
+
+        * ``"machine busy (load 6.2)"``: measured while the 1-minute load average was over
+          :data:`teraflops.machine.BUSY_LOAD_PER_CORE` per core;
+        * ``"the probe's repeats disagree (spread 34 %, bound 25 %)"``: :attr:`spread` at or over
+          :data:`SPREAD_LIMIT`;
+        * ``"the probe read 40 % of this machine's quiet figures (bound 60 %)"``: :attr:`of_quiet` under
+          :data:`QUIET_FLOOR`, a probe that lands on a busy moment the lagging load average has not
+          caught yet (steady and low: a newcomer's first run read 94.8 GFLOP/s and 8.4 GB/s, 0.4x,
+          at load 2.9 on 2 cores, under the busy bound of 3).
+        """
+        if self.load is not None:
+            return f"machine busy (load {self.load:.1f})"
+        if self.spread >= SPREAD_LIMIT:
+            return f"the probe's repeats disagree (spread {self.spread:.0%}, bound {SPREAD_LIMIT:.0%})"
+        if self.of_quiet is not None and self.of_quiet < QUIET_FLOOR:
+            return f"the probe read {self.of_quiet:.0%} of this machine's quiet figures (bound {QUIET_FLOOR:.0%})"
+        return ""
 
     @property
     def trusted(self) -> bool:
-        """Whether these ceilings can place a verdict: measured on a machine that was not busy, and
-        steady across the probe's repeats (spread below :data:`SPREAD_LIMIT`). At load 4-8 on 2
-        cores the probes read 0.1-0.4x their quiet values with a spread as low as 20 %: a steady
-        busy machine is still a busy one, so the load decides first."""
-        return self.load is None and self.spread < SPREAD_LIMIT
+        """Whether these ceilings can place a verdict: measured on a machine that was not busy, steady
+        across the probe's repeats (spread below :data:`SPREAD_LIMIT`) and not far below this machine's
+        remembered quiet figures (:data:`QUIET_FLOOR`); :attr:`reason` says which failed. At load 4-8 on
+        2 cores the probes read 0.1-0.4x their quiet values with a spread as low as 20 %: a steady busy
+        machine is still a busy one, so the load decides first."""
+        return not self.reason
 
     @property
     def ridge_point(self) -> float:
@@ -80,7 +104,14 @@ class Ceilings:
         of the Empirical Roofline Toolkit, Lo et al., "Roofline Model Toolkit", PMBS 2014): a probe
         that landed on a busy moment must not leave measured points above the roof.
         ``points`` are :class:`teraflops.model_definition.roofline.RooflinePoint`.
+
+        The ceilings of a ``teraflops run`` (``source`` :data:`SHARED_SOURCE`) come back as they are:
+        they are the run's one roof, the one its report card prints and every unit places its verdicts
+        against; a point above them reads over 100 % of its roof instead. (Raising them here quoted a
+        ridge point of 28.3 FLOP/byte in Unit 1 beside the card's 11.2 in one run.)
         """
+        if self.source == SHARED_SOURCE:
+            return self
         peak = max([self.peak_flops] + [p.achieved_flops for p in points if p.flops > 0])
         bandwidth = max([self.bandwidth] + [p.achieved_bandwidth for p in points])
         return replace(self, peak_flops=peak, bandwidth=bandwidth)
@@ -88,6 +119,7 @@ class Ceilings:
     def __str__(self) -> str:
         where = "" if self.source == "measured" else f" [{self.source}]"
         busy = "" if self.load is None else f", spread {self.spread:.0%} at load {self.load:.1f}"
+        busy += f"; not trusted: {self.reason}" if self.reason and self.load is None else ""
         return (
             f"{self.device} ceilings ({str(self.dtype).replace('torch.', '')}): "
             f"peak {self.peak_flops / 1e12:.3g} TFLOP/s, copy bandwidth {self.bandwidth / 1e9:.3g} GB/s, "
@@ -97,7 +129,7 @@ class Ceilings:
     def to_json(self) -> dict:
         return {"peak_flops": self.peak_flops, "bandwidth": self.bandwidth, "dtype": str(self.dtype).replace("torch.", ""),
                 "device": self.device, "matmul_n": self.matmul_n, "copy_bytes": self.copy_bytes,
-                "spread": self.spread, "load": self.load}
+                "spread": self.spread, "load": self.load, "of_quiet": self.of_quiet, "doubt": self.doubt}
 
     @classmethod
     def from_json(cls, d: dict, source: str) -> "Ceilings":
@@ -106,13 +138,17 @@ class Ceilings:
         Raises:
             KeyError, TypeError, ValueError, AttributeError: not a :meth:`to_json` dict.
         """
-        load = d.get("load")
+        load, of_quiet = d.get("load"), d.get("of_quiet")
         return cls(float(d["peak_flops"]), float(d["bandwidth"]), getattr(torch, d["dtype"]), str(d["device"]),
                    int(d["matmul_n"]), int(d["copy_bytes"]), source, float(d.get("spread", 0.0)),
-                   None if load is None else float(load))
+                   None if load is None else float(load), None if of_quiet is None else float(of_quiet),
+                   str(d.get("doubt") or ""))
 
 
-SPREAD_LIMIT = 0.25  # a probe whose repeats differ by more than this is not trusted (issue 29)
+SPREAD_LIMIT = 0.25  # a probe whose repeats differ by this much or more is not trusted
+# A probe reading under this fraction of this machine's remembered quiet figures is not trusted: quiet
+# probes read 0.95-1.02x of the best torch/NumPy rates here, probes at load 4-8 on 2 cores 0.3-0.4x.
+QUIET_FLOOR = 0.6
 REPEATS = 3  # interleaved rounds of the probes; the best of each is kept
 QUIET_FILE = "quiet-ceilings.json"  # in caches.cache_dir(): the last ceilings measured on a quiet machine, by probe
 
@@ -174,12 +210,14 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
     names its probe's file) the same probe is not run again: the run's ceilings are returned, with
     ``source`` saying so, so that every unit of one run uses the same roof.
 
-    The probe is :func:`probe`: interleaved repeats, the best kept, their spread reported. Measured
-    on a quiet machine and steady, the result is also kept as this machine's quiet values
+    The probe is :func:`probe`: interleaved repeats, the best kept, their spread reported; then
+    :func:`judged` against this machine's remembered quiet figures. Measured on a quiet machine,
+    steady and not far below the quiet figures, the result is also kept as quiet figures
     (:func:`remember_quiet`). When not :attr:`Ceilings.trusted` (a busy machine,
-    :func:`teraflops.machine.busy_load`, or a spread of :data:`SPREAD_LIMIT` or more), the quiet values
-    measured earlier are returned instead, labelled as such in ``source``; without them, the measured ceilings come back with ``trusted`` False, and
-    verdicts placed on them say they are inconclusive.
+    :func:`teraflops.machine.busy_load`; a spread of :data:`SPREAD_LIMIT` or more; or a reading under
+    :data:`QUIET_FLOOR` of the quiet figures), the quiet figures are returned instead, labelled as such
+    in ``source`` and ``doubt``; without them, the measured ceilings come back with ``trusted`` False
+    and :attr:`Ceilings.reason` saying why, and verdicts placed on them say they are inconclusive.
 
     Raises:
         CeilingsError: ``matmul_n`` not an int >= 2, ``copy_bytes`` not an int >= 4 (one float32),
@@ -206,17 +244,32 @@ def measure_ceilings(matmul_n: int | None = None, copy_bytes: int | None = None,
     shared = shared_ceilings(dtype, device, matmul_n, copy_bytes)
     if shared is not None:  # one probe per teraflops run: every unit uses the same roof
         return shared
-    measured = probe(matmul_n, copy_bytes, dtype, device)
+    return judged(probe(matmul_n, copy_bytes, dtype, device), quiet_ceilings(dtype, device, matmul_n, copy_bytes))
+
+
+def judged(measured: Ceilings, quiet: Ceilings | None) -> Ceilings:
+    """What :func:`measure_ceilings` returns for a probe reading ``measured`` when this machine's
+    remembered quiet figures for the same probe are ``quiet`` (``None``: none yet); no process, no clock.
+
+    ``measured`` is compared with ``quiet`` (:attr:`Ceilings.of_quiet`: the lower of its two ratios).
+    Trusted (:attr:`Ceilings.trusted`), it is returned and remembered (:func:`remember_quiet`). Not
+    trusted, the quiet figures come back in its place, with ``source`` saying the machine is busy now
+    and how far the probe read, and :attr:`Ceilings.doubt` holding the probe's :attr:`~Ceilings.reason`
+    (a verdict timed now may be off even against the right roof); without quiet figures the probe
+    comes back as measured, ``trusted`` False, and the verdicts placed on it say they are inconclusive.
+    """
+    if quiet is not None:
+        measured = replace(measured, of_quiet=min(measured.peak_flops / quiet.peak_flops,
+                                                  measured.bandwidth / quiet.bandwidth))
     if measured.trusted:
         remember_quiet(measured)
         return measured
-    quiet = quiet_ceilings(dtype, device, matmul_n, copy_bytes)
     if quiet is None:
-        return measured  # not trusted: Ceilings.trusted says so, and the verdicts placed on them
-    load = f"load {measured.load:.1f}, " if measured.load is not None else ""  # None: spread, not load, said so
-    return replace(quiet, source=f"{quiet.source}; this machine is busy now ({load}the probe read "
-                                 f"{measured.peak_flops / quiet.peak_flops:.0%} and "
-                                 f"{measured.bandwidth / quiet.bandwidth:.0%} of them)")
+        return measured  # not trusted: Ceilings.reason says why, and the verdicts placed on them
+    return replace(quiet, doubt=measured.reason,
+                   source=f"{quiet.source}; the probe now is not trusted ({measured.reason}; it read "
+                          f"{measured.peak_flops / quiet.peak_flops:.0%} and "
+                          f"{measured.bandwidth / quiet.bandwidth:.0%} of them)")
 
 
 def probe(matmul_n: int, copy_bytes: int, dtype: torch.dtype, device: str, repeats: int = REPEATS,
@@ -247,12 +300,18 @@ def _quiet_path() -> Path:
 
 def remember_quiet(c: Ceilings) -> None:
     """Keep ``c`` (measured on a quiet machine) in ``cache_dir()/quiet-ceilings.json`` under its probe
-    (device, dtype, sizes, torch threads), for :func:`quiet_ceilings`. Best effort: an unwritable
-    cache keeps nothing."""
+    (device, dtype, sizes, torch threads), for :func:`quiet_ceilings`: each figure the best seen so far,
+    as an empirical roofline keeps the best observed (Lo et al., PMBS 2014), so that trusted readings a
+    little low (down to :data:`QUIET_FLOOR`) cannot walk the quiet figures down run after run. Best
+    effort: an unwritable cache keeps nothing."""
     try:
         path = _quiet_path()
         known = json.loads(path.read_text()) if path.exists() else {}
-        known[_quiet_key(c.dtype, c.device, c.matmul_n, c.copy_bytes)] = {**c.to_json(), "when": time.time()}
+        key = _quiet_key(c.dtype, c.device, c.matmul_n, c.copy_bytes)
+        old = known.get(key) or {}
+        best = {"peak_flops": max(c.peak_flops, float(old.get("peak_flops", 0.0))),
+                "bandwidth": max(c.bandwidth, float(old.get("bandwidth", 0.0)))}
+        known[key] = {**c.to_json(), **best, "of_quiet": None, "doubt": "", "when": time.time()}
         path.write_text(json.dumps(known, indent=1) + "\n")
     except (OSError, ValueError, TypeError):
         pass

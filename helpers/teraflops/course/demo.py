@@ -50,7 +50,7 @@ from teraflops.errors import CourseError
 from teraflops.machine import detect, load_average
 
 __all__ = ["MODES", "RUNNERS", "DemoResult", "DemoError", "check_modes", "pinned_threads", "run_mode", "run_modes",
-           "warm", "record", "recorded", "show"]
+           "warm", "record", "recorded", "show", "story_holds"]
 
 MODES = ("attention", "zero", "straggler", "compile", "interconnect", "triage")
 TITLES = {
@@ -165,12 +165,11 @@ def _attention() -> DemoResult:
     fig.set_size_inches(14, 6)
     fig.suptitle(TITLES["attention"] + f" (SDPA backend: {backend})")
     fig.tight_layout()
-    story = all(flash[k] < naive[k] for k in flash.keys() & naive.keys()) and ratio > 2
+    numbers = {"seq_len": n, "naive_peak_bytes": naive[n], "flash_peak_bytes": flash[n], "ratio": ratio,
+               "naive": naive, "flash": flash}
     verdict = (f"at N = {n} naive attention held {_mb(naive[n])}, {ratio:.0f}× the {_mb(flash[n])} of fused "
                f"attention ({backend}): it writes the N × N scores, which grow as N², while flash keeps O(N)")
-    return DemoResult("attention", TITLES["attention"], verdict,
-                      {"seq_len": n, "naive_peak_bytes": naive[n], "flash_peak_bytes": flash[n], "ratio": ratio,
-                       "naive": naive, "flash": flash}, story, figure=fig)
+    return DemoResult("attention", TITLES["attention"], verdict, numbers, story_holds("attention", numbers), figure=fig)
 
 
 def _zero() -> DemoResult:
@@ -200,15 +199,13 @@ def _zero() -> DemoResult:
     ax.set_title(TITLES["zero"])
     ax.set_xlabel(f"{world} ranks ({runs[0].backend}), Ψ = {runs[0].psi:,} parameters, fp32; the rank with the most")
     fig.tight_layout()
-    stages = [r.stage for r in runs]
-    story = all(peak[a] > peak[b] for a, b in zip(stages, stages[1:]))
     verdict = (f"per rank, model states at their peak fall from {_mb(peak[0])} (stage 0) to {_mb(peak[1])} "
                f"(1: optimizer states sharded), {_mb(peak[2])} (2: + gradients) and {_mb(peak[3])} "
                f"(3: + parameters) on {world} ranks, the stage-3 bytes sent per step "
                f"{runs[-1].comm_bytes / runs[0].comm_bytes:.2g}× stage 0's")
-    return DemoResult("zero", TITLES["zero"], verdict,
-                      {"peak_bytes": {str(k): v for k, v in peak.items()}, "world_size": world, "psi": runs[0].psi,
-                       "comm_bytes": {str(r.stage): r.comm_bytes for r in runs}}, story, figure=fig)
+    numbers = {"peak_bytes": {str(k): v for k, v in peak.items()}, "world_size": world, "psi": runs[0].psi,
+               "comm_bytes": {str(r.stage): r.comm_bytes for r in runs}}
+    return DemoResult("zero", TITLES["zero"], verdict, numbers, story_holds("zero", numbers), figure=fig)
 
 
 def _straggler() -> DemoResult:
@@ -221,15 +218,13 @@ def _straggler() -> DemoResult:
     stragglers.plot_timeline(run.sweep[-1], ax=ax)
     ax.set_title(f"{TITLES['straggler']}: rank delayed {STRAGGLER_DELAY_MS} ms per step, {run.world_size} ranks")
     fig.tight_layout()
-    story = late["healthy_idle"] > max(0.3, base["healthy_idle"] + 0.2)
     verdict = (f"one rank {late['late_ms']:.0f} ms late per step left the {run.world_size - 1} healthy ranks idle "
                f"{late['healthy_idle']:.0%} of their time ({base['healthy_idle']:.0%} without it; the model predicts "
                f"{late['predicted_idle']:.0%}) and stretched a step from {base['step_ms']:.0f} to {late['step_ms']:.0f} ms: "
                "synchronous training runs at the pace of its slowest rank")
-    return DemoResult("straggler", TITLES["straggler"], verdict,
-                      {k: {"healthy_idle": r["healthy_idle"], "predicted_idle": r["predicted_idle"],
-                           "step_ms": r["step_ms"], "late_ms": r["late_ms"]} for k, r in
-                       (("baseline", base), ("straggler", late))}, story, figure=fig)
+    numbers = {k: {"healthy_idle": r["healthy_idle"], "predicted_idle": r["predicted_idle"], "step_ms": r["step_ms"],
+                   "late_ms": r["late_ms"]} for k, r in (("baseline", base), ("straggler", late))}
+    return DemoResult("straggler", TITLES["straggler"], verdict, numbers, story_holds("straggler", numbers), figure=fig)
 
 
 def _compile() -> DemoResult:
@@ -263,15 +258,13 @@ def _compile() -> DemoResult:
         ax.set_title(label)
     fig.suptitle(f"{TITLES['compile']} (Llama, {model.num_params():,} parameters, 1 thread)")
     fig.tight_layout()
-    story = c < e and comp_l < eager_l and int8_b < 0.3 * fp32_b
     verdict = (f"torch.compile fused {eager_l} launches per token into {comp_l} and cut a step from {e * 1e3:.2f} to "
                f"{c * 1e3:.2f} ms ({e / c:.2g}× faster; the {compiled.compile_seconds:.1f} s compile paid up front), and "
                f"int8 weights take {fp32_b / int8_b:.2g}× less memory than fp32: at batch 1, decode is bound by "
                "launch overhead and by the bytes of the weights")
-    return DemoResult("compile", TITLES["compile"], verdict,
-                      {"launches_eager": eager_l, "launches_compiled": comp_l, "step_s_eager": e, "step_s_compiled": c,
-                       "compile_s": compiled.compile_seconds, "fp32_weight_bytes": fp32_b, "int8_weight_bytes": int8_b},
-                      story, figure=fig)
+    numbers = {"launches_eager": eager_l, "launches_compiled": comp_l, "step_s_eager": e, "step_s_compiled": c,
+               "compile_s": compiled.compile_seconds, "fp32_weight_bytes": fp32_b, "int8_weight_bytes": int8_b}
+    return DemoResult("compile", TITLES["compile"], verdict, numbers, story_holds("compile", numbers), figure=fig)
 
 
 def _interconnect() -> DemoResult:
@@ -292,13 +285,13 @@ def _interconnect() -> DemoResult:
     fig.tight_layout()
     peak = max(rows, key=lambda r: r["busbw"])
     small = min(rows, key=lambda r: r["size"])
-    story = peak["busbw"] < copy and small["busbw"] < 0.25 * peak["busbw"] and all(r["wrong"] == 0 for r in rows)
     verdict = (f"all-reduce bus bandwidth rose from {small['busbw'] / 1e6:.3g} MB/s at {small['size'] / 1024:.0f} KiB "
                f"to {peak['busbw'] / 1e9:.3g} GB/s at {peak['size'] / 2**20:.3g} MiB, below the {copy / 1e9:.3g} GB/s "
                f"link (memory copy): small messages pay the latency (α = {fit.alpha * 1e6:.0f} µs), large ones the link")
-    return DemoResult("interconnect", TITLES["interconnect"], verdict,
-                      {"busbw_peak": peak["busbw"], "busbw_smallest": small["busbw"], "link": copy,
-                       "alpha_s": fit.alpha, "ranks": rows[0]["ranks"]}, story, figure=fig)
+    numbers = {"busbw_peak": peak["busbw"], "busbw_smallest": small["busbw"], "link": copy, "alpha_s": fit.alpha,
+               "ranks": rows[0]["ranks"], "wrong": sum(r["wrong"] for r in rows)}
+    return DemoResult("interconnect", TITLES["interconnect"], verdict, numbers, story_holds("interconnect", numbers),
+                      figure=fig)
 
 
 def _triage() -> DemoResult:
@@ -312,9 +305,39 @@ def _triage() -> DemoResult:
     matched = sum(bool(r["matches"]) for r in rows)
     said = ", ".join(f"{r['name']} → {r['result'].verdict}" for r in rows)
     verdict = f"from the profiles alone, triage named the bottleneck its unit teaches for {matched} of {len(rows)}: {said}"
-    return DemoResult("triage", TITLES["triage"], verdict,
-                      {"matched": matched, "workloads": len(rows),
-                       "verdicts": {r["name"]: r["result"].verdict for r in rows}}, matched == len(rows), figure=fig)
+    numbers = {"matched": matched, "workloads": len(rows), "verdicts": {r["name"]: r["result"].verdict for r in rows}}
+    return DemoResult("triage", TITLES["triage"], verdict, numbers, story_holds("triage", numbers), figure=fig)
+
+
+def story_holds(mode: str, n: dict) -> bool:
+    """Whether the numbers ``n`` of a run of ``mode`` (:attr:`DemoResult.numbers`) tell its lecture's story;
+    decided on the numbers alone, so the rule is tested on given numbers:
+
+    * attention: fused attention's peak bytes below naive's at every length, over 2× at the longest;
+    * zero: each stage's per-rank peak below the one before;
+    * straggler: the healthy ranks idle over 30 % of their time, and 20 points more than without it;
+    * compile: compiled decode faster per token, with fewer launches; int8 weights under 30 % of fp32's;
+    * interconnect: all-reduce busbw below the link (memory copy), the smallest message's under a
+      quarter of the peak's, no wrong result;
+    * triage: every workload got the verdict its unit teaches.
+    """
+    if mode == "attention":
+        naive, flash = n["naive"], n["flash"]
+        return all(flash[k] < naive[k] for k in flash.keys() & naive.keys()) and n["ratio"] > 2
+    if mode == "zero":
+        peak = [n["peak_bytes"][k] for k in sorted(n["peak_bytes"], key=int)]
+        return all(a > b for a, b in zip(peak, peak[1:]))
+    if mode == "straggler":
+        late, base = n["straggler"]["healthy_idle"], n["baseline"]["healthy_idle"]
+        return late > max(0.3, base + 0.2)
+    if mode == "compile":
+        return (n["step_s_compiled"] < n["step_s_eager"] and n["launches_compiled"] < n["launches_eager"]
+                and n["int8_weight_bytes"] < 0.3 * n["fp32_weight_bytes"])
+    if mode == "interconnect":
+        return n["busbw_peak"] < n["link"] and n["busbw_smallest"] < 0.25 * n["busbw_peak"] and n.get("wrong", 0) == 0
+    if mode == "triage":
+        return n["matched"] == n["workloads"]
+    raise DemoError(f"unknown demo mode {mode!r}. Hint: one or more of {', '.join(TITLES)}")
 
 
 # mode -> the function that runs it live (a test replaces one to simulate a failure)

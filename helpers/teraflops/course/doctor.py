@@ -19,6 +19,7 @@ import sys
 from teraflops import sizing
 from teraflops.compilation import loadgen, serving
 from teraflops.errors import CourseError
+from teraflops.course import any_folder
 from teraflops.machine import GiB, Machine, detect, triton_mode
 from teraflops.launch.placement import place
 
@@ -191,7 +192,8 @@ def _serving() -> list[str]:
 def skipped(m: Machine | None = None) -> list[str]:
     """What the course skips on machine ``m`` (default: this one), one reason per entry."""
     m = m or detect()
-    items = []
+    folder = any_folder.problem()  # first: it breaks builds of several units, not one part
+    items = [folder] if folder else []
     if not m.gpus:
         items += [
             'CUDA graphs and torch.compile(mode="reduce-overhead"): need a GPU',

@@ -4,7 +4,8 @@ It holds the machine (:meth:`teraflops.machine.Machine.summary`), the ceilings t
 and every unit used, and the busy-machine warning if the run began on a busy machine (both from
 ``machine.json``, :func:`teraflops.course.runner.machine_context`); then one section per notebook, titled by
 its unit's question (:data:`QUESTIONS`, README's "The question" column): its one-line takeaway
-(:func:`teraflops.headlines.takeaway`), status, time and the load it ran under, any stalled cell, at most
+(:func:`teraflops.headlines.takeaway`), status, time and the load it ran under, any stalled cell, its
+stories (:mod:`teraflops.course.stories`: holds, can't tell and why, or contradicts), at most
 :data:`~teraflops.headlines.MAX_HEADLINES` headline numbers (:func:`teraflops.headlines.record`) and its
 headline figure, embedded, with its caption. The figure is the first PNG output of the cell whose
 metadata tags include ``"headline"`` (its caption: that cell's ``metadata.caption``), else the
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from teraflops import __version__
 from teraflops.course.runner import MACHINE_FILE, NotebookResult, format_value, load_text
+from teraflops.course.stories import CANT_TELL, CONTRADICTS, HOLDS
 from teraflops.headlines import MAX_HEADLINES
 
 REFERENCE_DIR = Path(__file__).resolve().parents[1] / "reference"
@@ -113,6 +115,15 @@ def _row(entry: dict, refs: list[tuple[str, dict | None]]) -> str:
     return "<tr>" + "".join(cells) + "</tr>"
 
 
+_STORY_CLASS = {HOLDS: "ok", CANT_TELL: "warn", CONTRADICTS: "fail"}
+
+
+def _stories(results) -> str:
+    """The unit's stories (:mod:`teraflops.course.stories`) as a list, one line each, coloured by status."""
+    items = "".join(f"<li class='{_STORY_CLASS.get(s.status, 'warn')}'>{html.escape(s.line())}</li>" for s in results)
+    return f"<p><b>What the lecture claims, on this run's measurements:</b></p><ul class='stories'>{items}</ul>"
+
+
 def render(machine, results: list[NotebookResult], references: list[dict] | None = None,
            context: dict | None = None) -> str:
     """The report card's HTML for ``results`` of ``teraflops run`` on ``machine``; ``context`` is the
@@ -138,6 +149,8 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
     for r in results:
         status = "<span class='ok'>ok</span>" if r.status == "ok" else \
             f"<span class='fail'>failed: {html.escape(str(r.error))}</span>" if not r.ok else \
+            f"<span class='fail'>failed: the measurements contradict {len(r.contradicted)} of the lecture's " \
+            f"claims</span>" if r.contradicted else \
             "<span class='fail'>" + "<br>".join(html.escape(w) for w in r.warnings()) + "</span>"
         unit = unit_of(r.name)
         question = QUESTIONS.get(unit)
@@ -149,6 +162,8 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
         parts.append(f"<p>{status} · {r.seconds:.0f} s{load}</p>")
         for stall in r.stalls:
             parts.append(f"<p class='warn'><b>Stalled:</b> {html.escape(str(stall))}</p>")
+        if r.stories:
+            parts.append(_stories(r.stories))
         if r.headline:
             refs = [(ref["gpu"], ref["notebooks"].get(r.name, {})) for ref in references]
             head = "<tr><th>headline</th><th>this machine</th>" + "".join(
@@ -171,9 +186,12 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
 
 def results_json(machine, results: list[NotebookResult]) -> dict:
     """This run's headline numbers in the reference format of the module docstring; ``"gpu"`` is the
-    GPU's name, or ``None`` on a CPU (a CPU run is never a reference)."""
+    GPU's name, or ``None`` on a CPU (a CPU run is never a reference). ``"stories"`` adds each
+    notebook's evaluated stories (:meth:`teraflops.course.stories.StoryResult.to_json`), which a
+    reference reader ignores."""
     return {"gpu": machine.gpu_name, "teraflops": __version__,
-            "notebooks": {r.name: r.headline for r in results if r.ok and r.headline}}
+            "notebooks": {r.name: r.headline for r in results if r.ok and r.headline},
+            "stories": {r.name: [s.to_json() for s in r.stories] for r in results if r.stories}}
 
 
 def write(machine, results: list[NotebookResult], out_dir: Path | str, references: list[dict] | None = None) -> Path:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from teraflops import headlines
+from teraflops.course import stories as story_list
 from teraflops.errors import CourseError
 from teraflops.machine import LoadMonitor, Machine, busy_warning
 
@@ -89,6 +90,8 @@ class NotebookResult:
         mismatches: checked cells (``# NBVAL_CHECK_OUTPUT``) whose output differs from the committed
             notebook's (:func:`checked_output_mismatches`), one line each; the run is then a warning,
             not ``ok`` (:attr:`status`).
+        stories: the unit's claims about live measurements (:mod:`teraflops.course.stories`), evaluated
+            on ``headline`` under ``load``; one that contradicts makes the run ``FAILED``.
     """
 
     name: str
@@ -103,12 +106,19 @@ class NotebookResult:
     stalls: list[CellStall] = field(default_factory=list)
     load: dict = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
+    stories: list[story_list.StoryResult] = field(default_factory=list)
+
+    @property
+    def contradicted(self) -> list[story_list.StoryResult]:
+        """The stories this run's measurements contradict (on a machine that was not busy)."""
+        return [s for s in self.stories if s.status == story_list.CONTRADICTS]
 
     @property
     def status(self) -> str:
         """``"ok"``, ``"WARNING"`` (ran, but a checked cell's output differs from the committed one) or
-        ``"FAILED"``."""
-        return "FAILED" if not self.ok else "WARNING" if self.mismatches else "ok"
+        ``"FAILED"`` (a cell failed, or a story's measurements contradict it: :attr:`contradicted`).
+        A story that cannot tell changes nothing."""
+        return "FAILED" if not self.ok or self.contradicted else "WARNING" if self.mismatches else "ok"
 
     def warnings(self) -> list[str]:
         """One line per checked cell whose output differs, naming the unit and the cell."""
@@ -183,6 +193,8 @@ def run_notebook(
         if result.error is None:
             result.ok = False
             result.error = CellFailure(None, "ReportError", _one_line(str(e)))
+    m = _NOTEBOOK_NAME.match(path.name)
+    result.stories = story_list.evaluate_unit(int(m.group(1)) if m else None, result.headline, result.load)
 
     result.executed = out_dir / f"{name}.ipynb"
     nbformat.write(nb, result.executed)
@@ -460,8 +472,9 @@ def load_text(load: dict) -> str:
 def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
     """A plain-text table: the machine, then one row per notebook with status, time, its failure and
     stalled cells (:class:`CellStall`, by cell and time) if any, a ``WARNING:`` line per checked cell
-    whose output differs from the committed one (status ``WARNING``, not ``ok``), its headline numbers
-    (one per line) and the load it ran under, then the output folder(s)."""
+    whose output differs from the committed one (status ``WARNING``, not ``ok``), one line per story
+    (``holds: …``, ``can't tell (why): …``, ``CONTRADICTS: …``: :meth:`StoryResult.line`), its headline
+    numbers (one per line) and the load it ran under, then the output folder(s)."""
     lines = [f"machine: {machine.summary()}"]
     if not results:
         return "\n".join(lines + ["no notebooks ran"])
@@ -478,6 +491,7 @@ def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
             details.append(str(r.error))
         details += r.warnings()
         details += [f"STALLED: {st}" for st in r.stalls]
+        details += [_one_line(st.line(), 300) for st in r.stories]
         entries = list(r.headline.values())
         if entries:
             label_w = max(len(str(e.get("label", ""))) for e in entries)
@@ -499,6 +513,9 @@ def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
     passed = sum(r.status == "ok" for r in results)
     warned = sum(r.status == "WARNING" for r in results)
     also = f" ({warned} ran with a checked output that differs: see WARNING)" if warned else ""
+    contradicted = sum(bool(r.contradicted) for r in results)
+    if contradicted:
+        also += f" ({contradicted} measured what the lecture says cannot happen: see CONTRADICTS)"
     lines.append(f"{passed}/{len(results)} notebooks ok{also}; outputs in {', '.join(folders) or '-'}")
     return "\n".join(lines)
 

@@ -65,7 +65,7 @@ def softmax_intensity(rows: int, cols: int, dtype: torch.dtype) -> float:
     return softmax_flops(rows, cols) / softmax_bytes(rows, cols, dtype)
 
 
-NEAR_RIDGE = 1.25  # intensities within this factor of the ridge point read "near the ridge" (issue 29)
+NEAR_RIDGE = 1.25  # intensities within this factor of the ridge point read "near the ridge"
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class RooflinePoint:
     def bound(self, c: Ceilings) -> str:
         """``"compute"`` if the intensity is at or above the ridge point, else ``"memory"``; ``"near the
         ridge"`` within a factor :data:`NEAR_RIDGE` of it either way, where a probe's error (a busy
-        machine moves the ridge by up to ~3×, issue 29) could flip the verdict."""
+        machine moved the ridge by up to ~3× on 2 cores) could flip the verdict."""
         if c.ridge_point / NEAR_RIDGE < self.intensity < c.ridge_point * NEAR_RIDGE:
             return "near the ridge"
         return "compute" if self.intensity >= c.ridge_point else "memory"

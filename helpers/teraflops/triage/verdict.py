@@ -68,7 +68,7 @@ import numpy as np
 
 from teraflops.ceilings import Ceilings, measure_ceilings
 from teraflops.errors import CourseError
-from teraflops.machine import busy_note, detect
+from teraflops.machine import detect
 from teraflops.model_definition.launch_overhead import launch_floor, op_time_vs_size
 from teraflops.model_definition.profiling import METADATA_OPS, classify
 from teraflops.orchestration.detection import THRESHOLD, as_matrix, modified_z
@@ -657,6 +657,20 @@ def _verdict(shares: dict, rank: int | None, stragglers: tuple) -> tuple[str, st
     return VERDICTS[best], act_on
 
 
+def ceilings_note(c: Ceilings) -> str:
+    """What a verdict placed on ceilings ``c`` must say about them (``""`` when they are trusted and
+    were not put in place of a doubtful probe): ``"inconclusive: machine busy (load 6.2): ..."`` or
+    ``"inconclusive: the probe's repeats disagree ..."`` when not :attr:`~teraflops.ceilings.Ceilings.trusted`
+    (no quiet figures to use instead), or, on quiet figures used in place of a probe that was not
+    trusted (:attr:`~teraflops.ceilings.Ceilings.doubt`), that the step's own timings may be off too."""
+    if c.reason:
+        return f"inconclusive: {c.reason}: the ceilings are not trusted, so the compute/memory split may be off."
+    if c.doubt:
+        return (f"The ceilings are this machine's quiet figures: the probe measured now was not trusted ({c.doubt}), "
+                "so a step timed now may be off too.")
+    return ""
+
+
 def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: float | None = None,
            top: int = 6) -> Triage:
     """Attribute a profiled step's time; return the verdict, the evidence and where to act.
@@ -689,7 +703,5 @@ def triage(trace, waits=None, ceilings: Ceilings | None = None, launch_floor: fl
     shares = {k: float(v) for k, v in shares.items()}
     evidence = _evidence(iv, att, ceilings, waited)
     verdict, act_on = _verdict(shares, rank, stragglers)
-    if not ceilings.trusted and ceilings.load is not None:  # measured busy, no quiet values to use
-        note = (f"{note} " if note else "") + (f"{busy_note(ceilings.load)}: the ceilings were measured on a busy "
-                                               "machine, so the compute/memory split may be off.")
+    note = " ".join(x for x in (note, ceilings_note(ceilings)) if x)
     return Triage(verdict, shares, tuple(evidence[:top]), act_on, att.step, ceilings, launch_floor, stragglers, note)
