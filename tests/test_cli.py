@@ -38,7 +38,12 @@ def tiny_course(tmp_path_factory):
         'print("before")',
         'raise ZeroDivisionError("broken on purpose")',
         'print("never runs")',
+        "# NBVAL_CHECK_OUTPUT\nprint(chr(10003), True)",  # its committed ✓ must not survive the failure above
     )
+    broken = nbformat.read(root / "notebooks" / "02_broken.ipynb", as_version=4)
+    broken.cells[4].outputs = [nbformat.v4.new_output("stream", name="stdout", text="✓ True\n")]
+    broken.cells[4].execution_count = 7
+    nbformat.write(broken, root / "notebooks" / "02_broken.ipynb")
     checked = nbformat.v4.new_notebook()  # issue 30: a checked cell whose run differs from the committed output
     checked.cells = [nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint('matched 4 of 6')")]
     checked.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="matched 6 of 6\n")]
@@ -84,16 +89,23 @@ def test_run_writes_outputs_and_reports_failures(cli_run):
     assert broken.cells[1].outputs[0]["text"].strip() == "before"
     assert broken.cells[2].outputs[0]["ename"] == "ZeroDivisionError"
     assert not broken.cells[3].get("outputs")  # stopped at the failing cell
+    assert broken.cells[4].execution_count is None and "✓" not in str(broken.cells[4].outputs)
+    assert broken.cells[4].outputs[0]["text"].startswith("not run: this lecture stopped at cell 2")
+    assert "✓" not in (build / "02_broken.html").read_text()
+    assert (build / "02_broken.error.txt").is_file() and "broken on purpose" in (build / "02_broken.error.txt").read_text()
 
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("0")}
     assert rows["01_tiny"].split()[1] == "ok"  # its unit's stories cannot tell (nothing recorded): still ok
     assert "can't tell (measurement missing: compute_bound_ops (its cell did not run, or skipped here)): " in out
     assert rows["02_broken"].split()[1] == "FAILED"
     assert "cell 2: ZeroDivisionError: broken on purpose" in rows["02_broken"]
+    failed_at = out.splitlines().index(rows["02_broken"])
+    assert "not run: checked cell 4" in out.splitlines()[failed_at + 1]  # the failure in two lines
     assert str(build.resolve()) in out
     card = (build / "report_card.html").read_text()  # the run ends with the report card
     assert f"report card: {build / 'report_card.html'}" in out
     assert "01_tiny" in card and "The answer" in card and "42 x" in card and "failed: cell 2" in card
+    assert "not run: checked cell 4" in card and "✓" not in card
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ that do not depend on the load; a failed live mode falls back to a recorded one;
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import time
 
 import matplotlib
@@ -57,10 +58,30 @@ def test_a_failed_live_mode_shows_the_recorded_run(tmp_path, monkeypatch):
     (shown,) = demo.run_modes(["attention"], fallback=tmp_path / "rec", echo=lines.append)
     assert shown.verdict == "attention verdict" and shown.figure is None and shown.recorded_at == live.recorded_at
     assert "live run failed (RuntimeError: rank 1 died); showing the run recorded" in lines[1]
-    with pytest.raises(RuntimeError, match="rank 1 died"):  # no fallback: the failure is the speaker's to see
-        demo.run_modes(["attention"], echo=lines.append)
-    with pytest.raises(CourseError, match="no recorded run of 'attention'.*--record"):
-        demo.run_modes(["attention"], fallback=tmp_path / "nothing", echo=lines.append)
+    lines.clear()  # no fallback: the failure in one line, its log beside the figures, and the next mode runs
+    monkeypatch.setitem(demo.RUNNERS, "zero", lambda: _fake("zero"))
+    shown = demo.run_modes(["attention", "zero"], out=tmp_path / "out", echo=lines.append)
+    assert [r.mode for r in shown] == ["zero"] and lines[-1] == "zero: zero verdict"
+    assert lines[1] == (f"attention: FAILED live (RuntimeError: rank 1 died); full log: {tmp_path / 'out' / 'attention.error.txt'}")
+    assert "rank 1 died" in (tmp_path / "out" / "attention.error.txt").read_text()
+    lines.clear()
+    assert demo.run_modes(["attention"], fallback=tmp_path / "nothing", echo=lines.append) == []
+    assert lines[1].startswith("attention: FAILED live (RuntimeError: rank 1 died); no recording of it in")
+    assert "--record" in lines[1]
+
+
+def test_a_compiler_dump_is_one_line_and_the_demo_exits_1(tmp_path, monkeypatch, capsys):
+    dump = (Path(__file__).parent / "data" / "failures" / "inductor_space.txt").read_text()
+
+    def compile_fails():
+        raise RuntimeError(dump)
+
+    monkeypatch.setitem(demo.RUNNERS, "compile", compile_fails)
+    monkeypatch.setitem(demo.RUNNERS, "triage", lambda: _fake("triage"))
+    assert cli.main(["demo", "compile", "triage", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("compile: FAILED live (RuntimeError: /usr/bin/ld: cannot find -ltorch") and len(out[1]) < 400
+    assert out[-1] == "triage: triage verdict" and len(out) == 5  # title, failure, title, figure, verdict
 
 
 def test_a_story_that_does_not_hold_is_said_and_exits_1(tmp_path, monkeypatch, capsys):

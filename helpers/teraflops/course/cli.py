@@ -278,8 +278,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 0
     results = demo.run_modes(modes, out=args.out, record_to=args.record, fallback=args.fallback, scale=args.scale,
                              echo=lambda line: print(line, flush=True))
-    return 0 if all(r.story for r in results) else 1
-# --- /i30-demo ---
+    return 0 if len(results) == len(modes) and all(r.story for r in results) else 1
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -41,11 +41,13 @@ import json
 import statistics
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from teraflops import plots
+from teraflops.course import runner
 from teraflops.errors import CourseError
 from teraflops.machine import detect, load_average
 
@@ -392,21 +394,33 @@ def recorded(mode: str, folder) -> DemoResult:
 def run_modes(modes=(), *, out=None, record_to=None, fallback=None, scale="room", echo=print) -> list[DemoResult]:
     """Run ``modes`` (default all) in turn; print each verdict with ``echo``. Each live figure is saved
     to ``out`` (if given) and with ``record_to`` the run is recorded (:func:`record`). A mode that fails
-    live is shown from ``fallback`` (its recorded result, said to be one) when given, else re-raised.
-    Returns the results (recordings read back for the modes that fell back)."""
+    live is shown from ``fallback`` (its recorded result, said to be one) when it holds one; else its
+    failure is one line (the line that names the cause, :func:`teraflops.course.runner.cause_line`;
+    the whole message in ``out/MODE.error.txt``) and the next mode runs: a talk goes on. Returns the
+    results of the modes shown (recordings read back for the modes that fell back), so fewer than
+    ``modes`` when one failed."""
     results = []
     for mode in check_modes(modes):
         echo(f"{mode}: {TITLES[mode]} ...")
         try:
             r = run_mode(mode, scale)
-        except Exception as e:  # noqa: BLE001 - any live failure is what the fallback is for
-            if fallback is None:
-                raise
-            r = recorded(mode, fallback)
-            echo(f"{mode}: live run failed ({type(e).__name__}: {' '.join(str(e).split())[:160]}); showing the run "
-                 f"recorded {r.recorded_at} on {r.machine}, figure {Path(fallback) / (mode + '.png')}")
-            echo(r.line())
-            results.append(r)
+        except Exception as e:  # noqa: BLE001 - a failed mode is said in one line, then the talk goes on
+            cause = f"{type(e).__name__}: {runner.cause_line(str(e), 160)}"
+            if fallback is not None and (Path(fallback) / f"{mode}.json").is_file():
+                r = recorded(mode, fallback)
+                echo(f"{mode}: live run failed ({cause}); showing the run recorded {r.recorded_at} on {r.machine}, "
+                     f"figure {Path(fallback) / (mode + '.png')}")
+                echo(r.line())
+                results.append(r)
+                continue
+            where = ""
+            if out is not None:
+                Path(out).mkdir(parents=True, exist_ok=True)
+                log = Path(out) / f"{mode}.error.txt"
+                log.write_text("".join(traceback.format_exception(e)))
+                where = f"; full log: {log}"
+            none = f"; no recording of it in {fallback} (teraflops demo {mode} --record {fallback})" if fallback else ""
+            echo(f"{mode}: FAILED live ({cause}){where}{none}")
             continue
         for folder in (f for f in (out, record_to) if f is not None):
             saved = record(r, folder)

@@ -148,7 +148,8 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
                      "so there is nothing to set your numbers beside.</p>")
     for r in results:
         status = "<span class='ok'>ok</span>" if r.status == "ok" else \
-            f"<span class='fail'>failed: {html.escape(str(r.error))}</span>" if not r.ok else \
+            "<span class='fail'>failed: " + "<br>".join(html.escape(ln) for ln in r.failure_lines()) + "</span>" \
+            if not r.ok else \
             f"<span class='fail'>failed: the measurements contradict {len(r.contradicted)} of the lecture's " \
             f"claims</span>" if r.contradicted else \
             "<span class='fail'>" + "<br>".join(html.escape(w) for w in r.warnings()) + "</span>"

@@ -43,11 +43,14 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # helpers/teraflops/course/
 
 @dataclass(frozen=True)
 class CellFailure:
-    """Where and how a notebook stopped. ``cell_index`` is ``None`` if the kernel never started."""
+    """Where and how a notebook stopped. ``cell_index`` is ``None`` if the kernel never started.
+    ``evalue`` is one line, the one that names the problem (:func:`cause_line`); ``detail`` is the
+    whole message and traceback, which :func:`run_notebook` writes to a file beside the notebook."""
 
     cell_index: int | None
     ename: str
     evalue: str
+    detail: str = field(default="", compare=False, repr=False)
 
     def __str__(self) -> str:
         where = "kernel" if self.cell_index is None else f"cell {self.cell_index}"
@@ -92,6 +95,9 @@ class NotebookResult:
             not ``ok`` (:attr:`status`).
         stories: the unit's claims about live measurements (:mod:`teraflops.course.stories`), evaluated
             on ``headline`` under ``load``; one that contradicts makes the run ``FAILED``.
+        not_run_checked: checked cells that never ran because the notebook stopped first
+            (:func:`mark_not_run`: the executed notebook says "not run" there, never the committed ✓).
+        error_log: the failure's whole message and traceback (a compiler's output, say), when it failed.
     """
 
     name: str
@@ -107,6 +113,19 @@ class NotebookResult:
     load: dict = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
     stories: list[story_list.StoryResult] = field(default_factory=list)
+    not_run_checked: list[int] = field(default_factory=list)
+    error_log: Path | None = None
+
+    def failure_lines(self) -> list[str]:
+        """At most two lines on a failure: where and the line that names the cause, then where the whole
+        log is and which checked cells did not run; nothing when it did not fail."""
+        if self.error is None:
+            return []
+        more = [f"full log: {self.error_log}"] if self.error_log else []
+        if self.not_run_checked:
+            cells = ", ".join(str(i) for i in self.not_run_checked)
+            more.append(f"not run: checked cell{'s' if len(self.not_run_checked) > 1 else ''} {cells}")
+        return [str(self.error)] + (["; ".join(more)] if more else [])
 
     @property
     def contradicted(self) -> list[story_list.StoryResult]:
@@ -158,6 +177,69 @@ def _one_line(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# lines that name what went wrong inside a long message (a compiler's or linker's output in an
+# OpBuildFailed or InductorError), best first: the tool's own error, then what it could not find
+_CAUSES = (re.compile(r"\b(fatal error|error)\b\s*:", re.I), re.compile(r"cannot find|no such file|undefined reference", re.I))
+_NOT_A_CAUSE = re.compile(r"^collect2: error: ld returned|^ninja: build stopped|^error: command .* failed", re.I)
+
+
+def cause_line(message: str, limit: int = 200) -> str:
+    """The one line of an exception's ``message`` that names the problem, at most ``limit`` characters:
+    a short message as it is; in a long one (a compiler dump: the command line, then the compiler's
+    output) the first line that reads like the tool's own error (``error:``, ``fatal error:``, "cannot
+    find", "No such file", "undefined reference"), skipping the summaries that only say a tool failed
+    (``collect2: error: ld returned 1 exit status``); else the message's first line."""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(message)).splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    if len(lines) == 1:
+        return _one_line(lines[0], limit)
+    for pattern in _CAUSES:
+        for ln in lines[1:] + lines[:1]:
+            if pattern.search(ln) and not _NOT_A_CAUSE.search(ln) and len(ln) <= 4 * limit:
+                return _one_line(ln, limit)
+    return _one_line(lines[0], limit)
+
+
+LONG_TRACEBACK = 40  # lines: a failing cell's traceback longer than this is a dump, shown as its cause line
+
+
+def shorten_failure(nb, failure: CellFailure, log: Path | None) -> None:
+    """In the executed notebook (and so its HTML), a failing cell whose error output runs over
+    :data:`LONG_TRACEBACK` lines (a compiler's output) shows the line that names the cause and where the
+    whole log is, instead of the dump."""
+    if failure.cell_index is None or failure.cell_index >= len(nb.cells):
+        return
+    for out in nb.cells[failure.cell_index].get("outputs", []):
+        if out.get("output_type") == "error" and sum(t.count("\n") + 1 for t in out.get("traceback", [])) > LONG_TRACEBACK:
+            out["evalue"] = failure.evalue
+            out["traceback"] = [f"{failure.ename}: {failure.evalue}"] + ([f"full log: {log}"] if log else [])
+
+
+NOT_RUN = "not run: this lecture stopped at {where} (see the failure above); nothing below it ran"
+
+
+def mark_not_run(nb, failure: CellFailure) -> list[int]:
+    """After ``failure``, make the executed notebook say what did not run: every code cell after the
+    failing one (every cell when the kernel never started) loses the outputs and execution count it
+    carried from the committed notebook, and a checked cell (``# NBVAL_CHECK_OUTPUT``) shows
+    :data:`NOT_RUN` instead of its committed result. Returns the indices of those checked cells."""
+    import nbformat
+
+    first = 0 if failure.cell_index is None else failure.cell_index + 1
+    where = "its kernel's start" if failure.cell_index is None else f"cell {failure.cell_index}"
+    checked = []
+    for i, cell in enumerate(nb.cells[first:], start=first):
+        if cell.cell_type != "code":
+            continue
+        cell.outputs, cell.execution_count = [], None
+        if cell.source.lstrip().startswith(CHECK_MARK):
+            cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text=NOT_RUN.format(where=where) + "\n")]
+            checked.append(i)
+    return checked
+
+
 def run_notebook(
     path: Path, out_dir: Path, timeout_per_cell: int = 600, html: bool = True, env: dict[str, str] | None = None
 ) -> NotebookResult:
@@ -196,6 +278,12 @@ def run_notebook(
     m = _NOTEBOOK_NAME.match(path.name)
     result.stories = story_list.evaluate_unit(int(m.group(1)) if m else None, result.headline, result.load)
 
+    if failure is not None:
+        result.not_run_checked = mark_not_run(nb, failure)
+        if failure.detail:
+            result.error_log = out_dir / f"{name}.error.txt"
+            result.error_log.write_text(failure.detail + "\n", encoding="utf-8")
+        shorten_failure(nb, failure, result.error_log)
     result.executed = out_dir / f"{name}.ipynb"
     nbformat.write(nb, result.executed)
     if result.ok:  # a stopped notebook's later checked cells are empty: its failure says enough
@@ -257,12 +345,12 @@ def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[s
                     try:
                         client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
                     except CellExecutionError as e:
-                        failure = CellFailure(index, e.ename, _one_line(e.evalue))
+                        failure = CellFailure(index, e.ename, cause_line(e.evalue), detail=_ANSI.sub("", str(e)))
                     except CellTimeoutError:
                         failure = CellFailure(index, "CellTimeoutError",
                                               f"cell ran longer than the {client.timeout} s limit per cell")
                     except Exception as e:  # dead kernel, ...
-                        failure = CellFailure(index, type(e).__name__, _one_line(str(e)))
+                        failure = CellFailure(index, type(e).__name__, cause_line(str(e)), detail=str(e))
                     stall = cell_stall(cell, index)
                     if stall is not None and stalls is not None:
                         stalls.append(stall)
@@ -274,7 +362,7 @@ def execute_cells(client, nb, desc: str, stop_on_error: bool = True, env: dict[s
             client.set_widgets_metadata()
     except Exception as e:  # the kernel did not start (or shut down badly)
         if not failures:
-            failures.append(CellFailure(None, type(e).__name__, _one_line(str(e))))
+            failures.append(CellFailure(None, type(e).__name__, cause_line(str(e)), detail=str(e)))
     return failures
 
 
@@ -487,8 +575,7 @@ def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
     for r in results:
         first = f"{r.name:<{name_w}}  {r.status:<{status_w}}  {r.seconds:>{time_w}.1f}  "
         details: list[str] = []
-        if r.error is not None:
-            details.append(str(r.error))
+        details += r.failure_lines()
         details += r.warnings()
         details += [f"STALLED: {st}" for st in r.stalls]
         details += [_one_line(st.line(), 300) for st in r.stories]
