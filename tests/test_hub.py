@@ -73,10 +73,10 @@ def _unavailable() -> str | None:
 
 def hub_config() -> str:
     """The README's ``jupyterhub_config.py``: the python block after the ``hub-config`` mark."""
-    readme = (ROOT / "README.md").read_text()
-    assert MARK in readme, f"README.md has no '{MARK}' mark before the hub's configuration"
+    readme = (ROOT / "docs" / "workshop.md").read_text()
+    assert MARK in readme, f"docs/workshop.md has no '{MARK}' mark before the hub's configuration"
     block = re.search(r"```python\n(.*?)```", readme[readme.index(MARK):], re.S)
-    assert block, "no ```python block after the hub-config mark in README.md"
+    assert block, "no ```python block after the hub-config mark in docs/workshop.md"
     return textwrap.dedent(block.group(1))
 
 

@@ -1,8 +1,8 @@
-"""README's "Layout" section is the package's tree, rendered from it: it cannot drift.
+"""docs/layout.md is the package's tree, rendered from it: it cannot drift.
 
 :func:`render` lists the shared base (the top-level modules) and each package with the title of
 its docstring (the words before the first colon) and its modules. ``python tests/test_layout.py``
-prints the block to paste into README after a module is added, moved or removed.
+prints the block to paste into docs/layout.md after a module is added, moved or removed.
 """
 
 import ast
@@ -29,7 +29,7 @@ def _modules(folder: Path) -> list[str]:
 
 
 def render() -> str:
-    """The README block: one entry per package, modules wrapped at 100 columns."""
+    """The docs/layout.md block: one entry per package, modules wrapped at 100 columns."""
     packages = sorted((p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()), key=ORDER.index)
     entries = [("teraflops/", "the shared base, imported by every unit", [m for m in _modules(PACKAGE) if not m.endswith("/")])]
     entries += [(f"teraflops/{name}/", _title(PACKAGE / name / "__init__.py"), _modules(PACKAGE / name)) for name in packages]
@@ -45,8 +45,8 @@ def render() -> str:
 
 
 def readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    assert MARK in text, f"README.md lost its layout marker {MARK!r}"
+    text = (ROOT / "docs" / "layout.md").read_text()
+    assert MARK in text, f"docs/layout.md lost its layout marker {MARK!r}"
     found = re.search(re.escape(MARK) + r"\n```\n(.*?)\n```", text, re.S)
     assert found, "the layout marker must be followed by a ``` block"
     return found.group(1)
@@ -54,7 +54,7 @@ def readme_block() -> str:
 
 def test_readme_layout_is_the_tree():
     want = render()
-    assert readme_block() == want, "README's layout differs from the tree; paste `python tests/test_layout.py`:\n" + want
+    assert readme_block() == want, "docs/layout.md differs from the tree; paste `python tests/test_layout.py`:\n" + want
 
 
 def test_every_package_says_what_it_holds():

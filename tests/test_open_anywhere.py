@@ -71,7 +71,7 @@ def test_binder_takes_the_cpu_path_and_readme_keeps_colabs_torch():
     post = ROOT / ".binder" / "postBuild"
     assert os.access(post, os.X_OK) and "pip install" in post.read_text()
     assert "g++" in (ROOT / ".binder" / "apt.txt").read_text().split()
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "install.md").read_text()
     assert f"git+{setup_cell.source_url(ROOT)}" in readme and "do not** run `pip install\ntorch==2.13.0`" in readme
 
 

@@ -138,8 +138,11 @@ def test_the_site_reads_offline_in_the_browser(built):
     index, lectures = built
     home = index.parent
     pages = [index, home / "report_card.html", *sorted((home / "lectures").glob("*.html")),
-             *sorted((home / "labs").glob("*.html"))]
+             *sorted((home / "labs").glob("*.html")), home / "README.html", *sorted((home / "docs").glob("*.html"))]
     assert len(list((home / "lectures").glob("*.html"))) == len(lectures)
+    # the guide: README and every docs/ page, README's links to them turned into the site's own pages
+    assert {p.stem for p in (home / "docs").glob("*.html")} == {p.stem for p in (ROOT / "docs").glob("*.md")}
+    assert 'href="docs/install.html' in (home / "README.html").read_text()
     assert len(list((home / "labs").glob("*.html"))) == len(list((ROOT / "labs").glob("*.ipynb")))
     inside = home.resolve().as_uri()
     with sync_api.sync_playwright() as pw:

@@ -2,8 +2,8 @@
 
 ``teraflops site`` turns a run's folder (``build/``: executed ``NN_name.ipynb`` and
 ``report_card.html``, :mod:`teraflops.course.runner`) into static HTML under ``build/site/``: one page
-per executed lecture with its outputs and figures, one per lab (its text and code, unexecuted), and the
-report card. Open ``build/site/index.html``; nothing is executed and nothing is fetched.
+per executed lecture with its outputs and figures, one per lab (its text and code, unexecuted), the
+report card, and the course's guide (``README.md`` and the pages of ``docs/``, links between them kept). Open ``build/site/index.html``; nothing is executed and nothing is fetched.
 
 The builder is Sphinx with MyST-NB (https://myst-nb.readthedocs.io), ``nb_execution_mode = "off"``:
 pure Python (``pip install -e ".[site]"``), and everything a page loads ships inside the two packages
@@ -49,7 +49,8 @@ html_extra_path = ["extra"]
 html_copy_source = False
 html_show_sourcelink = False
 exclude_patterns = ["_build"]
-suppress_warnings = ["mystnb.unknown_mime_type", "myst.header"]
+suppress_warnings = ["mystnb.unknown_mime_type", "myst.header", "myst.xref_missing"]
+myst_heading_anchors = 3  # README's and the docs' links to a heading (page.md#quickstart)
 '''
 
 
@@ -135,7 +136,7 @@ def static_widgets(nb: nbformat.NotebookNode) -> int:
     return replaced
 
 
-def _index(lectures: list[Path], lab_names: list[str], card: bool) -> str:
+def _index(lectures: list[Path], lab_names: list[str], card: bool, guide: list[str] = ()) -> str:
     lines = ["# Tensors to Teraflops", "",
              "The course's lectures as `teraflops run` executed them on the machine named in the report card: "
              "every number and figure below was measured there. The labs are shown as a learner gets them, "
@@ -145,7 +146,15 @@ def _index(lectures: list[Path], lab_names: list[str], card: bool) -> str:
     lines += ["```{toctree}", ":caption: Lectures", ":maxdepth: 1", ""] + [f"lectures/{p.stem}" for p in lectures] + ["```", ""]
     if lab_names:
         lines += ["```{toctree}", ":caption: Labs", ":maxdepth: 1", ""] + [f"labs/{n}" for n in lab_names] + ["```", ""]
+    if guide:
+        lines += ["```{toctree}", ":caption: The course's guide", ":maxdepth: 1", ""] + list(guide) + ["```", ""]
     return "\n".join(lines)
+
+
+def guide_pages(root: Path) -> list[Path]:
+    """The course's guide: ``README.md`` and ``docs/*.md`` (README's "Where next" links), in that order."""
+    readme = root / "README.md"
+    return ([readme] if readme.is_file() else []) + sorted((root / "docs").glob("*.md"))
 
 
 def build(build_dir: str | Path = "build", out: str | Path | None = None, root: str | Path | None = None) -> Path:
@@ -168,7 +177,7 @@ def build(build_dir: str | Path = "build", out: str | Path | None = None, root: 
         raise CourseError('the site needs Sphinx and MyST-NB: pip install -e ".[site]"') from None
     src = out.parent / f".{out.name}-src"
     shutil.rmtree(src, ignore_errors=True)
-    for sub in ("lectures", "labs", "extra"):
+    for sub in ("lectures", "labs", "extra", "docs"):
         (src / sub).mkdir(parents=True)
     for path in lectures:
         nb = nbformat.read(path, as_version=4)
@@ -177,11 +186,15 @@ def build(build_dir: str | Path = "build", out: str | Path | None = None, root: 
     lab_paths = sorted((root / "labs").glob("*.ipynb"))
     for path in lab_paths:
         shutil.copy(path, src / "labs" / path.name)
+    guide = []
+    for page in guide_pages(root):  # same relative places as in the clone, so their links resolve
+        shutil.copy(page, src / page.relative_to(root))
+        guide.append(page.relative_to(root).with_suffix("").as_posix())
     card = build_dir / "report_card.html"
     if card.is_file():
         shutil.copy(card, src / "extra" / card.name)
     (src / "conf.py").write_text(_CONF)
-    (src / "index.md").write_text(_index(lectures, [p.stem for p in lab_paths], card.is_file()))
+    (src / "index.md").write_text(_index(lectures, [p.stem for p in lab_paths], card.is_file(), guide))
     shutil.rmtree(out, ignore_errors=True)
     code = build_main(["-b", "html", "-q", "-d", str(src / "_doctrees"), str(src), str(out)])
     if code != 0:
