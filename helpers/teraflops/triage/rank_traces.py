@@ -36,7 +36,7 @@ The workloads, and the verdict each should get from rank 0's trace with its wait
   nothing else to do → **communication-bound** (>90 %), even waits.
 
 Waits: per profiled step and rank, the wall seconds during which a collective ran
-(:func:`collective_seconds`: the union of the events :func:`teraflops.triage.verdict.is_collective`
+(:func:`collective_seconds`: the union of the events :func:`teraflops.triage.trace.is_collective`
 names), ``[steps, ranks]``, read from each step's own profile. Without a straggler they are even:
 no rank waits for another more than the transfer takes.
 
@@ -57,7 +57,7 @@ from teraflops.launch.rank import RankIdentity
 from teraflops.machine import detect
 from teraflops.orchestration.detection import MIN_RANKS
 from teraflops.sizing import PRESETS, TrainConfig, dp_config, gpt_config, preset
-from teraflops.triage.verdict import COMM_CATEGORIES, is_collective, load_trace
+from teraflops.triage.trace import COMM_CATEGORIES, is_collective, load_trace
 
 WORKLOADS = ("zero3", "straggler", "allreduce")
 EXPECTED = {"zero3": "communication-bound", "straggler": "waiting (straggler)", "allreduce": "communication-bound"}
@@ -154,7 +154,7 @@ class RankTrace:
 
 def collective_seconds(trace) -> float:
     """Wall seconds during which at least one collective ran in a Chrome trace (a path or loaded
-    dict, :func:`teraflops.triage.verdict.load_trace`): the union of the intervals of the events that
+    dict, :func:`teraflops.triage.trace.load_trace`): the union of the intervals of the events that
     :func:`teraflops.triage.verdict.triage` counts as communication (``c10d::`` ops, gloo/NCCL ranges on the
     backend's threads, NCCL kernels), overlapping ones counted once."""
     events, _ = load_trace(trace)

@@ -1,6 +1,6 @@
 """The workloads the triage capstone profiles: one per unit, mixed ones, and seeded mysteries.
 
-Each workload is real work on this machine, profiled by :func:`teraflops.triage.verdict.record` (one call
+Each workload is real work on this machine, profiled by :func:`teraflops.triage.trace.record` (one call
 after warm-up) into a Chrome trace that :func:`teraflops.triage.verdict.triage` reads. Sizes come from
 :func:`teraflops.sizing.preset`, so the same code runs on a CPU laptop and on a GPU.
 
@@ -36,7 +36,8 @@ from teraflops.models import Llama
 from teraflops.sizing import preset
 from teraflops.tables import fmt_seconds, table
 from teraflops.triage.rank_traces import profile_ranks
-from teraflops.triage.verdict import CATEGORIES, VERDICTS, record, triage
+from teraflops.triage.trace import record
+from teraflops.triage.verdict import CATEGORIES, VERDICTS, triage
 
 # workload -> (unit, the category triage should find, what it is)
 UNIT_WORKLOADS = {

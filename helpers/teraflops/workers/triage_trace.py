@@ -8,7 +8,7 @@ each one does and which verdict it should get is in :mod:`teraflops.triage.rank_
 
 Per workload, on every rank: the spec's ``warmup`` untimed steps, then its ``steps`` steps, each after a
 barrier (so that every step starts together and no rank is late because it wrote its trace
-longer) and each profiled on its own as :func:`teraflops.triage.verdict.record` profiles one call
+longer) and each profiled on its own as :func:`teraflops.triage.trace.record` profiles one call
 (``torch.profiler``, CPU plus CUDA with GPUs, ``record_shapes=True``). The first profiled step's
 Chrome trace stays, as ``<out>/<workload>.rank<r>.json``; from every profiled step the rank keeps
 its seconds inside collectives (:func:`teraflops.triage.rank_traces.collective_seconds`), which the
@@ -35,12 +35,12 @@ from teraflops.launch.rank import finish, init_worker, read_spec, report_progres
 from teraflops.models import lm_loss
 from teraflops.sizing import TrainConfig
 from teraflops.triage.rank_traces import RankTraceResult, RankTraceSpec, WorkloadResult, collective_seconds
-from teraflops.triage.verdict import record
+from teraflops.triage.trace import record
 from teraflops.workers.common import build_model, flat_grads, set_grads, sync_device, zero_config
 
 
 def profile_step(step, path: Path) -> float:
-    """Profile one call of ``step()`` with :func:`teraflops.triage.verdict.record` (no warm-up: the caller
+    """Profile one call of ``step()`` with :func:`teraflops.triage.trace.record` (no warm-up: the caller
     warmed up), its Chrome trace to ``path``; return the seconds it spent inside collectives."""
     return collective_seconds(record(step, path, warmup=0))
 
