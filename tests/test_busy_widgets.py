@@ -3,7 +3,7 @@
 The stall: nbclient waits for a cell's ``execute_reply`` with one asyncio ZMQ poll as long as the
 cell's timeout; when the edge-triggered socket signal is lost (widget cells on a busy machine), the
 poll sleeps through the reply and the cell ends exactly one timeout late, with no error
-(:mod:`teraflops.course.kernel_client`). The fast test reproduces the lost wake-up with a socket that
+(:mod:`teraflops.launch.kernel_client`). The fast test reproduces the lost wake-up with a socket that
 never wakes its poll; the slow ones run many widget cells beside a hog through the course's runner
 (which also reports a stall by cell and time) and through nbval (how the solutions are checked).
 Before the fix, 60 such cells under the hog at a 20 s cell timeout stalled 20 s on 2 of 120 cells
@@ -23,7 +23,8 @@ from jupyter_client.channels import AsyncZMQSocketChannel
 from jupyter_client.session import Session
 from nbformat.v4 import new_code_cell, new_notebook
 
-from teraflops.course import kernel_client, runner
+from teraflops.course import runner
+from teraflops.launch import kernel_client, notebook
 from teraflops.machine import detect
 
 # Cells per busy run: CI's default keeps the slow tests short; scripts/busy_acceptance.py runs more.
@@ -108,7 +109,7 @@ def test_the_sliced_channel_still_times_out_when_nothing_comes(clock):
 
 def test_the_course_client_uses_the_sliced_channels(tmp_path):
     nb = new_notebook(cells=[new_code_cell("1")])
-    client = runner.make_client(nb, tmp_path / "x.ipynb", 30)
+    client = notebook.make_client(nb, tmp_path / "x.ipynb", 30)
     kc = client.km.client()
     assert isinstance(kc, kernel_client.SlicedKernelClient)
     assert kc.shell_channel_class is kernel_client.SlicedChannel and kc.iopub_channel_class is kernel_client.SlicedChannel
@@ -119,11 +120,11 @@ def test_a_late_reply_is_a_stall_named_by_cell_and_time():
     cell.metadata["execution"] = {"shell.execute_reply": "2026-12-03T07:04:36.180000Z",
                                   "iopub.status.idle": "2026-12-03T07:04:36.183000Z"}
     sent = 1796281476.183  # 2026-12-03T07:04:36.183Z
-    assert runner.cell_stall(cell, 41, now=sent + 1.0) is None
-    stall = runner.cell_stall(cell, 41, now=sent + 600.0)
+    assert notebook.cell_stall(cell, 41, now=sent + 1.0) is None
+    stall = notebook.cell_stall(cell, 41, now=sent + 600.0)
     assert stall is not None and round(stall.seconds) == 600 and stall.cell_index == 41
     assert str(stall) == "cell 41 `comm_budget.gradient_sync_widget(fit);` waited 600 s after the kernel's reply"
-    assert runner.cell_stall(new_code_cell("x"), 0) is None  # never answered: a timeout, not a stall
+    assert notebook.cell_stall(new_code_cell("x"), 0) is None  # never answered: a timeout, not a stall
 
 
 def _widget_notebook(path, cells: int):
@@ -142,7 +143,7 @@ def test_many_widget_cells_beside_a_hog_never_wait_out_the_timeout(hog, tmp_path
     result = runner.run_notebook(path, tmp_path / "out", timeout_per_cell=CELL_TIMEOUT, html=False)
     assert result.ok, result.error
     # a lost wake-up costs what is left of the cell's timeout (60 s); the runner also reports shorter lags
-    # (from runner.STALL_SECONDS on), which a loaded machine can cause by itself: printed, not failed
+    # (from notebook.STALL_SECONDS on), which a loaded machine can cause by itself: printed, not failed
     print("; ".join(map(str, result.stalls)) or "no stall")
     assert [st for st in result.stalls if st.seconds >= CELL_TIMEOUT / 2] == [], "; ".join(map(str, result.stalls))
     assert result.load["max"] > 0

@@ -1,5 +1,5 @@
 """A lecture that stops shows no result that did not happen, and its failure in one line
-(teraflops.course.runner: cause_line, mark_not_run, shorten_failure); run end to end in tests/test_cli.py."""
+(teraflops.launch.notebook.cause_line, teraflops.course.runner: mark_not_run, shorten_failure); run end to end in tests/test_cli.py."""
 
 from pathlib import Path
 
@@ -7,6 +7,7 @@ import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from teraflops.course import runner
+from teraflops.launch import notebook
 from teraflops.course.runner import CellFailure, NotebookResult
 
 DUMP = (Path(__file__).parent / "data" / "failures" / "inductor_space.txt").read_text()
@@ -14,18 +15,18 @@ DUMP = (Path(__file__).parent / "data" / "failures" / "inductor_space.txt").read
 
 def test_the_cause_of_a_compiler_dump_is_the_linkers_own_line():
     """torch.compile from a venv in 'sp ace/': recorded, trimmed (tests/data/failures)."""
-    line = runner.cause_line(DUMP)
+    line = notebook.cause_line(DUMP)
     assert line == "/usr/bin/ld: cannot find -ltorch: No such file or directory"
 
 
 def test_a_short_message_is_itself_and_a_tool_summary_is_not_a_cause():
-    assert runner.cause_line("broken on purpose") == "broken on purpose"
-    assert runner.cause_line("") == ""
+    assert notebook.cause_line("broken on purpose") == "broken on purpose"
+    assert notebook.cause_line("") == ""
     dump = "Error building extension 'op'\n[1/2] c++ -c op.cpp\nop.cpp:3:10: fatal error: foo.h: No such file\n" \
            "ninja: build stopped: subcommand failed.\ncollect2: error: ld returned 1 exit status"
-    assert runner.cause_line(dump) == "op.cpp:3:10: fatal error: foo.h: No such file"
-    assert runner.cause_line("first line\nsecond line") == "first line"  # nothing names a cause: the first
-    assert len(runner.cause_line("x" * 500)) == 200
+    assert notebook.cause_line(dump) == "op.cpp:3:10: fatal error: foo.h: No such file"
+    assert notebook.cause_line("first line\nsecond line") == "first line"  # nothing names a cause: the first
+    assert len(notebook.cause_line("x" * 500)) == 200
 
 
 def _notebook():
@@ -56,7 +57,7 @@ def test_a_kernel_that_never_started_leaves_every_cell_not_run():
 
 def test_a_dump_in_the_lecture_page_becomes_its_cause_and_the_log():
     nb = _notebook()
-    failure = CellFailure(2, "BackendCompilerFailed", runner.cause_line(DUMP), detail=DUMP)
+    failure = CellFailure(2, "BackendCompilerFailed", notebook.cause_line(DUMP), detail=DUMP)
     nb.cells[2].outputs = [new_output("error", ename=failure.ename, evalue=DUMP, traceback=DUMP.splitlines() * 3)]
     runner.shorten_failure(nb, failure, Path("build/04_compilation.error.txt"))
     out = nb.cells[2].outputs[0]
@@ -69,7 +70,7 @@ def test_a_dump_in_the_lecture_page_becomes_its_cause_and_the_log():
 
 def test_a_failed_unit_is_at_most_two_lines_on_the_summary(tmp_path):
     r = NotebookResult("04_compilation", 12.0, ok=False,
-                       error=CellFailure(14, "BackendCompilerFailed", runner.cause_line(DUMP), detail=DUMP),
+                       error=CellFailure(14, "BackendCompilerFailed", notebook.cause_line(DUMP), detail=DUMP),
                        error_log=tmp_path / "04_compilation.error.txt", not_run_checked=[25, 30])
     lines = r.failure_lines()
     assert len(lines) == 2 and "cannot find -ltorch" in lines[0] and lines[0].startswith("cell 14: ")

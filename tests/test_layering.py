@@ -1,6 +1,6 @@
 """The package's layers: what each part of ``helpers/teraflops`` may import (function-local imports included).
 
-The layout shows the course (README, "Layout"): the shared base at the top level, one package per
+The layout shows the course (docs/layout.md): the shared base at the top level, one package per
 lecture, the launch machinery, the emulated nodes, the course's commands, grading and the rank
 programs. Each may import only the layers below it, so a learner who follows a lecture's source
 into the package finds the lesson and what it stands on, never the CLI or Slurm plumbing:
@@ -12,8 +12,8 @@ base               base
 nodes              base
 launch             base, nodes
 lecture packages   base, nodes, launch, other lecture packages (no cycle: ``test_imports``)
-grading            base, nodes, launch, lecture packages, grading, ``course.runner`` (the
-                   grader executes a lab as ``teraflops run`` executes a lecture)
+grading            base, nodes, launch, lecture packages, grading (it executes a lab with
+                   ``launch.notebook``, as ``teraflops run`` executes a lecture; never ``course``)
 workers            base, nodes, launch, lecture packages, workers
 course             everything
 =================  ==========================================================================
@@ -33,7 +33,7 @@ ALLOWED = {
     "nodes": {"base", "nodes"},
     "launch": {"base", "nodes", "launch"},
     "lecture": {"base", "nodes", "launch", "lecture"},
-    "grading": {"base", "nodes", "launch", "lecture", "grading", "teraflops.course.runner"},
+    "grading": {"base", "nodes", "launch", "lecture", "grading"},
     "workers": {"base", "nodes", "launch", "lecture", "workers"},
     "course": {"base", "nodes", "launch", "lecture", "grading", "workers", "course"},
 }
@@ -81,6 +81,7 @@ def test_the_top_level_holds_only_the_shared_base():
     ("teraflops.compilation.decode", "teraflops.course.runner", "lecture"),
     ("teraflops.nodes.cluster", "teraflops.launch.launcher", "nodes"),
     ("teraflops.orchestration.stragglers", "teraflops.workers.straggler", "lecture"),
+    ("teraflops.grading.grader", "teraflops.course.runner", "grading"),
 ])
 def test_a_deliberate_violation_is_caught(source, target, rule):
     graph = import_graph()

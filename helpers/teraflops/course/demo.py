@@ -47,8 +47,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from teraflops import plots
-from teraflops.course import runner
 from teraflops.errors import CourseError
+from teraflops.launch import notebook
 from teraflops.machine import detect, load_average
 
 __all__ = ["MODES", "RUNNERS", "DemoResult", "DemoError", "check_modes", "pinned_threads", "run_mode", "run_modes",
@@ -395,7 +395,7 @@ def run_modes(modes=(), *, out=None, record_to=None, fallback=None, scale="room"
     """Run ``modes`` (default all) in turn; print each verdict with ``echo``. Each live figure is saved
     to ``out`` (if given) and with ``record_to`` the run is recorded (:func:`record`). A mode that fails
     live is shown from ``fallback`` (its recorded result, said to be one) when it holds one; else its
-    failure is one line (the line that names the cause, :func:`teraflops.course.runner.cause_line`;
+    failure is one line (the line that names the cause, :func:`teraflops.launch.notebook.cause_line`;
     the whole message in ``out/MODE.error.txt``) and the next mode runs: a talk goes on. Returns the
     results of the modes shown (recordings read back for the modes that fell back), so fewer than
     ``modes`` when one failed."""
@@ -405,7 +405,7 @@ def run_modes(modes=(), *, out=None, record_to=None, fallback=None, scale="room"
         try:
             r = run_mode(mode, scale)
         except Exception as e:  # noqa: BLE001 - a failed mode is said in one line, then the talk goes on
-            cause = f"{type(e).__name__}: {runner.cause_line(str(e), 160)}"
+            cause = f"{type(e).__name__}: {notebook.cause_line(str(e), 160)}"
             if fallback is not None and (Path(fallback) / f"{mode}.json").is_file():
                 r = recorded(mode, fallback)
                 echo(f"{mode}: live run failed ({cause}); showing the run recorded {r.recorded_at} on {r.machine}, "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from teraflops.course.runner import execute_cells, make_client
+from teraflops.launch.notebook import execute_cells, make_client
 from teraflops.errors import CourseError
 from teraflops.grading import unit01, unit02, unit03, unit04, unit05, unit06  # noqa: F401 - registers the units' exercises
 from teraflops.grading.core import PASS_MARK, REGISTRY, SKIP_MARK, Exercise

@@ -16,7 +16,7 @@ the shell channel, and under load the two interleave (seen as 598 s and 600 s st
 :class:`SlicedKernelClient` keeps nbclient's logic and timeouts and only changes how long a single
 poll may sleep: a channel's ``get_msg(timeout)`` polls in slices of :data:`POLL_SLICE` seconds until
 its timeout, and each slice ends with that non-blocking check, so a missed wake-up costs at most one
-slice instead of the cell's timeout. :func:`teraflops.course.runner.make_client` installs it for
+slice instead of the cell's timeout. :func:`teraflops.launch.notebook.make_client` installs it for
 ``teraflops run``, ``grade`` and ``labs refresh``. (nbval, which runs the solutions under pytest,
 uses jupyter_client's blocking client: its synchronous ``zmq_poll`` reads ``ZMQ_EVENTS`` itself and
 does not miss the message; ``tests/test_busy_widgets.py`` runs both beside a hog.)
