@@ -132,7 +132,7 @@ def _probe() -> tuple[str | None, frozenset]:
     """Make a scratch namespace once per process: why that failed (``None`` if it worked), and the
     shaping qdiscs of ``{"tbf", "netem"}`` that could be added to its loopback."""
     global _PROBE
-    with _PROBE_LOCK:  # threads of one process (teraflops.orchestration.slurm_queue.run_policies) share the probe's name
+    with _PROBE_LOCK:  # threads of one process (teraflops.orchestration.slurm_queue.run_lecture) share the probe's name
         return _probe_once()
 
 

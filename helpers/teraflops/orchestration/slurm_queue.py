@@ -486,20 +486,6 @@ def _concurrently(tasks: dict, desc: str) -> dict:
     return out
 
 
-def run_policies(mix=LECTURE_MIX, schedulers=("fifo", "backfill"), nodes: int = 3, gpus_per_node: int = 2,
-                 timeout: float = 120) -> list[QueueRun]:
-    """:func:`run_mix` of ``mix`` under each scheduler, each on a Slurm cluster of its own (``nodes``
-    emulated nodes × ``gpus_per_node`` fake GPUs), all at once. About 30 s for the lecture's mix.
-
-    Raises:
-        QueueError, teraflops.nodes.cluster.ClusterError, teraflops.nodes.slurm.SlurmError: from any of the runs.
-    """
-    tasks = {s: (nodes, SlurmConfig(scheduler=s, gpus_per_node=gpus_per_node), lambda sl: run_mix(sl, mix, timeout))
-             for s in schedulers}
-    out = _concurrently(tasks, f"job mix on Slurm ({', '.join(schedulers)})")
-    return [out[s] for s in schedulers]
-
-
 def run_lecture(mix=LECTURE_MIX, with_fair_share: bool = True, timeout: float = 120) -> LectureRuns:
     """Unit 3's Slurm section at once: ``mix`` under FIFO and under backfill (3 nodes × 2 fake GPUs
     each) and, with ``with_fair_share``, :func:`run_fair_share` on a 2-node accounting cluster, three
