@@ -1,4 +1,4 @@
-"""A busy machine on demand: other learners' runs beside a test (issue 29).
+"""A busy machine on demand: other learners' runs beside a test.
 
 :func:`hog` starts four processes in their own session, as two or three learners' work on the same
 cores would be: two stream memory with NumPy copies (``numpy.copyto`` of 64 MiB arrays, far beyond

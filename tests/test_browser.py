@@ -323,7 +323,7 @@ def test_every_lecture_widget_redraws_when_a_control_moves(page, course):
 
 
 def test_demo_slides_open_in_rise(page):
-    """Issue 30: the demo notebook opens as slides in JupyterLab's RISE (``jupyterlab-rise``, the test
+    """The demo notebook opens as slides in JupyterLab's RISE (``jupyterlab-rise``, the test
     extra): one slide per failure mode after the title, each mode's code on its slide. Nothing runs."""
     if importlib.util.find_spec("jupyterlab_rise") is None:
         pytest.skip("jupyterlab-rise is not installed (pip install jupyterlab-rise: the test extra)")

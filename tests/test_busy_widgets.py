@@ -1,4 +1,4 @@
-"""No headless run waits on a widget (issue 29 item 1).
+"""No headless run waits on a widget.
 
 The stall: nbclient waits for a cell's ``execute_reply`` with one asyncio ZMQ poll as long as the
 cell's timeout; when the edge-triggered socket signal is lost (widget cells on a busy machine), the

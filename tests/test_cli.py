@@ -44,7 +44,7 @@ def tiny_course(tmp_path_factory):
     broken.cells[4].outputs = [nbformat.v4.new_output("stream", name="stdout", text="✓ True\n")]
     broken.cells[4].execution_count = 7
     nbformat.write(broken, root / "notebooks" / "02_broken.ipynb")
-    checked = nbformat.v4.new_notebook()  # issue 30: a checked cell whose run differs from the committed output
+    checked = nbformat.v4.new_notebook()  # a checked cell whose run differs from the committed output
     checked.cells = [nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint('matched 4 of 6')")]
     checked.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="matched 6 of 6\n")]
     nbformat.write(checked, root / "notebooks" / "03_checked.ipynb")
@@ -110,7 +110,7 @@ def test_run_writes_outputs_and_reports_failures(cli_run):
 
 @pytest.mark.slow
 def test_run_warns_about_a_checked_cell_that_differs(cli_run):
-    """Issue 30: triage matched 4 of 6, its checked cell showed it, and `teraflops run` said ok."""
+    """Triage matched 4 of 6, its checked cell showed it, and `teraflops run` said ok."""
     _, out, build = cli_run
     row = next(line for line in out.splitlines() if line.startswith("03_checked"))
     assert row.split()[1] == "WARNING", out
@@ -223,7 +223,7 @@ def test_checked_output_mismatches_compares_check_cells_as_nbval(tmp_path):
 
 
 def test_run_measures_the_ceilings_once_for_every_notebook(cli_run):
-    """Issue 18: the run's one probe is in machine.json (for the card) and in ceilings.json (for the kernels)."""
+    """The run's one probe is in machine.json (for the card) and in ceilings.json (for the kernels)."""
     _, _, out = cli_run
     machine = json.loads((out / "machine.json").read_text())
     assert machine["ceilings"] == json.loads((out / "ceilings.json").read_text())

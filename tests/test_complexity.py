@@ -1,5 +1,5 @@
 """No function of the launch machinery (``launch/``) or of the emulated nodes (``nodes/``) grows past
-what one reads at a sitting (issue 24): radon's cyclomatic complexity (McCabe, "A Complexity Measure",
+what one reads at a sitting: radon's cyclomatic complexity (McCabe, "A Complexity Measure",
 IEEE TSE 1976: decision points + 1; radon also counts each ``and``/``or``, comprehension and ``except``)
 of every function, method and class stays within rank C, at most 20, which is what
 ``radon cc -s -n D helpers/teraflops/launch helpers/teraflops/nodes`` printing nothing means.

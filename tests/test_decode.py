@@ -153,7 +153,7 @@ def test_batch_sweep_stops_at_out_of_memory_with_a_warning():
 @pytest.mark.parametrize("make", [lambda: GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=24),
                                   lambda: Llama(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=24, seed=0)])
 def test_num_params_counts_zero3_partitioned_parameters(make):
-    """Issue 18: the Unit 6 trace worker counted parameters after ZeRO-3's initialize and read 0.
+    """The Unit 6 trace worker counted parameters after ZeRO-3's initialize and read 0.
     DeepSpeed empties a partitioned parameter (numel() 0) and keeps its size as ds_numel."""
     model = make()
     full = model.num_params()
@@ -165,7 +165,7 @@ def test_num_params_counts_zero3_partitioned_parameters(make):
 
 @pytest.mark.slow
 def test_recompile_reasons_name_the_guard_of_the_graph_that_last_ran():
-    """Issue 18: the second recompile was attributed to guard 0/0 (expected 8), not 0/1 (expected 9)."""
+    """The second recompile was attributed to guard 0/0 (expected 8), not 0/1 (expected 9)."""
     assert D._newest_failure("Recompiling function f\n    triggered by the following guard failure(s):\n"
                              "    - 0/1: tensor 'x' size mismatch at index 0. expected 9, actual 10\n"
                              "    - 0/0: tensor 'x' size mismatch at index 0. expected 8, actual 10") \
@@ -175,7 +175,7 @@ def test_recompile_reasons_name_the_guard_of_the_graph_that_last_ran():
 
 
 def test_generate_moves_a_prompt_to_the_model_device():
-    # A GPU model with a prompt made by torch.randint on the CPU (issue 16): `meta` stands in for the GPU.
+    # A GPU model with a prompt made by torch.randint on the CPU: `meta` stands in for the GPU.
     meta = Llama(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=24, seed=0).to("meta").eval()
     prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
     out = D.generate(meta, prompt, 4)

@@ -1,4 +1,4 @@
-"""Issue 30, figures for a room: the course's figures drawn at the ``room`` scale (``TERAFLOPS_FIG_SCALE``,
+"""figures for a room: the course's figures drawn at the ``room`` scale (``TERAFLOPS_FIG_SCALE``,
 :mod:`teraflops.plots`: fonts and lines 1.6×) keep their text inside the axes, apart from each other and
 from the legend, and their tick labels apart.
 

@@ -1,4 +1,4 @@
-"""A JupyterHub for a workshop (issue 20): the README's ``jupyterhub_config.py`` on loopback, two throw-away
+"""A JupyterHub for a workshop: the README's ``jupyterhub_config.py`` on loopback, two throw-away
 Unix users who log in with their passwords (PAM), both servers started through the hub's REST API, Lab 3's
 first check run in both learners' kernels at the same time (the shipped lab's code: not attempted; the
 solution's: passed), and each learner's notebook, saved through their own server, graded as that learner

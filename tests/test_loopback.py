@@ -209,7 +209,7 @@ def test_each_node_listens_on_its_own_address_only(slurm):
 
 
 def test_a_torch_below_the_floor_is_one_line_and_the_floor_is_pyprojects():
-    """Issue 25: torch 2.4-2.7 serve no pre-bound master_listen_fd in the libuv TCPStore: every launch
+    """Torch 2.4-2.7 serve no pre-bound master_listen_fd in the libuv TCPStore: every launch
     would hang. The floor is pyproject's, and an older torch is refused in one line."""
     import re
     from pathlib import Path

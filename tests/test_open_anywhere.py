@@ -1,4 +1,4 @@
-"""Open and install anywhere (issue 30): every notebook's setup cell and Colab/Binder links come from
+"""Open and install anywhere: every notebook's setup cell and Colab/Binder links come from
 the one source in pyproject.toml and are current; Binder's files take the CPU path; and a fresh venv
 that has only torch runs a lecture's setup cell to a working ``import teraflops``, keeping its torch."""
 

@@ -222,7 +222,7 @@ def _synthetic_rows():
 
 
 def test_plot_merges_identical_curves_and_keeps_bar_ratios():
-    """Issue 18: six legend entries for three visible lines, and log-scale bars that distorted the ratios."""
+    """Six legend entries for three visible lines, and log-scale bars that distorted the ratios."""
     matplotlib.use("Agg")
     fig = rm.plot_remedies(_synthetic_rows())
     ax_loss, ax_bytes = fig.axes

@@ -62,7 +62,7 @@ def test_without_a_tag_the_first_figure_and_references_sit_beside(tmp_path):
 
 
 def test_sections_are_titled_by_question_with_takeaway_at_most_five_numbers_and_caption(tmp_path):
-    """Issue 18: sections were titled by file name, with no takeaway and up to 11 numbers."""
+    """Sections were titled by file name, with no takeaway and up to 11 numbers."""
     path = executed(tmp_path, "01_model_definition", tagged_second=True)
     nb = nbformat.read(path, as_version=4)
     nb.cells[1].metadata["caption"] = "This machine's roofline <measured>"

@@ -53,7 +53,7 @@ def test_measured_roofline_separates_matmul_from_elementwise():
 
 
 def test_roofline_labels_do_not_overlap_and_stay_inside():
-    """Issue 18: "softmax 16384×1024" sat on "matmul 16×16"."""
+    """"softmax 16384×1024" sat on "matmul 16×16"."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,4 +1,4 @@
-"""The course site (issue 30): the lectures as this test run executed them (tests/test_unitNN_run.py,
+"""The course site: the lectures as this test run executed them (tests/test_unitNN_run.py,
 through the ``lecture_runs`` fixture: nothing is executed again), the labs and the report card, built
 offline and read in Chromium: every page loads without a console error and requests nothing outside
 the site, every lecture page shows its figures, and widgets show their final state, never tqdm's

@@ -1,5 +1,5 @@
 """In a live notebook a cell that fails to compile defines nothing, so the check is handed the lab's
-stub again: the check names the learner's syntax error and its line, not "not attempted" (issue 30)."""
+stub again: the check names the learner's syntax error and its line, not "not attempted"."""
 
 import pytest
 

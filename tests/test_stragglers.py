@@ -279,7 +279,7 @@ def test_a_killed_rank_ends_the_run_with_one_line(monkeypatch):
 
 
 def test_timeline_title_says_the_injection_once():
-    """Issue 18: Unit 3's timeline was titled "200 ms: constant 200 ms"."""
+    """Unit 3's timeline was titled "200 ms: constant 200 ms"."""
     from types import SimpleNamespace
 
     from teraflops.orchestration.stragglers import timeline_title

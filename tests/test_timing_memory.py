@@ -39,7 +39,7 @@ def test_cpu_peak_counts_temporaries_at_their_highest_level():
 
 
 def test_a_run_measures_the_ceilings_once_and_every_unit_reads_them(tmp_path, monkeypatch):
-    """Issue 18: Unit 0 and Unit 1 of one run measured their own, different ceilings."""
+    """Unit 0 and Unit 1 of one run measured their own, different ceilings."""
     import json
 
     import torch
@@ -61,7 +61,7 @@ def test_a_run_measures_the_ceilings_once_and_every_unit_reads_them(tmp_path, mo
 
 
 def test_cpu_peak_counts_the_regions_own_allocations_not_frees_of_earlier_tensors():
-    """Issue 18: the docstring promised "above what was live before"; on a CPU frees of tensors from
+    """The docstring promised "above what was live before"; on a CPU frees of tensors from
     before the region are not recorded, so the region's own allocations are what is counted."""
     import torch
 

@@ -85,7 +85,7 @@ def test_every_widget_says_to_rerun_its_cell_when_it_does_not_show(monkeypatch):
 
 
 def test_the_model_size_slider_reads_in_billions_not_exponents():
-    """Issue 18: the Ψ slider's readout said "7.5e+9"."""
+    """The Ψ slider's readout said "7.5e+9"."""
     ui = model_states.model_state_widget()
     psi = next(c for c in ui.children if c.description == "Ψ params")
     assert psi.label == "7.5 B" and psi.value == 7.5e9

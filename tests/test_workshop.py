@@ -1,4 +1,4 @@
-"""A workshop on one machine (issue 20): clusters belong to their owners, a killed notebook takes its
+"""A workshop on one machine: clusters belong to their owners, a killed notebook takes its
 run with it, a host's warm cache, builds that say why they failed."""
 
 import os
@@ -639,7 +639,7 @@ def _as_user(user: str, argv: list) -> list:
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="needs root on Linux (a second Unix user)")
 def test_after_roots_warmup_a_second_users_first_runs_compile_nothing():
-    """Acceptance of issue 20 item 3: root runs `teraflops warmup`; a new non-root user's first ZeRO run
+    """A workshop host's first run: root runs `teraflops warmup`; a new non-root user's first ZeRO run
     and first torch.compile of the Unit 4 lecture then start no compiler (a logging g++/c++ first on
     both PATHs), leave the op's ninja log untouched, hit Inductor's cache for every graph and add no
     kernel to the caches seeded from the host's."""
@@ -753,7 +753,7 @@ def test_a_python_behind_a_folder_others_cannot_enter_is_named():
 
 
 def test_a_package_others_cannot_read_is_named_in_one_warning_line():
-    """Issue 24: a clone in a mode-700 folder (``mktemp -d``, a home) imports for root, not for learners."""
+    """A clone in a mode-700 folder (``mktemp -d``, a home) imports for root, not for learners."""
     import shutil
     import tempfile
     from pathlib import Path

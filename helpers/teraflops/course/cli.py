@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     triage.add_argument("--launch-floor", type=float, metavar="S", help="seconds per op (default: measured here)")
     _add_reading_parsers(sub)
 
-    # --- i30-demo: teraflops demo ---
+    # --- teraflops demo ---
     from teraflops.course.demo import MODES as DEMO_MODES  # the standard library only at import
 
     demo = sub.add_parser("demo", help="each failure mode in one command, for a talk: a large figure and a verdict",
@@ -199,11 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--fallback", type=Path, metavar="DIR", help="when a live mode fails, show the run recorded in DIR")
     demo.add_argument("--scale", default="room", help="figure scale: room (default, 1.6), laptop (1) or a number "
                                                       "(teraflops.plots)")
-    # --- /i30-demo ---
     return parser
 
 
-# --- issue 30: reading and opening the course anywhere (setup cells, the course site) -------------
+# --- reading and opening the course anywhere (setup cells, the course site) -------------
 
 def _add_reading_parsers(sub) -> None:
     cells = sub.add_parser("setup-cells", help="write each notebook's setup cell and Colab/Binder links from "
@@ -240,8 +239,6 @@ def _cmd_site(args: argparse.Namespace) -> int:
     print(f"site: {site.build(args.build, args.out)}")
     return 0
 
-# --- end of issue 30's block ---------------------------------------------------------------------
-
 
 def _cmd_triage(args: argparse.Namespace) -> int:
     """Verdict, evidence and where to act for one profiled step (teraflops.triage.verdict)."""
@@ -264,7 +261,7 @@ def _cmd_triage(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- i30-demo: teraflops demo ---
+# --- teraflops demo ---
 def _cmd_demo(args: argparse.Namespace) -> int:
     """The talk's modes (teraflops.course.demo); exit 1 if a mode's numbers did not tell its story."""
     os.environ.setdefault("MPLBACKEND", "Agg")  # figures go to files: no window to open
@@ -594,9 +591,7 @@ def _cluster_exec(args: argparse.Namespace, caller: int) -> int:
 
 _COMMANDS = {"run": _cmd_run, "preflight": _cmd_preflight, "bench": _cmd_bench, "doctor": _cmd_doctor,
              "lab": _cmd_lab, "grade": _cmd_grade, "labs": _cmd_labs, "cluster": _cmd_cluster, "warmup": _cmd_warmup,
-             "triage": _cmd_triage,
-             "demo": _cmd_demo}  # i30-demo
-_COMMANDS.update({"setup-cells": _cmd_setup_cells, "site": _cmd_site})  # issue 30's block
+             "triage": _cmd_triage, "demo": _cmd_demo, "setup-cells": _cmd_setup_cells, "site": _cmd_site}
 
 
 def main(argv: list[str] | None = None) -> int:
