@@ -124,16 +124,60 @@ def _stories(results) -> str:
     return f"<p><b>What the lecture claims, on this run's measurements:</b></p><ul class='stories'>{items}</ul>"
 
 
-def render(machine, results: list[NotebookResult], references: list[dict] | None = None,
-           context: dict | None = None) -> str:
-    """The report card's HTML for ``results`` of ``teraflops run`` on ``machine``; ``context`` is the
-    run's ``machine.json`` (:func:`read_machine`: ceilings, busy warning)."""
-    references = load_references() if references is None else references
-    context = context or {}
+def _status(r: NotebookResult) -> str:
+    """The unit's status in one span: ok, its failure (at most two lines), contradicted claims or the
+    checked outputs that differ."""
+    if r.status == "ok":
+        return "<span class='ok'>ok</span>"
+    if not r.ok:
+        return "<span class='fail'>failed: " + "<br>".join(html.escape(ln) for ln in r.failure_lines()) + "</span>"
+    if r.contradicted:
+        return f"<span class='fail'>failed: the measurements contradict {len(r.contradicted)} of the lecture's claims</span>"
+    return "<span class='fail'>" + "<br>".join(html.escape(w) for w in r.warnings()) + "</span>"
+
+
+def _headline_table(r: NotebookResult, references: list[dict]) -> str:
+    """The unit's headline numbers (at most :data:`MAX_HEADLINES`, those meant for the card) beside each
+    reference GPU's."""
+    refs = [(ref["gpu"], ref["notebooks"].get(r.name, {})) for ref in references]
+    head = "<tr><th>headline</th><th>this machine</th>" + "".join(
+        f"<th>reference: {html.escape(gpu)}</th>" for gpu, _ in refs) + "</tr>"
+    shown = [(k, e) for k, e in r.headline.items() if e.get("card", True)][:MAX_HEADLINES]
+    body = "".join(_row(e, [(gpu, entries.get(key)) for gpu, entries in refs]) for key, e in shown)
+    return f"<table>{head}{body}</table>"
+
+
+def _section(r: NotebookResult, references: list[dict]) -> list[str]:
+    """One unit's part of the card: its question, takeaway, status, stalls, stories, numbers, figure and link."""
+    unit = unit_of(r.name)
+    title = f"Unit {unit}: {QUESTIONS[unit]}" if unit in QUESTIONS else r.name
+    parts = [f"<h2>{html.escape(title)} <small>{html.escape(r.name)}</small></h2>"]
+    if r.takeaway:
+        parts.append(f"<p class='takeaway'>{html.escape(r.takeaway)}</p>")
+    load = f" · {html.escape(load_text(r.load))}" if r.load else ""
+    parts.append(f"<p>{_status(r)} · {r.seconds:.0f} s{load}</p>")
+    parts += [f"<p class='warn'><b>Stalled:</b> {html.escape(str(stall))}</p>" for stall in r.stalls]
+    if r.stories:
+        parts.append(_stories(r.stories))
+    if r.headline:
+        parts.append(_headline_table(r, references))
+    found = _headline(r.executed)
+    if found:
+        png, caption = found
+        img = f"<img alt='headline figure of {html.escape(r.name)}' src='data:image/png;base64,{png}'>"
+        cap = f"<figcaption>{html.escape(caption)}</figcaption>" if caption else ""
+        parts.append(f"<figure>{img}{cap}</figure>")
+    if r.html:
+        parts.append(f"<p class='note'>The whole notebook: <a href='{html.escape(Path(r.html).name)}'>"
+                     f"{html.escape(Path(r.html).name)}</a></p>")
+    return parts
+
+
+def _machine_lines(machine, results: list[NotebookResult], references: list[dict], context: dict) -> list[str]:
+    """The card's head: the machine, the run's ceilings, how many notebooks ran clean, a busy machine, and
+    whether reference results ship."""
     passed = sum(r.status == "ok" for r in results)
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>Tensors to Teraflops: report card</title>",
-             f"<style>{_STYLE}</style></head><body><h1>Tensors to Teraflops: report card</h1>",
-             f"<p><b>Machine:</b> {html.escape(machine.summary())}<br>"]
+    parts = [f"<p><b>Machine:</b> {html.escape(machine.summary())}<br>"]
     if isinstance(context.get("ceilings"), dict):
         try:
             parts.append(_ceilings_line(context["ceilings"], context.get("ceilings_source")) + "<br>")
@@ -146,41 +190,19 @@ def render(machine, results: list[NotebookResult], references: list[dict] | None
     if not references:
         parts.append("<p class='note'>No reference results from a real GPU ship with this version of the course, "
                      "so there is nothing to set your numbers beside.</p>")
+    return parts
+
+
+def render(machine, results: list[NotebookResult], references: list[dict] | None = None,
+           context: dict | None = None) -> str:
+    """The report card's HTML for ``results`` of ``teraflops run`` on ``machine``; ``context`` is the
+    run's ``machine.json`` (:func:`read_machine`: ceilings, busy warning)."""
+    references = load_references() if references is None else references
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>Tensors to Teraflops: report card</title>",
+             f"<style>{_STYLE}</style></head><body><h1>Tensors to Teraflops: report card</h1>"]
+    parts += _machine_lines(machine, results, references, context or {})
     for r in results:
-        status = "<span class='ok'>ok</span>" if r.status == "ok" else \
-            "<span class='fail'>failed: " + "<br>".join(html.escape(ln) for ln in r.failure_lines()) + "</span>" \
-            if not r.ok else \
-            f"<span class='fail'>failed: the measurements contradict {len(r.contradicted)} of the lecture's " \
-            f"claims</span>" if r.contradicted else \
-            "<span class='fail'>" + "<br>".join(html.escape(w) for w in r.warnings()) + "</span>"
-        unit = unit_of(r.name)
-        question = QUESTIONS.get(unit)
-        title = f"Unit {unit}: {question}" if question else r.name
-        parts.append(f"<h2>{html.escape(title)} <small>{html.escape(r.name)}</small></h2>")
-        if r.takeaway:
-            parts.append(f"<p class='takeaway'>{html.escape(r.takeaway)}</p>")
-        load = f" · {html.escape(load_text(r.load))}" if r.load else ""
-        parts.append(f"<p>{status} · {r.seconds:.0f} s{load}</p>")
-        for stall in r.stalls:
-            parts.append(f"<p class='warn'><b>Stalled:</b> {html.escape(str(stall))}</p>")
-        if r.stories:
-            parts.append(_stories(r.stories))
-        if r.headline:
-            refs = [(ref["gpu"], ref["notebooks"].get(r.name, {})) for ref in references]
-            head = "<tr><th>headline</th><th>this machine</th>" + "".join(
-                f"<th>reference: {html.escape(gpu)}</th>" for gpu, _ in refs) + "</tr>"
-            shown = [(k, e) for k, e in r.headline.items() if e.get("card", True)][:MAX_HEADLINES]
-            body = "".join(_row(e, [(gpu, entries.get(key)) for gpu, entries in refs]) for key, e in shown)
-            parts.append(f"<table>{head}{body}</table>")
-        found = _headline(r.executed)
-        if found:
-            png, caption = found
-            img = f"<img alt='headline figure of {html.escape(r.name)}' src='data:image/png;base64,{png}'>"
-            cap = f"<figcaption>{html.escape(caption)}</figcaption>" if caption else ""
-            parts.append(f"<figure>{img}{cap}</figure>")
-        if r.html:
-            parts.append(f"<p class='note'>The whole notebook: <a href='{html.escape(Path(r.html).name)}'>"
-                         f"{html.escape(Path(r.html).name)}</a></p>")
+        parts += _section(r, references)
     parts.append("</body></html>")
     return "\n".join(parts)
 

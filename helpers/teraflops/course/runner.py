@@ -330,6 +330,41 @@ def load_text(load: dict) -> str:
     return f"load {load['mean']:.1f} (max {load['max']:.1f}) on {load['cores']} cores"
 
 
+def _headline_lines(headline: dict[str, dict]) -> list[str]:
+    """One line per headline number: label, value to 3 significant digits, unit; columns aligned."""
+    entries = list(headline.values())
+    if not entries:
+        return []
+    label_w = max(len(str(e.get("label", ""))) for e in entries)
+    values = [format_value(e["value"]) for e in entries]
+    value_w = max(len(v) for v in values)
+    return [f"{str(e.get('label', '')):<{label_w}}  {v:>{value_w}}" + (f" {e['unit']}" if e.get("unit") else "")
+            for e, v in zip(entries, values)]
+
+
+def _details(r: NotebookResult) -> list[str]:
+    """What the summary says of one notebook, a line each: its failure, differing checked outputs,
+    stalls, stories, headline numbers, a failed HTML export and the load it ran under."""
+    details = r.failure_lines() + r.warnings() + [f"STALLED: {st}" for st in r.stalls]
+    details += [one_line(st.line(), 300) for st in r.stories] + _headline_lines(r.headline)
+    if r.html_error:
+        details.append(f"(HTML export failed: {r.html_error})")
+    if r.load:
+        details.append(load_text(r.load))
+    return details or ["-"]
+
+
+def _footer(results: list[NotebookResult]) -> str:
+    folders = sorted({str(r.executed.parent.resolve()) for r in results if r.executed})
+    passed = sum(r.status == "ok" for r in results)
+    warned = sum(r.status == "WARNING" for r in results)
+    also = f" ({warned} ran with a checked output that differs: see WARNING)" if warned else ""
+    contradicted = sum(bool(r.contradicted) for r in results)
+    if contradicted:
+        also += f" ({contradicted} measured what the lecture says cannot happen: see CONTRADICTS)"
+    return f"{passed}/{len(results)} notebooks ok{also}; outputs in {', '.join(folders) or '-'}"
+
+
 def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
     """A plain-text table: the machine, then one row per notebook with status, time, its failure and
     stalled cells (:class:`CellStall`, by cell and time) if any, a ``WARNING:`` line per checked cell
@@ -340,44 +375,16 @@ def format_summary(machine: Machine, results: list[NotebookResult]) -> str:
     if not results:
         return "\n".join(lines + ["no notebooks ran"])
     name_w = max(len("notebook"), *(len(r.name) for r in results))
-    status_w = len("WARNING")
-    time_w = len("time (s)")
+    status_w, time_w = len("WARNING"), len("time (s)")
     header = f"{'notebook':<{name_w}}  {'status':<{status_w}}  {'time (s)':>{time_w}}  headline"
-    lines += [header, "-" * max(len(header), 60)]
+    rule = "-" * max(len(header), 60)
+    lines += [header, rule]
     pad = " " * (name_w + status_w + time_w + 6)
     for r in results:
-        first = f"{r.name:<{name_w}}  {r.status:<{status_w}}  {r.seconds:>{time_w}.1f}  "
-        details: list[str] = []
-        details += r.failure_lines()
-        details += r.warnings()
-        details += [f"STALLED: {st}" for st in r.stalls]
-        details += [one_line(st.line(), 300) for st in r.stories]
-        entries = list(r.headline.values())
-        if entries:
-            label_w = max(len(str(e.get("label", ""))) for e in entries)
-            values = [format_value(e["value"]) for e in entries]
-            value_w = max(len(v) for v in values)
-            for e, v in zip(entries, values):
-                unit = f" {e['unit']}" if e.get("unit") else ""
-                details.append(f"{str(e.get('label', '')):<{label_w}}  {v:>{value_w}}{unit}")
-        if r.html_error:
-            details.append(f"(HTML export failed: {r.html_error})")
-        if r.load:
-            details.append(load_text(r.load))
-        if not details:
-            details.append("-")
-        lines.append((first + details[0]).rstrip())
-        lines += [(pad + d).rstrip() for d in details[1:]]
-    folders = sorted({str(r.executed.parent.resolve()) for r in results if r.executed})
-    lines.append("-" * max(len(header), 60))
-    passed = sum(r.status == "ok" for r in results)
-    warned = sum(r.status == "WARNING" for r in results)
-    also = f" ({warned} ran with a checked output that differs: see WARNING)" if warned else ""
-    contradicted = sum(bool(r.contradicted) for r in results)
-    if contradicted:
-        also += f" ({contradicted} measured what the lecture says cannot happen: see CONTRADICTS)"
-    lines.append(f"{passed}/{len(results)} notebooks ok{also}; outputs in {', '.join(folders) or '-'}")
-    return "\n".join(lines)
+        first, *rest = _details(r)
+        lines.append(f"{r.name:<{name_w}}  {r.status:<{status_w}}  {r.seconds:>{time_w}.1f}  {first}".rstrip())
+        lines += [(pad + d).rstrip() for d in rest]
+    return "\n".join(lines + [rule, _footer(results)])
 
 
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"  # nbval's marker: the cell's outputs are compared with the committed ones

@@ -63,34 +63,33 @@ def _state(nb) -> dict:
     return nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
 
 
-def _render_widget(model_id: str, models: dict, depth: int = 0) -> tuple[str, str]:
-    """(HTML, plain text) of one widget model's final state; children rendered in place."""
-    model = models.get(model_id.removeprefix("IPY_MODEL_"))
-    if model is None or depth > 20:
-        return "", ""
-    name, s = model.get("model_name", ""), model.get("state", {})
-    if name in ("HBoxModel", "VBoxModel", "BoxModel", "GridBoxModel", "AccordionModel", "TabModel"):
-        parts = [_render_widget(c, models, depth + 1) for c in s.get("children", [])]
-        tag = "span" if name == "HBoxModel" else "div"
-        page = f"<div class='static-widget {name[:-5].lower()}'>" + "".join(f"<{tag}>{h}</{tag}>" for h, _ in parts) + "</div>"
-        if name != "HBoxModel":
-            return page, "\n".join(t for _, t in parts if t)
-        text = ""  # a bar abuts its neighbours, as tqdm writes it ("steps: 100%|███| 5/5"); other widgets get a space
-        for _, t in (p for p in parts if p[1]):
-            text += t if not text or t.startswith("|") or text.endswith("|") else " " + t
-        return page, text
-    if name in ("HTMLModel", "HTMLMathModel"):
-        value = str(s.get("value", ""))
-        return value, html.unescape(re.sub(r"<[^>]+>", "", value)).replace("\u2007", " ")  # tqdm pads with figure spaces
-    if name in ("FloatProgressModel", "IntProgressModel"):
-        low, high, value = float(s.get("min", 0)), float(s.get("max", 100)), float(s.get("value", 0))
-        share = (value - low) / (high - low) if high > low else 1.0
-        filled = round(max(0.0, min(1.0, share)) * _BAR_CELLS)
-        text = f"|{'█' * filled}{' ' * (_BAR_CELLS - filled)}|"  # tqdm's own text beside it has the percentage
-        return f"<progress value='{value - low:g}' max='{high - low:g}'></progress>", text
-    if name == "OutputModel":
-        shown = [_output_html(o) for o in s.get("outputs", [])]
-        return "".join(h for h, _ in shown), "\n".join(t for _, t in shown if t)
+_BOXES = ("HBoxModel", "VBoxModel", "BoxModel", "GridBoxModel", "AccordionModel", "TabModel")
+
+
+def _render_box(name: str, s: dict, models: dict, depth: int) -> tuple[str, str]:
+    """A container: its children rendered in place, side by side (HBox) or stacked."""
+    parts = [_render_widget(c, models, depth + 1) for c in s.get("children", [])]
+    tag = "span" if name == "HBoxModel" else "div"
+    page = f"<div class='static-widget {name[:-5].lower()}'>" + "".join(f"<{tag}>{h}</{tag}>" for h, _ in parts) + "</div>"
+    if name != "HBoxModel":
+        return page, "\n".join(t for _, t in parts if t)
+    text = ""  # a bar abuts its neighbours, as tqdm writes it ("steps: 100%|███| 5/5"); other widgets get a space
+    for _, t in (p for p in parts if p[1]):
+        text += t if not text or t.startswith("|") or text.endswith("|") else " " + t
+    return page, text
+
+
+def _render_progress(s: dict) -> tuple[str, str]:
+    """A progress bar at its final value."""
+    low, high, value = float(s.get("min", 0)), float(s.get("max", 100)), float(s.get("value", 0))
+    share = (value - low) / (high - low) if high > low else 1.0
+    filled = round(max(0.0, min(1.0, share)) * _BAR_CELLS)
+    text = f"|{'█' * filled}{' ' * (_BAR_CELLS - filled)}|"  # tqdm's own text beside it has the percentage
+    return f"<progress value='{value - low:g}' max='{high - low:g}'></progress>", text
+
+
+def _render_value(s: dict) -> tuple[str, str]:
+    """Any other widget: its description and value (a dropdown's chosen label, a range as low–high)."""
     value = s.get("value", s.get("label", ""))
     labels, index = s.get("_options_labels"), s.get("index")
     if isinstance(labels, list) and isinstance(index, int) and 0 <= index < len(labels):  # Dropdown and kin
@@ -100,6 +99,25 @@ def _render_widget(model_id: str, models: dict, depth: int = 0) -> tuple[str, st
         value = "–".join(str(v) for v in value)
     text = f"{label}: {value}" if label else str(value)
     return f"<span class='static-widget-value'>{html.escape(text)}</span>", text
+
+
+def _render_widget(model_id: str, models: dict, depth: int = 0) -> tuple[str, str]:
+    """(HTML, plain text) of one widget model's final state; children rendered in place."""
+    model = models.get(model_id.removeprefix("IPY_MODEL_"))
+    if model is None or depth > 20:
+        return "", ""
+    name, s = model.get("model_name", ""), model.get("state", {})
+    if name in _BOXES:
+        return _render_box(name, s, models, depth)
+    if name in ("HTMLModel", "HTMLMathModel"):
+        value = str(s.get("value", ""))
+        return value, html.unescape(re.sub(r"<[^>]+>", "", value)).replace("\u2007", " ")  # tqdm pads with figure spaces
+    if name in ("FloatProgressModel", "IntProgressModel"):
+        return _render_progress(s)
+    if name == "OutputModel":
+        shown = [_output_html(o) for o in s.get("outputs", [])]
+        return "".join(h for h, _ in shown), "\n".join(t for _, t in shown if t)
+    return _render_value(s)
 
 
 def _output_html(out: dict) -> tuple[str, str]:

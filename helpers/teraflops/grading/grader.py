@@ -71,6 +71,43 @@ def _first_line_of(cell) -> str:
     return line if len(line) <= 60 else line[:57] + "..."
 
 
+def _error_row(ex: Exercise, cells, index: int, errors: list[tuple[str, str]]) -> GradeRow:
+    """The row of a check cell that raised something other than its check's own verdict: a timeout, the
+    error of the nearest failed cell of the exercise above it (between the previous check cell and this
+    one: the learner's own cell, usually), or the check cell's own error."""
+    ename, evalue = errors[0]
+    if ename == "KeyboardInterrupt":
+        return GradeRow(ex.label, "failed", "interrupted: the check ran past the time limit per cell (--timeout)")
+    start = max((i for i in range(index) if _CHECK_CALL.search(cells[i].source)), default=-1) + 1
+    own = [(c, e) for c, e in ((c, cell_error(c)) for c in cells[start:index]) if e]
+    if own:
+        c, why = own[-1]
+        return GradeRow(ex.label, "failed", f"your cell `{_first_line_of(c)}` raised {why}")
+    why = f"{ename}: {evalue}" if evalue else ename
+    if ename == "NameError":
+        why += " (did the cell that defines it fail, or run past the time limit?)"
+    return GradeRow(ex.label, "failed", f"the check cell raised {why}")
+
+
+def _row_of_check_cell(ex: Exercise, cells, index: int) -> GradeRow | None:
+    """What one check cell of ``ex`` says, or None when it says nothing about it (no pass line, no error)."""
+    texts, errors = _outputs(cells[index])
+    label_prefix = f"{ex.label}: "
+    for ename, evalue in errors:
+        if ename == "NotAttempted" and evalue.startswith(label_prefix):
+            return GradeRow(ex.label, "not attempted")
+        if ename == "ExerciseFailed" and evalue.startswith(label_prefix):
+            return GradeRow(ex.label, "failed", evalue[len(label_prefix):])
+    if errors and not any(e in ("NotAttempted", "ExerciseFailed") for e, _ in errors):
+        return _error_row(ex, cells, index, errors)
+    if any(f"{PASS_MARK} {ex.label}: passed" in t for t in texts):
+        return GradeRow(ex.label, "passed")
+    skipped = next((t.split(": skipped: ", 1)[1].strip() for t in texts if f"{SKIP_MARK} {ex.label}: skipped: " in t), None)
+    if skipped:  # not passed: this machine could not run the check; the row says why
+        return GradeRow(ex.label, "failed", f"skipped here: {skipped}")
+    return None
+
+
 def _result_for(ex: Exercise, cells) -> GradeRow:
     """What the check cells calling ``check.<ex.name>`` printed: the exact pass line, a check error
     naming this exercise, or any other error of that cell. When the check cell could not run the
@@ -79,35 +116,10 @@ def _result_for(ex: Exercise, cells) -> GradeRow:
     ran = [i for i, c in enumerate(cells) if re.search(rf"\bcheck\.{ex.name}\(", c.source)]
     if not ran:
         return GradeRow(ex.label, "failed", f"no check cell calls check.{ex.name}(...)")
-    label_prefix = f"{ex.label}: "
     for index in ran:
-        cell = cells[index]
-        texts, errors = _outputs(cell)
-        for ename, evalue in errors:
-            if ename == "NotAttempted" and evalue.startswith(label_prefix):
-                return GradeRow(ex.label, "not attempted")
-            if ename == "ExerciseFailed" and evalue.startswith(label_prefix):
-                return GradeRow(ex.label, "failed", evalue[len(label_prefix):])
-        if errors and not any(e in ("NotAttempted", "ExerciseFailed") for e, _ in errors):
-            ename, evalue = errors[0]
-            if ename == "KeyboardInterrupt":
-                return GradeRow(ex.label, "failed", "interrupted: the check ran past the time limit per cell (--timeout)")
-            start = max((i for i in range(index) if _CHECK_CALL.search(cells[i].source)), default=-1) + 1
-            own = [(c, cell_error(c)) for c in cells[start:index]]
-            own = [(c, e) for c, e in own if e]
-            if own:  # the nearest failed cell above the check: the exercise's own cell, usually
-                c, why = own[-1]
-                return GradeRow(ex.label, "failed", f"your cell `{_first_line_of(c)}` raised {why}")
-            why = f"{ename}: {evalue}" if evalue else ename
-            if ename == "NameError":
-                why += " (did the cell that defines it fail, or run past the time limit?)"
-            return GradeRow(ex.label, "failed", f"the check cell raised {why}")
-        if any(f"{PASS_MARK} {ex.label}: passed" in t for t in texts):
-            return GradeRow(ex.label, "passed")
-        skipped = next((t.split(": skipped: ", 1)[1].strip() for t in texts
-                        if f"{SKIP_MARK} {ex.label}: skipped: " in t), None)
-        if skipped:  # not passed: this machine could not run the check; the row says why
-            return GradeRow(ex.label, "failed", f"skipped here: {skipped}")
+        row = _row_of_check_cell(ex, cells, index)
+        if row is not None:
+            return row
     return GradeRow(ex.label, "failed", "the check cell did not run to its pass line")
 
 

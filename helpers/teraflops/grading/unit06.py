@@ -408,13 +408,15 @@ def evidence(answers, found) -> None:
     rows = {label: tr.triage(found[label].trace, waits=found[label].waits).evidence for label in labels}
     want = {label: _row(ev[0]) for label, ev in rows.items()}
     wrong = [k for k in labels if got[k][0] != want[k][0] or not _same(got[k][1], want[k][1])]
-    if not wrong:
-        return
-    hint = None
-    for model, h in _EVIDENCE_MISTAKES:
-        if all(got[k][0] == model(rows[k])[0] and _same(got[k][1], model(rows[k])[1]) for k in labels):
-            hint = h
-            break
+    if wrong:
+        _evidence_fails(got, want, rows, labels, wrong)
+
+
+def _evidence_fails(got: dict, want: dict, rows: dict, labels: tuple, wrong: list) -> None:
+    """The one-line failure of :func:`evidence`: the first wrong mystery, what was answered and expected,
+    and the hint of the common mistake every answer follows (else the hint for that kind of miss)."""
+    hint = next((h for model, h in _EVIDENCE_MISTAKES
+                 if all(got[k][0] == model(rows[k])[0] and _same(got[k][1], model(rows[k])[1]) for k in labels)), None)
     k = wrong[0]
     (gn, gx), (wn, wx) = got[k], want[k]
     more = f" ({len(wrong) - 1} more wrong: {', '.join(wrong[1:])})" if len(wrong) > 1 else ""
