@@ -14,7 +14,7 @@ from teraflops.models import GPT, Llama
 
 GiB = 2**30
 # total memory as torch reports it (a little under the marketing figure), compute capability
-CLASSES = {"Tesla T4": (15.6, (7, 5)), "NVIDIA L4": (22.5, (8, 9)), "NVIDIA A10": (22.5, (8, 6)),
+CLASSES = {"Tesla T4": (14.75, (7, 5)), "NVIDIA L4": (22.5, (8, 9)), "NVIDIA A10": (22.5, (8, 6)),
            "NVIDIA GeForce RTX 4090": (23.6, (8, 9)), "NVIDIA A100-SXM4-40GB": (39.4, (8, 0)),
            "NVIDIA A100-SXM4-80GB": (79.2, (8, 0)), "NVIDIA H100 80GB HBM3": (79.1, (9, 0)),
            "NVIDIA H200": (139.8, (9, 0)), "NVIDIA H200 (torch's total_memory)": (150.1e9 / GiB, (9, 0))}
@@ -73,7 +73,7 @@ def test_the_unfitted_gpu_preset_did_not_fit_a_t4():
 
 
 def test_preset_is_fitted_to_the_smallest_visible_gpu(monkeypatch):
-    m = Machine("cuda", (GPU(0, "NVIDIA H100 80GB HBM3", 79 * GiB, (9, 0)), GPU(1, "Tesla T4", int(15.6 * GiB), (7, 5))))
+    m = Machine("cuda", (GPU(0, "NVIDIA H100 80GB HBM3", 79 * GiB, (9, 0)), GPU(1, "Tesla T4", int(14.75 * GiB), (7, 5))))
     monkeypatch.setattr(sizing, "detect", lambda: m)
     p = sizing.preset("gpu")
     assert p.dtype == torch.float16 and p.decode.fit_batch == gpu_fit.fit_preset(sizing.PRESETS["gpu"],
@@ -89,3 +89,21 @@ def test_training_memory_follows_the_cited_formula():
     # 16 B/parameter of fp32 Adam model states, 68·s·b·h per layer, 12·b·s·V for the logits
     assert gpu_fit.training_bytes(10, layers=2, d_model=8, seq_len=4, micro_batch=3, vocab=5) == \
         160 + 68 * 4 * 3 * 8 * 2 + 12 * 3 * 4 * 5
+
+
+def test_the_decode_sweep_is_sized_in_the_element_size_decode_runs_in():
+    """Notebook 04 builds the decode model in fp32: its weights and cache, counted on the meta device at
+    that dtype, are what the sweep's memory model says, and its out-of-memory step is the first power of
+    two past the whole memory at that size (not at 2-byte elements, which put it one doubling too far)."""
+    p = sizing.PRESETS["gpu"]
+    d = p.decode
+    with torch.device("meta"):
+        model = Llama(d.vocab, d.d_model, d.layers, d.heads, d.max_seq_len)
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    assert next(model.parameters()).dtype == torch.float32 and gpu_fit.DECODE_ELEM == 4
+    cache = 2 * d.layers * 8 * d.max_seq_len * d.d_model * torch.finfo(torch.float32).bits // 8
+    assert gpu_fit.decode_sweep_bytes(p, 8) == weights + cache
+    h100 = gpu("NVIDIA H100 80GB HBM3")
+    fitted = gpu_fit.fit_preset(p, h100)
+    over = fitted.decode.batches[-1]
+    assert gpu_fit.decode_sweep_bytes(fitted, over // 2) <= h100.memory_bytes < gpu_fit.decode_sweep_bytes(fitted, over)

@@ -9,7 +9,7 @@ import torch
 from teraflops.parallelization import pipeline as pp
 from teraflops.sizing import PRESETS, pp_config
 from teraflops.workers.common import build_model
-from teraflops.workers.pipeline import in_flight
+from teraflops.workers.pipeline import in_flight, probe_input, timed
 
 
 def test_bubble_formula_and_its_errors():
@@ -33,6 +33,47 @@ def test_in_flight_counts_forwards_not_yet_backwarded():
     gpipe = [["F", 0, 0, 1], ["F", 1, 1, 2], ["B", 0, 3, 4], ["B", 1, 4, 5]]
     one_f_one_b = [["F", 0, 0, 1], ["B", 0, 1, 2], ["F", 1, 2, 3], ["B", 1, 3, 4]]
     assert in_flight(gpipe) == 2 and in_flight(one_f_one_b) == 1
+
+
+def test_a_later_stage_probes_its_memory_with_activations_on_its_own_device():
+    """On the CPU every device is the CPU; the meta device stands in for a CUDA stage's."""
+    cfg = pp_config(PRESETS["tiny"])
+    x = torch.randint(0, cfg.vocab, (2 * cfg.micro_batch, cfg.seq_len))
+    meta = torch.device("meta")
+    later = probe_input(cfg, 1, x, meta)
+    assert later.device == meta and later.shape == (cfg.micro_batch, cfg.seq_len, cfg.d_model)
+    assert later.dtype == torch.float32
+    assert torch.equal(probe_input(cfg, 0, x, meta), x[: cfg.micro_batch])  # the first stage takes the tokens
+
+
+def test_each_chunk_is_timed_between_two_device_synchronisations():
+    """On a GPU a chunk's call returns once its kernels are queued: the stage's device is synchronised
+    before the start and before the end are read, so busy time is the kernels', not the enqueue's."""
+    log = []
+
+    class Stage:
+        def forward_one_chunk(self, chunk, *args, **kwargs):
+            log.append(("F", chunk))
+
+        def backward_one_chunk(self, chunk, *args, **kwargs):
+            log.append(("B", chunk))
+
+    stage, events = Stage(), []
+    timed(stage, events, [0.0], sync=lambda: log.append("sync"))
+    stage.forward_one_chunk(0)
+    stage.backward_one_chunk(0, loss=None)
+    assert log == ["sync", ("F", 0), "sync", "sync", ("B", 0), "sync"]
+    assert [e[:2] for e in events] == [["F", 0], ["B", 0]] and all(e[3] >= e[2] >= 0 for e in events)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_two_cuda_stages_run_both_schedules():
+    """Where two GPUs are there the stages are NCCL ranks on CUDA (placement): the CPU test's launch."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs for CUDA stages, this machine has {torch.cuda.device_count()}")
+    rows = pp.run(pp_config(PRESETS["tiny"]), 2, micro_batches=(2, 4), steps=1, warmup=1)
+    assert all(r["refused"] is None and 0 <= r["bubble"] < 1 and r["loss_diff"] < 1e-4 for r in rows)
 
 
 def ideal_results(p: int, m: int, t_f: float = 1.0, t_b: float = 2.0) -> list[pp.PipelineResult]:
@@ -113,3 +154,34 @@ def test_two_stage_schedules_run_each_micro_batch_once_each_way_and_1f1b_bounds_
                 assert r["peak_in_flight"][stage] == m
             else:  # 1F1B: stage s holds at most p - s micro-batches
                 assert r["peak_in_flight"][stage] <= 2 - stage
+
+
+class _Placement:
+    def __init__(self, on_gpus):
+        self.on_gpus = on_gpus
+
+
+@pytest.mark.parametrize("on_gpus", [False, True])
+def test_the_gpu_presets_pipeline_on_cpu_ranks_takes_cpu_sizes_and_a_timeout_from_its_flops(monkeypatch, on_gpus):
+    """On 2-3 GPUs the 4 stages are gloo CPU ranks: the GPU preset's GPT (10¹³-10¹⁴ FLOPs a stage-step)
+    becomes the CPU preset's; the launch's timeout is its FLOPs at the rank's measured FLOP/s."""
+    from teraflops import gpu_fit
+
+    seen = {}
+    monkeypatch.setattr(pp, "place", lambda ranks, cpu_ranks: _Placement(on_gpus))
+    monkeypatch.setattr(pp, "rank_flops", lambda device, world: {"cpu": 1e10, "cuda": 1e13}[device] / world)
+    monkeypatch.setattr(pp.launcher, "launch", lambda worker, placement, spec, result, timeout, desc:
+                        seen.update(spec=spec, timeout=timeout) or [])
+    monkeypatch.setattr(pp, "bubble_rows", lambda results: [])
+    big = pp_config(PRESETS["gpu"])
+    pp.run(big, 4, micro_batches=(4, 8), steps=1, warmup=1)
+    cfg = seen["spec"].model
+    if on_gpus:
+        assert cfg == big
+    else:
+        small = pp_config(PRESETS["cpu"])
+        assert cfg.d_model <= small.d_model and cfg.vocab <= small.vocab and cfg.micro_batch <= small.micro_batch
+        assert 4 <= cfg.layers <= big.layers
+    rate = 1e13 if on_gpus else 1e10 / 4
+    want = gpu_fit.launch_timeout(2, 2 * 12 * gpu_fit.train_step_flops(cfg), rate)
+    assert seen["timeout"] == pytest.approx(want) and seen["timeout"] > gpu_fit.LAUNCH_START_S

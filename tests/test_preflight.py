@@ -91,12 +91,13 @@ def test_the_registry_holds_every_check_once_in_the_tables_order():
         ("device", 0), ("triton-flash", 0), ("fused-rmsnorm", 0), ("ceilings", 0), ("attention-sweep", 0),
         ("profiler-verdicts", 0), ("decode", 0), ("ladder-contention", 0), ("triage", 0), ("zero", 0),
         ("collectives", 0), ("remedies", 2), ("stragglers", 2), ("elastic", 2),
+        ("tensor-parallel", 0), ("pipeline", 0), ("recompute", 0), ("serving", 0), ("ray-sizing", 0),
         ("full-memory", 0), ("full-stragglers", 3), ("full-zero", 2), ("full-remedies", 2), ("full-rank-traces", 3)]
-    assert [c.name for c in preflight.CHECKS if c.full] == [c.name for c in preflight.CHECKS[14:]]  # --full only
+    assert [c.name for c in preflight.CHECKS if c.full] == [c.name for c in preflight.CHECKS[19:]]  # --full only
     assert preflight.CHECKS[0].fn is preflight.check_device_facts
     with pytest.raises(ValueError, match="named 'zero' is registered already"):
         preflight.register("zero", "again")(lambda: (0, "", ""))
-    assert len(preflight.CHECKS) == 19
+    assert len(preflight.CHECKS) == 24
 
 
 def test_a_checks_gpu_path_is_skipped_with_the_reason_preflight_gives():

@@ -37,7 +37,10 @@ def test_preflight_check_on_this_gpu(check: preflight.Check):
             print(f"{check.name}: {type(e).__name__}: {e}")
             return
     else:
-        value, unit, detail = check.fn()
+        try:
+            value, unit, detail = check.fn()
+        except preflight.CheckSkipped as e:  # a reason only running the check finds (a container's EPERM)
+            pytest.skip(f"preflight {check.name}: {e}")
     assert isinstance(unit, str) and isinstance(detail, str) and detail, (value, unit, detail)
     assert value is None or isinstance(value, (int, float, str)), value
     print(f"{check.name}: {value} {unit}  {detail}")

@@ -40,3 +40,25 @@ def test_recomputation_halves_the_measured_peak_and_adds_a_forward_of_flops():
         rc.largest_batch(rows[:2], budget, True)
     with pytest.raises(rc.RecomputeError, match="positive ints"):
         rc.measure(cfg, (0,))
+
+
+def test_a_step_that_runs_out_of_memory_is_a_row_and_the_sweep_goes_on(monkeypatch):
+    """On a GPU the plain step at the largest batch can run out of memory (2×T4, batch 32: ~18 GB of
+    activations): injected here, it is a row marked ``oom``, the recomputed step of that batch still runs,
+    and the fit and the table leave the failed row out."""
+    cfg = mp_config(PRESETS["tiny"])
+    real = rc.peak_bytes
+
+    def peak(model, tokens):
+        if tokens.shape[0] >= 4 and not isinstance(model.blocks[0], rc.Checkpointed):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 18.00 GiB")
+        return real(model, tokens)
+
+    monkeypatch.setattr(rc, "peak_bytes", peak)
+    rows = rc.measure(cfg, (1, 2, 4), repeats=1)
+    by = {(r["batch"], r["recompute"]): r for r in rows}
+    assert len(rows) == 6 and by[(4, False)]["oom"] and by[(4, False)]["peak_bytes"] is None
+    assert "out of memory" in by[(4, False)]["error"]
+    assert not by[(4, True)]["oom"] and by[(4, True)]["peak_bytes"] > 0 and by[(4, True)]["step_s"] > 0
+    assert "out of memory" in rc.recompute_table(rows)
+    assert rc.largest_batch(rows, by[(2, False)]["peak_bytes"], False) >= 2  # fitted on batches 1 and 2

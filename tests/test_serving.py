@@ -62,6 +62,29 @@ def test_bad_settings_are_one_line(kw, match):
         serving.Server(**kw)
 
 
+def test_a_container_without_cap_sys_admin_is_not_ready_to_serve(monkeypatch):
+    """Docker and Kubernetes refuse ``unshare --mount`` (EPERM) although ``unshare`` is installed: the
+    probe's failure (recorded: util-linux's message) is what why_not() and so ``teraflops doctor`` say."""
+    import subprocess
+
+    calls = []
+
+    def refused(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "unshare: unshare failed: Operation not permitted\n")
+
+    why = serving.mount_namespace_error(run=refused)
+    assert "Operation not permitted" in why and "CAP_SYS_ADMIN" in why and "\n" not in why
+    assert calls[0][-4:] == ["--mount", "--propagation", "private", "true"]
+    assert serving.mount_namespace_error(run=lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", "")) is None
+    monkeypatch.setattr(serving, "_mount_namespace_once", lambda: why)
+    monkeypatch.setattr(serving.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(serving.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(serving.metadata, "version", lambda name: "1.0")
+    monkeypatch.setattr(serving.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert serving.why_not() == why
+
+
 def test_why_not_names_the_platform_the_glibc_and_the_extra(monkeypatch):
     monkeypatch.setattr(serving.platform, "machine", lambda: "aarch64")
     assert "x86-64" in serving.why_not()

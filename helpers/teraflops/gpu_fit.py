@@ -157,9 +157,10 @@ def decode_bytes(p, batch: int) -> int:
 
 def decode_sweep_bytes(p, batch: int) -> int:
     """What the decode batch sweep allocates at ``batch`` (``decode.batch_sweep``: weights and the
-    cache, one token per step, no prefill): the bound its out-of-memory step must pass."""
-    return 2 * llama_params(p.decode.vocab, p.decode.d_model, p.decode.layers) + \
-        2 * 2 * p.decode.layers * batch * p.decode.max_seq_len * p.decode.d_model
+    cache, one token per step, no prefill), at :data:`DECODE_ELEM` bytes per element (the sweep runs
+    the model notebook 04 builds, in fp32): the bound its out-of-memory step must pass."""
+    return DECODE_ELEM * llama_params(p.decode.vocab, p.decode.d_model, p.decode.layers) + \
+        DECODE_ELEM * 2 * p.decode.layers * batch * p.decode.max_seq_len * p.decode.d_model
 
 
 def workload_bytes(p, world: int = 1) -> dict[str, int]:
@@ -226,3 +227,53 @@ def fit_preset(base, gpu, world: int = 1, share: float = 1.0):
         over *= 2
     batches = tuple(b for b in base.decode.batches if b <= fit)
     return replace(p, decode=replace(p.decode, fit_batch=fit, batches=batches + ((over,) if over > fit else ())))
+
+
+# Unit 2's model parallelism (tensor and pipeline parallel launches, recomputation): the ranks' device
+# picks the sizes, the bytes over the link and the FLOPs at the measured ceiling the time they may take.
+LINK_STEP_S = 2.0  # the most seconds a TP step's activations may spend on the emulated link (a lecture cell's pace)
+LAUNCH_START_S = 60.0  # starting the ranks, their process groups and (on GPUs) CUDA and NCCL, before the first step
+TIMEOUT_MARGIN = 4.0  # a launch may take this many times its predicted steps (a shared, loaded machine)
+
+
+def train_step_flops(cfg) -> int:
+    """FLOPs of one training step of ``cfg``'s GPT (a :class:`teraflops.sizing.TrainConfig`) on its
+    ``micro_batch × seq_len`` tokens: ``6 · Ψ · tokens`` (Kaplan et al. 2020, §2.1)."""
+    psi = gpt_params(cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len)
+    return 6 * psi * cfg.micro_batch * cfg.seq_len
+
+
+def tp_step_bytes(cfg, dtype_bytes: int = 4) -> int:
+    """Bytes a Megatron TP rank hands to its all-reduces per step: 2 forward + 2 backward per block,
+    each the block's ``b·s·h`` activations (Megatron-LM §3), fp32: ``4 · L · b·s·h · dtype_bytes``."""
+    return 4 * cfg.layers * cfg.micro_batch * cfg.seq_len * cfg.d_model * dtype_bytes
+
+
+def launch_timeout(steps: int, flops: float, flops_per_s: float, nbytes: float = 0, link_rate: float | None = None) -> float:
+    """Seconds a launch of ``steps`` steps (each ``flops`` FLOPs on a rank computing ``flops_per_s``,
+    and ``nbytes`` over a link of ``link_rate`` bytes/s, None: no link to wait for) may take:
+    ``LAUNCH_START_S + TIMEOUT_MARGIN · steps · (flops / flops_per_s + nbytes / link_rate)``."""
+    per_step = flops / flops_per_s + (nbytes / link_rate if link_rate else 0.0)
+    return LAUNCH_START_S + TIMEOUT_MARGIN * steps * per_step
+
+
+def rank_config(cfg, on_gpus: bool, cpu_cfg):
+    """``cfg`` (a :class:`teraflops.sizing.TrainConfig`) for ranks on GPUs; for CPU (gloo) ranks, each
+    size at most ``cpu_cfg``'s (the CPU preset's model-parallel GPT): a GPU preset launched on CPU ranks
+    (fewer GPUs than ranks) would compute 10¹³–10¹⁴ FLOPs per stage-step. The heads stay ``cfg``'s
+    where the width still divides by them (the TP degree divides the heads), else ``cpu_cfg``'s."""
+    if on_gpus:
+        return cfg
+    sizes = {k: min(getattr(cfg, k), getattr(cpu_cfg, k)) for k in ("vocab", "d_model", "layers", "seq_len", "micro_batch")}
+    heads = cfg.heads if sizes["d_model"] % cfg.heads == 0 and sizes["d_model"] // cfg.heads >= 8 else cpu_cfg.heads
+    return replace(cfg, heads=heads, **sizes)
+
+
+def link_config(cfg, link_rate: float | None, multiple: int = 1, seconds: float = LINK_STEP_S):
+    """``cfg`` with its batch halved (staying a multiple of ``multiple``, the data-parallel ranks) until a
+    TP step's bytes (:func:`tp_step_bytes`) cross a link of ``link_rate`` bytes/s in ``seconds``; as is
+    without a link (None)."""
+    while link_rate and tp_step_bytes(cfg) / link_rate > seconds and cfg.micro_batch // 2 >= multiple \
+            and (cfg.micro_batch // 2) % multiple == 0:
+        cfg = replace(cfg, micro_batch=cfg.micro_batch // 2)
+    return cfg

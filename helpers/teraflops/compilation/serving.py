@@ -35,6 +35,7 @@ removes what a dead owner left.
 from __future__ import annotations
 
 import atexit
+import functools
 import glob
 import os
 import platform
@@ -156,7 +157,31 @@ def why_not() -> str | None:
             return f"{package} is not installed. Fix: pip install -e \".[serving]\""
     if shutil.which("unshare") is None:
         return "the server runs in a private mount namespace and `unshare` (util-linux) is missing"
-    return None
+    return _mount_namespace_once()
+
+
+def mount_namespace_error(run=subprocess.run) -> str | None:
+    """One line on why this process cannot make the server's private mount namespace (``unshare
+    --mount --propagation private``, with ``--user --map-root-user`` when not root), tried on ``true``;
+    None when it can. In Docker or Kubernetes without ``CAP_SYS_ADMIN`` (the default) it fails with
+    EPERM although ``unshare`` is installed."""
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    try:
+        got = run(["unshare", *user, "--mount", "--propagation", "private", "true"], capture_output=True, text=True,
+                  timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"`unshare --mount` could not run here ({e})"
+    if got.returncode == 0:
+        return None
+    said = (got.stderr or "").strip().splitlines()[-1:] or [f"exit status {got.returncode}"]
+    return (f"the server needs a private mount namespace and `unshare --mount` fails here ({said[0]}): a container "
+            "without CAP_SYS_ADMIN (Docker, Kubernetes). Fix: run on the host, or start the container with "
+            "--cap-add SYS_ADMIN")
+
+
+@functools.lru_cache(maxsize=1)
+def _mount_namespace_once() -> str | None:
+    return mount_namespace_error()
 
 
 def check() -> None:

@@ -33,7 +33,7 @@ from teraflops.workers.common import build_model, flat_grads, held_out_loss, set
 
 GiB = 2**30
 # total memory as torch reports it, compute capability (tests/test_gpu_fit.py's classes)
-GPUS = {"T4 16 GB": GPU(0, "Tesla T4", int(15.6 * GiB), (7, 5)),
+GPUS = {"T4 16 GB": GPU(0, "Tesla T4", int(14.75 * GiB), (7, 5)),
         "L4 24 GB": GPU(0, "NVIDIA L4", int(22.5 * GiB), (8, 9)),
         "H100 80 GB": GPU(0, "NVIDIA H100 80GB HBM3", int(79.1 * GiB), (9, 0)),
         "H200 141 GB": GPU(0, "NVIDIA H200", int(139.8 * GiB), (9, 0))}

@@ -22,6 +22,7 @@ it runs the CPU equivalents (a few minutes) and lists what it skipped and why.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -36,23 +37,33 @@ from teraflops.compilation.decode import batch_sweep, compile_decode, generate, 
 from teraflops.compilation.fused import compare
 from teraflops.datasheets import published_for
 from teraflops.errors import CourseError
-from teraflops.gpu_fit import budget_bytes, fit_preset, supports_bf16, workload_bytes
+from teraflops.compilation import serving
+from teraflops.gpu_fit import budget_bytes, fit_preset, rank_config, supports_bf16, train_step_flops, workload_bytes
 from teraflops.hardware import collectives, contention, remedies
 from teraflops.launch.placement import data_parallel_plan
+from teraflops.model_definition import recompute as rc
 from teraflops.model_definition.attention import attention_sweep, sdpa
 from teraflops.model_definition.flash_triton import flash_attention
 from teraflops.model_definition.profiling import profile_ops
 from teraflops.models import Llama, TransformerBlock
-from teraflops.orchestration import elastic, stragglers
+from teraflops.orchestration import elastic, ray_elastic, stragglers
 from teraflops.orchestration.detection import MIN_RANKS, REL_FLOOR, flag_stragglers
+from teraflops.parallelization.pipeline import stage_module
 from teraflops.parallelization.zero import expected_comm_bytes, max_loss_difference, run_zero, trained_gpt
-from teraflops.sizing import PRESETS, preset
+from teraflops.sizing import PRESETS, TrainConfig, mp_config, pp_config, preset
 from teraflops.triage.verdict import measured_launch_floor, triage
 from teraflops.triage.workloads import profile
+from teraflops.workers.common import build_model
+from teraflops.workers.pipeline import probe_input, saved_bytes
+from teraflops.workers.tensor_parallel import one_rank_steps
 
 
 class CheckFailed(CourseError, AssertionError):
     """A preflight check measured something that must not be: one line with the number."""
+
+
+class CheckSkipped(CourseError):
+    """A check that cannot run on this machine for a reason only running it finds (one line: the reason)."""
 
 
 class CheckInconclusive(CheckFailed):
@@ -132,7 +143,7 @@ def _device() -> str:
 
 
 def _sync() -> None:
-    import torch
+    import torch  # lazy: as in the checks above
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -144,7 +155,7 @@ def _sync() -> None:
 @register("device", "compute capability, bf16 support, preset dtype")
 def check_device_facts():
     """Compute capability and bf16 support against the fitted preset's dtype (bf16 only on sm80+)."""
-    import torch
+    import torch  # lazy: as in the checks above
 
     m = machine.detect()
     if not m.gpus:
@@ -163,7 +174,7 @@ def check_device_facts():
 @register("triton-flash", "Triton FlashAttention vs SDPA")
 def check_triton_flash():
     """The course's Triton FlashAttention forward against SDPA (causal and not)."""
-    import torch
+    import torch  # lazy: as in the checks above
 
     dev = _device()
     dtype = torch.float16 if dev == "cuda" else torch.float32  # the interpreter has no 16-bit dot
@@ -212,7 +223,7 @@ def check_ceilings():
 def check_attention_sweep():
     """SDPA, Triton and naive attention; on a GPU the sweep goes past naive attention's
     out-of-memory point, SDPA runs there, and the memory is handed back."""
-    import torch
+    import torch  # lazy: as in the checks above
 
     dev = _device()
     if dev != "cuda":
@@ -244,7 +255,7 @@ def check_attention_sweep():
 @register("profiler-verdicts", "transformer block: a verdict per operator")
 def check_profiler_verdicts():
     """A transformer block profiled: every operator gets a verdict (math, memory or framework)."""
-    import torch
+    import torch  # lazy: as in the checks above
 
     dev = _device()
     dtype = torch.bfloat16 if dev == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False) else (
@@ -273,7 +284,7 @@ def check_decode():
     made on the CPU for a model on the GPU; on a GPU, one out-of-memory step in the batch sweep."""
     import warnings
 
-    import torch
+    import torch  # lazy: as in the checks above
 
     dev = _device()
     # fp32: fp16 kernels of eager and Inductor differ by ~1e-3 and can flip a near-tied argmax
@@ -432,6 +443,66 @@ def check_elastic():
     return diff, "loss difference", f"{out.ranks} ranks, killed at step {out.kill_step}"
 
 
+def _mp_cfg():
+    return TrainConfig(vocab=64, d_model=32, layers=2, heads=2, seq_len=16, micro_batch=4, lr=0.05)
+
+
+@register("tensor-parallel", "TP rank's step: DTensor and plain parameters, SGD (one NCCL rank on a GPU)")
+def check_tensor_parallel():
+    got = one_rank_steps(_mp_cfg(), _device(), steps=3)
+    _need(got["dtensor_params"] > 0 and got["plain_params"] > 0,
+          f"the sharded GPT has {got['dtensor_params']} DTensor and {got['plain_params']} plain parameters")
+    _need(got["losses"][-1] < got["losses"][0], f"loss did not fall over 3 TP steps: {got['losses']}")
+    return got["losses"][-1], "nats", f"{got['dtensor_params']} DTensor + {got['plain_params']} plain parameters, " \
+        f"loss {got['losses'][0]:.3f} -> {got['losses'][-1]:.3f} on {_device()}"
+
+
+@register("pipeline", "a later pipeline stage on the device: probe, forward, backward; CPU-rank sizes")
+def check_pipeline():
+    import torch  # lazy: as in the checks above
+    cfg, device = _mp_cfg(), torch.device(_device())
+    stage = stage_module(build_model(cfg, device), 1, 2)
+    x = torch.randint(0, cfg.vocab, (cfg.micro_batch, cfg.seq_len), device=device)
+    probe = probe_input(cfg, 1, x, device)
+    nbytes = saved_bytes(stage, probe)
+    stage(probe).float().sum().backward()
+    _need(nbytes > 0 and probe.device.type == device.type, f"stage 1's probe on {probe.device}, {nbytes} bytes saved")
+    big = pp_config(PRESETS["gpu"])
+    on_cpu = rank_config(big, False, mp_config(PRESETS["cpu"]))
+    _need(on_cpu.d_model <= PRESETS["cpu"].mp.gpt.d_model, f"the GPU preset on CPU ranks keeps d_model {on_cpu.d_model}")
+    return nbytes, "bytes", f"stage 1 of 2 on {device.type}: {nbytes} bytes saved per micro-batch; GPU preset on " \
+        f"CPU ranks: d_model {big.d_model} -> {on_cpu.d_model}"
+
+
+@register("recompute", "recomputation halves the peak; an OOM step is a row")
+def check_recompute():
+    rows = rc.measure(_mp_cfg(), (2, 4), repeats=1, device=_device())
+    by = {(r["batch"], r["recompute"]): r for r in rows if not r["oom"]}
+    _need(len(by) == 4, f"{4 - len(by)} settings ran out of memory at the preflight's tiny sizes")
+    ratio = by[(4, True)]["peak_bytes"] / by[(4, False)]["peak_bytes"]
+    _need(ratio < 0.9, f"recomputation kept {ratio:.2f}× of the plain peak at batch 4")
+    return round(ratio, 3), "× plain peak", f"batch 4 on {_device()}: peak {ratio:.2f}× with recomputation"
+
+
+@register("serving", "the served model can run here: PyTriton, glibc, a private mount namespace")
+def check_serving():
+    why = serving.why_not()
+    if why is not None:
+        raise CheckSkipped(why)
+    return "ready", "", "PyTriton installed and `unshare --mount` works here"
+
+
+@register("ray-sizing", "Ray Train's CPU workers sized by a CPU preset")
+def check_ray_sizing():
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = ray_elastic.make_spec(Path(tmp), steps=4, checkpoint_every=2, step_s=0.1, global_batch=12)
+    flops = train_step_flops(spec.model)
+    cpu = PRESETS["cpu"].gpt
+    _need(spec.model.d_model <= cpu.d_model and spec.model.vocab <= cpu.vocab,
+          f"Ray's CPU workers get d_model {spec.model.d_model}, vocab {spec.model.vocab} (CPU preset: {cpu.d_model}, {cpu.vocab})")
+    return flops / 1e9, "GFLOP/worker-step", f"GPT d_model {spec.model.d_model}, {spec.model.micro_batch} sequences a worker"
+
+
 def run(checks=None, only=None, progress: bool = True, full: bool = False) -> list[CheckResult]:
     """Run ``checks`` (default: every registered one, :data:`CHECKS`), or those named in ``only``, in
     order; one :class:`CheckResult` each.
@@ -466,6 +537,8 @@ def run(checks=None, only=None, progress: bool = True, full: bool = False) -> li
             status = "passed"
         except CheckInconclusive as e:
             value, unit, status, detail = None, "", "inconclusive", str(e)
+        except CheckSkipped as e:
+            value, unit, status, detail = None, "", "skipped", str(e)
         except Exception as e:  # noqa: BLE001 - every failure becomes one line of the table
             value, unit, status = None, "", "failed"
             first = (str(e).strip().splitlines() or [""])[0]

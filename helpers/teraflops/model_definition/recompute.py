@@ -103,9 +103,12 @@ def measure(cfg, batches=(4, 8, 16, 32), repeats: int = 5, device="cpu") -> list
     ``cfg``'s GPT (a :class:`~teraflops.sizing.TrainConfig`; same seed, same data): one row each.
 
     Returns:
-        Rows ``batch``, ``recompute`` (bool), ``peak_bytes`` (:func:`peak_bytes`), ``flops`` (one
-        step, ``FlopCounterMode``), ``step_s`` (the fastest of ``repeats`` steps, the two settings taking
-        turns: the least disturbed by other processes), ``loss``.
+        Rows ``batch``, ``recompute`` (bool), ``oom`` (bool), ``peak_bytes`` (:func:`peak_bytes`), ``flops``
+        (one step, ``FlopCounterMode``), ``step_s`` (the fastest of ``repeats`` steps, the two settings
+        taking turns: the least disturbed by other processes), ``loss``. A setting whose step runs out
+        of memory (``torch.OutOfMemoryError``: 2×T4 at batch 32 needs ~18 GB of activations without
+        recomputation) is a row too (:func:`out_of_memory_row`), and the sweep goes on: that recomputation
+        still fits there is the lesson.
 
     Raises:
         RecomputeError: a batch that is not a positive int.
@@ -122,14 +125,21 @@ def measure(cfg, batches=(4, 8, 16, 32), repeats: int = 5, device="cpu") -> list
         tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq_len + 1), generator=g).to(device)
         pair, got = ((False, plain), (True, recomputed)), {}
         for flag, model in pair:
-            train_step(model, tokens)  # warm-up: first-call allocations
-            peak = peak_bytes(model, tokens)
-            with FlopCounterMode(display=False) as flops:
-                loss = train_step(model, tokens)
-            got[flag] = {"batch": batch, "recompute": flag, "peak_bytes": peak, "flops": flops.get_total_flops(),
-                         "loss": loss, "times": []}
+            try:
+                train_step(model, tokens)  # warm-up: first-call allocations
+                peak = peak_bytes(model, tokens)
+                with FlopCounterMode(display=False) as flops:
+                    loss = train_step(model, tokens)
+            except torch.OutOfMemoryError as e:  # the memory ceiling is a point of the sweep, not its end
+                got[flag] = out_of_memory_row(batch, flag, e)
+                model.zero_grad(set_to_none=True)
+                _release(tokens.device)
+                continue
+            got[flag] = {"batch": batch, "recompute": flag, "oom": False, "peak_bytes": peak,
+                         "flops": flops.get_total_flops(), "loss": loss, "times": []}
+        ran = [(flag, model) for flag, model in pair if not got[flag]["oom"]]
         for _ in range(repeats):  # interleaved, against drift in the machine's load
-            for flag, model in pair:
+            for flag, model in ran:
                 start = time.perf_counter()
                 train_step(model, tokens)
                 if tokens.device.type == "cuda":
@@ -137,29 +147,53 @@ def measure(cfg, batches=(4, 8, 16, 32), repeats: int = 5, device="cpu") -> list
                 got[flag]["times"].append(time.perf_counter() - start)
         for flag, _ in pair:
             row = got[flag]
-            row["step_s"] = min(row.pop("times"))
+            if not row["oom"]:
+                row["step_s"] = min(row.pop("times"))
             rows.append(row)
     return rows
 
 
+def out_of_memory_row(batch: int, recompute: bool, error: BaseException) -> dict:
+    """The row of a batch whose step ran out of memory: ``oom`` True, its first line as ``error``, no
+    measurements (``peak_bytes``, ``flops``, ``step_s``, ``loss`` None)."""
+    return {"batch": batch, "recompute": recompute, "oom": True, "error": str(error).split("\n")[0][:200],
+            "peak_bytes": None, "flops": None, "step_s": None, "loss": None}
+
+
+def _release(device) -> None:
+    """Hand what the failed step held back to the device (the next batch starts from a clean allocator)."""
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def recompute_table(rows: list[dict]) -> str:
-    """Rows of :func:`measure` as a table, each batch's with-recomputation row beside its ratios."""
+    """Rows of :func:`measure` as a table, each batch's with-recomputation row beside its ratios
+    (``out of memory`` where a step ran out of it; no ratio against such a row)."""
     base = {r["batch"]: r for r in rows if not r["recompute"]}
-    return table([(r["batch"], "yes" if r["recompute"] else "no", fmt_bytes(r["peak_bytes"]),
-                   f"{r['peak_bytes'] / base[r['batch']]['peak_bytes']:.2f}×", r["flops"] / 1e9,
-                   f"{r['flops'] / base[r['batch']]['flops']:.2f}×", r["step_s"] * 1e3,
-                   f"{r['step_s'] / base[r['batch']]['step_s']:.2f}×") for r in rows],
+
+    def ratio(r, key):
+        b = base.get(r["batch"])
+        return "" if r.get("oom") or b is None or b.get("oom") else f"{r[key] / b[key]:.2f}×"
+
+    return table([(r["batch"], "yes" if r["recompute"] else "no", "out of memory", "", "", "", "", "")
+                  if r.get("oom") else
+                  (r["batch"], "yes" if r["recompute"] else "no", fmt_bytes(r["peak_bytes"]), ratio(r, "peak_bytes"),
+                   r["flops"] / 1e9, ratio(r, "flops"), r["step_s"] * 1e3, ratio(r, "step_s")) for r in rows],
                  ["batch", "recompute", "peak memory", "× plain", "GFLOP", "× plain", "step ms", "× plain"])
 
 
 def largest_batch(rows: list[dict], budget_bytes: float, recompute: bool) -> int:
     """The largest batch whose peak fits ``budget_bytes``, from the line ``peak = a + b·batch`` fitted
-    (least squares) to the measured rows with ``recompute``; 0 if not even one sequence fits.
+    (least squares) to the measured rows with ``recompute`` (out-of-memory rows have no peak: left out);
+    0 if not even one sequence fits.
 
     Raises:
         RecomputeError: fewer than two measured batches, or a budget that is not > 0.
     """
-    pts = [(r["batch"], r["peak_bytes"]) for r in rows if r["recompute"] == recompute]
+    pts = [(r["batch"], r["peak_bytes"]) for r in rows if r["recompute"] == recompute and not r.get("oom")]
     if len({b for b, _ in pts}) < 2 or not budget_bytes > 0:
         raise RecomputeError(f"need two or more measured batches and a budget > 0 bytes, got {len(pts)} rows and "
                              f"{budget_bytes!r}. Hint: measure(cfg, batches=(4, 8, 16))")

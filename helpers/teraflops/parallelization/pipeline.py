@@ -18,7 +18,8 @@ https://pytorch.org/docs/stable/distributed.pipelining.html).
   torch's ``Schedule1F1B`` refuses ``m < p`` (the run says so in its row).
 
 Measured (``workers/pipeline.py``): per stage, the seconds inside each micro-batch's forward and
-backward (``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``, timed), over the step's span
+backward (``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``, timed between two
+synchronisations of the stage's device: on a GPU a call returns when its kernels are queued), over the step's span
 (from the first micro-batch's start on any stage to the last one's end): ``bubble = 1 − busy / span``.
 What the formula leaves out is in the measurement: the stages are not equal (the first holds the
 embeddings, the last the head and the loss), and each hand-over of activations or their gradients
@@ -31,15 +32,17 @@ storage once). Units: seconds (ms in tables), bytes (MiB in tables), fractions.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
 from teraflops.errors import CourseError
+from teraflops.gpu_fit import launch_timeout, rank_config, train_step_flops
 from teraflops.launch import launcher
 from teraflops.launch.placement import place
 from teraflops.launch.rank import RankIdentity
-from teraflops.sizing import TrainConfig
+from teraflops.sizing import PRESETS, TrainConfig, mp_config
+from teraflops.parallelization.tensor_parallel import rank_flops
 from teraflops.tables import fmt_bytes, table
 
 WORKER = "teraflops.workers.pipeline"
@@ -142,19 +145,28 @@ class PipelineResult(RankIdentity):
 
 
 def run(cfg: TrainConfig, stages: int = 2, *, schedules=SCHEDULES, micro_batches=(1, 4, 8, 16), steps: int = 2,
-        warmup: int = 1, timeout: float = 240) -> list[dict]:
+        warmup: int = 1, timeout: float | None = None) -> list[dict]:
     """Train ``cfg``'s GPT as a ``stages``-rank pipeline under each schedule and micro-batch count
-    (one launch); rows of :func:`bubble_rows`.
+    (one launch); rows of :func:`bubble_rows`. On CPU ranks (fewer GPUs than stages) at most the CPU
+    preset's sizes (:func:`teraflops.gpu_fit.rank_config`); ``timeout`` None: every step's FLOPs at
+    the rank's measured FLOP/s (:func:`teraflops.gpu_fit.launch_timeout`).
 
     Raises:
         PipelineError: bad counts, more stages than blocks.
         LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
     """
+    placement = place(stages, cpu_ranks=stages)
+    cfg = rank_config(cfg, placement.on_gpus, replace(mp_config(PRESETS["cpu"], PRESETS["cpu"].mp.pp_micro_batch),
+                                                      layers=max(stages, PRESETS["cpu"].mp.pp_layers)))
     if stages < 2 or stages > cfg.layers:
         raise PipelineError(f"{stages} stages for {cfg.layers} blocks. Hint: 2 <= stages <= layers")
     spec = PipelineSpec(model=cfg, schedules=tuple(schedules), micro_batches=tuple(micro_batches), steps=steps,
                         warmup=warmup)
-    results = launcher.launch(WORKER, place(stages, cpu_ranks=stages), spec=spec, result=PipelineResult,
+    if timeout is None:  # every (schedule, m) point: its steps of m micro-batches, the whole model's FLOPs on one rank's rate
+        flops = sum(m * train_step_flops(cfg) for m in spec.micro_batches) * len(spec.schedules)
+        timeout = launch_timeout(steps + warmup, flops, rank_flops("cuda" if placement.on_gpus else "cpu",
+                                                                   1 if placement.on_gpus else stages))
+    results = launcher.launch(WORKER, placement, spec=spec, result=PipelineResult,
                               timeout=timeout, desc=f"pipeline x{stages}: " + ", ".join(schedules))
     return bubble_rows(results)
 

@@ -45,13 +45,15 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from teraflops.errors import CourseError
+from teraflops.ceilings import measure_peak_flops
+from teraflops.gpu_fit import gpt_params, launch_timeout, link_config, rank_config, tp_step_bytes, train_step_flops
 from teraflops.hardware.alpha_beta import ring_allreduce_seconds
 from teraflops.hardware.fabrics import FABRICS, scaled_rate
 from teraflops.launch import launcher
 from teraflops.launch.placement import place
 from teraflops.launch.rank import RankIdentity
 from teraflops.nodes.cluster import Cluster, Link, unavailable
-from teraflops.sizing import TrainConfig
+from teraflops.sizing import PRESETS, TrainConfig, mp_config
 from teraflops.tables import fmt_bytes, table
 
 WORKER = "teraflops.workers.tensor_parallel"
@@ -211,16 +213,38 @@ def spec_for(cfg: TrainConfig, modes=("tp",), steps: int = 4, warmup: int = 1,
     return TensorParallelSpec(model=cfg, modes=tuple(modes), steps=steps, warmup=warmup, timeout_s=collective_timeout)
 
 
+def rank_flops(device: str, world: int = 1) -> float:
+    """FLOP/s one rank computes, measured now: an fp32 matmul (the ranks' dtype) on ``device``
+    (:func:`teraflops.ceilings.measure_peak_flops`, 1024² on a GPU, 256² on the CPU), shared by
+    ``world`` CPU ranks (they split the machine's cores)."""
+    if device == "cuda":
+        return measure_peak_flops(1024, torch.float32, "cuda", min_run_time=0.05)
+    return measure_peak_flops(256, torch.float32, "cpu", min_run_time=0.05) / max(1, world)
+
+
+def fitted(cfg: TrainConfig, placement, link_rate: float | None = None, dp: bool = False) -> TrainConfig:
+    """``cfg`` as ``placement``'s ranks can run it (:mod:`teraflops.gpu_fit`): on CPU ranks the CPU
+    preset's sizes at most (:func:`~teraflops.gpu_fit.rank_config`). Across a link of ``link_rate``
+    bytes/s, on any ranks, the CPU preset's sizes too (the link is a fabric scaled by 10⁻³ for them:
+    the GPU preset's activations, ~2 GB a step, would take ~40 s a step over it) and a batch whose TP
+    activations cross it in :data:`~teraflops.gpu_fit.LINK_STEP_S` (:func:`~teraflops.gpu_fit.link_config`;
+    a multiple of the ranks with ``dp``)."""
+    cfg = rank_config(cfg, placement.on_gpus and not link_rate, mp_config(PRESETS["cpu"]))
+    return link_config(cfg, link_rate, placement.world_size if dp else 1)
+
+
 def run(cfg: TrainConfig, tp: int = 2, *, modes=("tp",), steps: int = 4, warmup: int = 1, cluster=None,
-        timeout: float = 180) -> TensorParallelRun:
+        timeout: float | None = None) -> TensorParallelRun:
     """Run ``cfg``'s GPT on ``tp`` ranks (one launch): Megatron TP, and data parallelism if ``"dp"`` is
-    in ``modes``.
+    in ``modes``. The sizes run are :func:`fitted` to where the ranks are (each result's ``config``).
 
     Args:
         cfg: the model and global batch (``micro_batch`` sequences).
         tp: ranks (the TP degree; also the data-parallel world size for ``"dp"``).
         cluster: an emulated :class:`~teraflops.nodes.cluster.Cluster` (up) whose nodes the ranks
             are spread over (then TP talks over its shaped links); None: one node, loopback.
+        timeout: seconds the launch may take; None: :func:`~teraflops.gpu_fit.launch_timeout` of its
+            steps' FLOPs at the rank's measured FLOP/s and its bytes over the link.
 
     Raises:
         TensorParallelError: ``tp`` does not divide the heads, or the batch does not split over
@@ -228,11 +252,23 @@ def run(cfg: TrainConfig, tp: int = 2, *, modes=("tp",), steps: int = 4, warmup:
         LaunchFailed: a rank crashed, hung or the launch took over ``timeout`` s.
     """
     check_degree(cfg, tp)
+    placement = place(tp, cpu_ranks=tp, cluster=cluster)
+    rate = None if cluster is None else cluster.links[0].rate
+    cfg = fitted(cfg, placement, rate, dp="dp" in modes)
+    check_degree(cfg, tp)
     if "dp" in modes and cfg.micro_batch % tp:
         raise TensorParallelError(f"the global batch of {cfg.micro_batch} sequences does not split over {tp} "
                                   "data-parallel ranks. Hint: a multiple of tp")
-    spec = spec_for(cfg, modes, steps, warmup)
-    results = launcher.launch(WORKER, place(tp, cpu_ranks=tp, cluster=cluster), spec=spec,
+    runs = len(modes) * (steps + warmup) + 2  # and the reference check and the counted step
+    flops, nbytes = train_step_flops(cfg), tp_step_bytes(cfg) + dp_bytes_per_step(
+        gpt_params(cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len))
+    device = "cuda" if placement.on_gpus else "cpu"
+    per_rank = rank_flops(device, 1 if placement.on_gpus else placement.world_size)
+    if timeout is None:
+        timeout = launch_timeout(runs, flops, per_rank, nbytes, rate)
+    # a collective waits at most one step's worth (its replay repeats one step's all-reduces)
+    spec = spec_for(cfg, modes, steps, warmup, collective_timeout=max(60.0, launch_timeout(1, flops, per_rank, nbytes, rate)))
+    results = launcher.launch(WORKER, placement, spec=spec,
                               result=TensorParallelResult, timeout=timeout, cluster=cluster,
                               desc=f"tensor parallel x{tp}: " + ", ".join(modes))
     nodes = 1 if cluster is None else cluster.nodes
@@ -305,32 +341,50 @@ def degree_sweep(cfg: TrainConfig, degrees=(1, 2, 4), **kwargs) -> list[dict]:
 
 
 def link_comparison(cfg: TrainConfig, rate: float | None = None, *, steps: int = 3, warmup: int = 1,
-                    timeout: float = 240) -> dict:
+                    timeout: float | None = None) -> dict:
     """The failure mode: TP and DP of the same model on 2 ranks, inside one node (loopback: the
     "NVLink domain") and on two emulated nodes joined by links of ``rate`` bytes/s (default: InfiniBand
     NDR scaled as Unit 5 scales fabrics, :func:`teraflops.hardware.fabrics.scaled_rate`).
 
     Returns:
-        ``{"rows", "rate", "share_ratio", "inside", "across", "unavailable"}``: rows of
+        ``{"rows", "rate", "comm_ratio", "bytes_ratio", "share_ratio", "inside", "across", "unavailable"}``: rows of
         :func:`mode_rows` with ``"where"`` ``"one node"`` or ``"two nodes"`` (each launch runs both
-        modes: TP and DP measured in one run, on the same link); ``share_ratio``: TP's communication
-        share / DP's across the link; ``inside`` and ``across``: the two :class:`TensorParallelRun` s.
-        Where emulated nodes cannot be made here (no root, no iproute2), ``across`` and
-        ``share_ratio`` are None and ``unavailable`` says why in one line.
+        modes: TP and DP measured in one run, on the same link); the three ratios: :func:`link_ratios`
+        across the link (compare ``comm_ratio`` or ``bytes_ratio``: on GPUs ``share_ratio`` reads ≈ 1×);
+        ``inside`` and ``across``: the two :class:`TensorParallelRun` s. Where emulated nodes cannot be
+        made here (no root, no iproute2), ``across`` and the ratios are None and ``unavailable`` says
+        why in one line.
     """
     rate = scaled_rate(FABRICS[0]) if rate is None else rate
     inside = run(cfg, 2, modes=("tp", "dp"), steps=steps, warmup=warmup, timeout=timeout)
     rows = [{**r, "where": "one node"} for r in inside.rows]
     why = unavailable()
     if why is not None:
-        return {"rows": rows, "rate": rate, "share_ratio": None, "inside": inside, "across": None,
+        return {"rows": rows, "rate": rate, "comm_ratio": None, "bytes_ratio": None, "share_ratio": None,
+                "inside": inside, "across": None,
                 "unavailable": f"emulated nodes unavailable here ({why}): the one-node run only"}
     with Cluster(2, Link(rate=rate)) as cluster:
         across = run(cfg, 2, modes=("tp", "dp"), steps=steps, warmup=warmup, cluster=cluster, timeout=timeout)
     rows += [{**r, "where": "two nodes"} for r in across.rows]
-    share = {r["mode"]: r["comm_share"] for r in across.rows}
-    return {"rows": rows, "rate": rate, "share_ratio": share["tp"] / share["dp"], "inside": inside, "across": across,
+    return {"rows": rows, "rate": rate, **link_ratios(across.rows), "inside": inside, "across": across,
             "unavailable": None}
+
+
+def link_ratios(rows: list[dict]) -> dict:
+    """TP against DP on the same link, from one launch's :func:`mode_rows`: ``comm_ratio`` (TP's
+    communication seconds per step / DP's), ``bytes_ratio`` (bytes per step, TP / DP) and ``share_ratio``
+    (communication share of the step, TP / DP).
+
+    The seconds and the bytes are what the link costs each mode. The share also depends on the
+    compute beside it: the link is scaled so that the step's compute on CPU ranks is visible beside
+    it, while on GPUs the same model's compute is ~10³× faster, both shares approach 1 and their
+    ratio reads ≈ 1× whatever the link does.
+    """
+    by = {r["mode"]: r for r in rows}
+    tp, dp = by["tp"], by["dp"]
+    return {"comm_ratio": tp["comm_ms"] / dp["comm_ms"] if dp["comm_ms"] > 0 else None,
+            "bytes_ratio": tp["bytes_per_step"] / dp["bytes_per_step"],
+            "share_ratio": tp["comm_share"] / dp["comm_share"] if dp["comm_share"] > 0 else None}
 
 
 # (name, hidden h, layers L) of the published models the prediction is made for (LLaMA 2, Touvron et al. 2023, Table 1 / App.)

@@ -22,7 +22,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 from teraflops.models import lm_loss
 from teraflops.parallelization.pipeline import PipelineResult, PipelineSpec, ScheduleResult, stage_module
-from teraflops.workers.common import build_model, make_data
+from teraflops.workers.common import build_model, make_data, sync_device
 
 SCHEDULE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -40,15 +40,29 @@ def saved_bytes(module, x) -> int:
     return sum(seen.values())
 
 
-def timed(stage, events: list, clock: list) -> None:
+def probe_input(cfg, rank: int, x: torch.Tensor, device) -> torch.Tensor:
+    """One micro-batch of what stage ``rank`` takes, on ``device``: the tokens on the first stage,
+    ``(micro_batch, seq_len, d_model)`` float32 activations on the others (made on ``device``: a CUDA
+    stage's weights would refuse CPU activations with a device mismatch)."""
+    if rank == 0:
+        return x[: cfg.micro_batch]
+    return torch.randn(cfg.micro_batch, cfg.seq_len, cfg.d_model, device=device)
+
+
+def timed(stage, events: list, clock: list, sync=lambda: None) -> None:
     """Wrap ``stage``'s forward_one_chunk and backward_one_chunk to append ``[kind, chunk, start, end]``
-    (seconds after ``clock[0]``) to ``events``."""
+    (seconds after ``clock[0]``) to ``events``. ``sync()`` runs before the start and before the end
+    are read (:func:`~teraflops.workers.common.sync_device` of the stage's device): on a GPU a chunk's
+    call returns once its kernels are queued, so without it ``end − start`` would be the CPU's enqueue
+    time and the bubble noise."""
     for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
         original = getattr(stage, name)
 
         def wrapper(chunk, *args, _original=original, _kind=kind, **kwargs):
+            sync()
             start = time.perf_counter()
             out = _original(chunk, *args, **kwargs)
+            sync()
             events.append([_kind, chunk, start - clock[0], time.perf_counter() - clock[0]])
             return out
 
@@ -69,8 +83,7 @@ def run_one(spec: PipelineSpec, w, schedule: str, m: int, data) -> ScheduleResul
     module = stage_module(build_model(cfg, w.device), w.rank, p)
     rows = m * cfg.micro_batch
     x, y = data[0][:rows].to(w.device), data[1][:rows].to(w.device)
-    probe = x[: cfg.micro_batch] if w.rank == 0 else torch.randn(cfg.micro_batch, cfg.seq_len, cfg.d_model)
-    nbytes = saved_bytes(module, probe)
+    nbytes = saved_bytes(module, probe_input(cfg, w.rank, x, w.device))
     stage = PipelineStage(module, w.rank, p, w.device)
     try:
         sched = SCHEDULE[schedule](stage, n_microbatches=m, loss_fn=lm_loss)
@@ -79,11 +92,12 @@ def run_one(spec: PipelineSpec, w, schedule: str, m: int, data) -> ScheduleResul
                               busy_s=[], span_s=[], events=[], peak_in_flight=0, saved_bytes=nbytes, loss_diff=None)
     opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
     events, clock, busy, span, losses = [], [0.0], [], [], []
-    timed(stage, events, clock)
+    timed(stage, events, clock, sync=lambda: sync_device(w.device))
     for i in range(spec.warmup + spec.steps):
         events.clear()
         losses = []
         opt.zero_grad(set_to_none=True)
+        sync_device(w.device)  # the previous step's optimizer kernels are not this step's
         dist.barrier()
         clock[0] = time.perf_counter()
         if w.rank == 0:

@@ -105,13 +105,68 @@ def replay(sizes: list[int], repeats: int, device) -> list[float]:
     return out
 
 
+def sgd(params, lr: float) -> torch.optim.SGD:
+    """SGD over the sharded model's parameters, one at a time (``foreach=False``).
+
+    The list mixes DTensor shards (``qkv``/``proj``/``fc1``/``fc2``) with plain replicated tensors
+    (embeddings, norms, the tied head). torch counts DTensor among the types its multi-tensor path
+    accepts (``torch.distributed.tensor`` adds it to ``torch.optim.optimizer._foreach_supported_types``),
+    so on CUDA, a ``foreach`` device, SGD's default is ``foreach=True`` and its one
+    ``_foreach_add_`` over both kinds raises "got mixed torch.Tensor and DTensor" at the first step.
+    The CPU is not a ``foreach`` device, which is why gloo ranks never took that path."""
+    return torch.optim.SGD(params, lr=lr, foreach=False)
+
+
+def one_rank_steps(cfg, device, steps: int = 2, optimizer=sgd) -> dict:
+    """The TP rank's training step in this process, as a 1-rank mesh (gloo on the CPU, NCCL on CUDA;
+    a ``FileStore`` in a temporary folder, no port, no other process): the sharded GPT's parameters
+    are the same mix of DTensor and plain tensors as on ``tp`` ranks, so the optimizer meets what it
+    meets there. ``optimizer(params, lr)`` builds it (:func:`sgd`; pass another to show the failure).
+
+    Returns:
+        ``{"losses": [nats per step, steps + 1 of them], "dtensor_params", "plain_params": counts}``.
+
+    Raises:
+        RuntimeError: a process group is initialised in this process already, or the optimizer's.
+    """
+    import tempfile
+    from pathlib import Path
+
+    device = torch.device(device)
+    if dist.is_initialized():
+        raise RuntimeError("a process group is initialised in this process already: the 1-rank TP step needs its own")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                                store=dist.FileStore(str(Path(tmp) / "store"), 1),
+                                **({"device_id": device} if device.type == "cuda" else {}))
+        try:
+            mesh = init_device_mesh(device.type, (1,))
+            model = shard_gpt(build_model(cfg, device), mesh)
+            params = list(model.parameters())
+            opt = optimizer(params, cfg.lr)
+            x, y = [t.to(device) for t in rank_batch(make_data(cfg, 1, 1), 0, 0, 1, cfg.micro_batch)]
+            losses = []
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=True)
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+            with torch.no_grad():
+                losses.append(float(lm_loss(model(x), y)))
+            kinds = [isinstance(q, DTensor) for q in params]
+            return {"losses": losses, "dtensor_params": sum(kinds), "plain_params": len(kinds) - sum(kinds)}
+        finally:
+            dist.destroy_process_group()
+
+
 class TPRun:
     """The sharded model on this rank, its optimizer, counts and times."""
 
     def __init__(self, spec: TensorParallelSpec, w, mesh, data):
         self.spec, self.w, self.data = spec, w, data
         self.model = shard_gpt(build_model(spec.model, w.device), mesh)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=spec.model.lr)
+        self.opt = sgd(self.model.parameters(), spec.model.lr)
         self.step_s = []
         self.batch = [t.to(w.device) for t in rank_batch(data, 0, 0, 1, spec.model.micro_batch)]
 
