@@ -56,12 +56,12 @@ class Zero1AdamW:
         # 2. Reduce-scatter: rank r receives the SUM over all ranks of slice r only. Divide by N:
         #    DDP averages the gradients.
         self.shard.grad = torch.empty_like(self.shard)
-        dist.reduce_scatter_tensor(self.shard.grad, grads, op=dist.ReduceOp.SUM)
+        dist.reduce_scatter_single(self.shard.grad, grads, op=dist.ReduceOp.SUM)
         self.shard.grad /= self.world
         # 3. AdamW updates this rank's shard, and nothing else.
         self.optimizer.step()
         # 4. All-gather: every rank receives every rank's updated shard, i.e. all the new parameters.
-        dist.all_gather_into_tensor(self.flat, self.shard)
+        dist.all_gather_single(self.flat, self.shard)
         # 5. Copy them back into the model's parameters.
         offset = 0
         for p in self.params:
@@ -79,7 +79,7 @@ def notebook_class(source: str, name: str = "Zero1AdamW") -> type:
     name and registers its lines in linecache (IPython.core.compilerop.CachingCompiler.cache)."""
     filename = f"/tmp/ipykernel_{os.getpid()}/{next(_cells)}.py"  # no such file exists
     linecache.cache[filename] = (len(source), None, [line + "\n" for line in source.splitlines()], filename)
-    namespace = {"__name__": "__main__", "torch": torch, "dist": dist, "math": math}
+    namespace = {"__name__": "__main__", "torch": torch, "dist": dist, "math": math, "nn": torch.nn}
     exec(compile(source, filename, "exec"), namespace)
     return namespace[name]
 
@@ -131,10 +131,10 @@ def test_reference_passes(capsys):
 
 @pytest.mark.slow
 def test_forgotten_all_gather_fails():
-    cls = edited("dist.all_gather_into_tensor(self.flat, self.shard)",  # keeps only its own new shard
+    cls = edited("dist.all_gather_single(self.flat, self.shard)",  # keeps only its own new shard
                  "self.flat[self.rank * self.shard_size:(self.rank + 1) * self.shard_size] = self.shard")
     fails(cls, "after step() the ranks hold different parameters", "each rank updated only its own shard",
-          "Hint: all-gather the updated shards", "dist.all_gather_into_tensor")
+          "Hint: all-gather the updated shards", "dist.all_gather_single")
 
 
 @pytest.mark.slow
@@ -197,7 +197,7 @@ def reports(n: int = 2, **change) -> list:
     for r in range(n):
         rep = {"rank": r, "world_size": n, "backend": "gloo", "device": "cpu", "psi": PSI, "hyper": HYPER, "steps": 3, "error": None,
                "params": ref.tolist(), "grad_left": 0.0, "optimizers": [adamw],
-               "comm": {"reduce_scatter_tensor": 3 * shard * n, "all_gather_into_tensor": 3 * shard * n},
+               "comm": {"reduce_scatter_single": 3 * shard * n, "all_gather_single": 3 * shard * n},
                "initial": initial.tolist(), "ref": ref.tolist(),
                "alt": {"sum": (ref + 0.003).tolist(), "double": (ref - 0.003).tolist()}}
         rep.update({k: v(r, rep) if callable(v) else v for k, v in change.items()})
@@ -218,7 +218,7 @@ def test_judge_passes_a_correct_report():
 
 
 @pytest.mark.parametrize("change, phrase", [
-    ({"params": lambda r, rep: rep["alt"]["sum"]}, "Hint: reduce_scatter_tensor sums over the 2 ranks: divide"),
+    ({"params": lambda r, rep: rep["alt"]["sum"]}, "Hint: reduce_scatter_single sums over the 2 ranks: divide"),
     ({"params": lambda r, rep: rep["alt"]["double"]}, "divided by the world size twice"),
     ({"params": lambda r, rep: rep["alt"]["sum"], "optimizers": lambda r, rep: [{**rep["optimizers"][0], "type": "Adam"}]},
      "your shard's optimizer is torch.optim.Adam: its weight_decay adds an L2 term"),
@@ -232,7 +232,7 @@ def test_judge_passes_a_correct_report():
     ({"optimizers": []}, "no torch.optim optimizer is among your object's attributes"),
     ({"optimizers": lambda r, rep: [{**rep["optimizers"][0], "state": 800 if r else 518}]}, "rank 1 holds 800"),
     ({"optimizers": lambda r, rep: [{**rep["optimizers"][0], "state": 100}]}, "fewer than 2Ψ = 1,034"),
-    ({"comm": {"all_reduce": 3 * 518, "all_gather_into_tensor": 3 * 518}}, "all-reduces the whole gradient (518 elements"),
+    ({"comm": {"all_reduce": 3 * 518, "all_gather_single": 3 * 518}}, "all-reduces the whole gradient (518 elements"),
 ])
 def test_judge_names_the_mistake(change, phrase):
     assert phrase in judged(reports(**change))

@@ -28,6 +28,9 @@ from teraflops.launch.placement import data_parallel_plan
 from teraflops.grading.core import check_cases, close, exercise, fail, reveal
 from teraflops.hardware.alpha_beta import ring_allreduce_seconds
 from teraflops.parallelization import tensor_parallel
+from teraflops.parallelization.hand_ddp import DDP_TOL, DdpCheckResult, DdpCheckSpec
+from teraflops.parallelization.hand_fsdp import FSDP_TOL, FsdpCheckResult, FsdpCheckSpec
+from teraflops.parallelization.sharded_optimizer import SHARDED_TOL, ShardedCheckResult, ShardedCheckSpec
 from teraflops.sizing import TrainConfig
 
 # --- exercises 1 and 2: model-state bytes and communication per stage --------------------------
@@ -157,8 +160,8 @@ _PAD = "pad the flat vector to a multiple of the world size, so that every rank'
 _ERROR_HINTS = {  # {substring of "Type: message": hint}; the first match wins
     "NameError": f"only the class's own code goes to the ranks, with {_ONLY} defined: make helper functions "
                  "methods of the class, and import anything else inside it",
-    "outputShape[0] * worldSize": _PAD,  # gloo, reduce_scatter_tensor
-    "invalid tensor size": _PAD,  # gloo, all_gather_into_tensor
+    "outputShape[0] * worldSize": _PAD,  # gloo, reduce_scatter_single
+    "invalid tensor size": _PAD,  # gloo, all_gather_single
     "size times world size": _PAD,  # NCCL: "input tensor must be the same size as output size times world size"
     "non-empty list of Tensors": "params may be a generator (model.parameters()), used up after one pass: "
                                  "make it a list first (self.params = list(params))",
@@ -171,19 +174,20 @@ _ERROR_HINTS = {  # {substring of "Type: message": hint}; the first match wins
 }
 LAUNCH_TIMEOUT = 120  # seconds for the whole check launch, start-up included
 ZERO1_TOL = 2e-5  # max |parameter difference| from DDP + AdamW after the worker's steps
-_ALL_GATHER = ("all-gather the updated shards into the full flat vector (dist.all_gather_into_tensor) and copy it "
+_ALL_GATHER = ("all-gather the updated shards into the full flat vector (dist.all_gather_single) and copy it "
                "back into the parameters on every rank")
 
 
-def _rank_error(results: list[Zero1CheckResult]) -> str | None:
-    """One line for the error the learner's code raised first in any rank (None if none did)."""
+def _rank_error(results: list[Zero1CheckResult], hints: dict[str, str] | None = None) -> str | None:
+    """One line for the error the learner's code raised first in any rank (None if none did);
+    ``hints`` ({substring: hint}) are tried before :data:`_ERROR_HINTS`."""
     errors = [(r.error, r.rank) for r in results if r.error]
     if not errors:
         return None
     (first, rank) = min(errors, key=lambda er: (er[0].secondary, er[0].time))  # the cause, not the fallout
     text = f"{first.type}: {first.message}"
     same = sum(f"{e.type}: {e.message}" == text for e, _ in errors) == len(results)
-    hint = next((h for needle, h in _ERROR_HINTS.items() if needle in text), "")
+    hint = next((h for needle, h in {**(hints or {}), **_ERROR_HINTS}.items() if needle in text), "")
     message = f": {first.message.rstrip('.')}" if first.message else " (with no message)"
     return (f"your {first.where} raised {first.type}{'' if same else f' on rank {rank}'}{message}"
             + (f". Hint: {hint}" if hint else ""))
@@ -244,10 +248,10 @@ def _judge_zero1(results: list[Zero1CheckResult], tol: float = ZERO1_TOL) -> Non
         alt = {k: _max_diff(params[0], torch.tensor(v, dtype=torch.float64)) for k, v in r0.alt.items()}
         if alt["sum"] <= tol:
             fail(f"{lead}, and match DDP fed the sum of the gradients instead of their mean. Hint: "
-                 f"reduce_scatter_tensor sums over the {n} ranks: divide the shard's gradient by the world size")
+                 f"reduce_scatter_single sums over the {n} ranks: divide the shard's gradient by the world size")
         if alt["double"] <= tol:
             fail(f"{lead}, and match DDP with the gradients divided by the world size twice. Hint: "
-                 "reduce_scatter_tensor (SUM) then one division by the world size gives the mean")
+                 "reduce_scatter_single (SUM) then one division by the world size gives the mean")
         fail(f"{lead}. Hint: rank r owns elements [r·S, (r+1)·S) of the padded flat vector; it reduce-scatters "
              "the flat gradient (SUM), divides by the world size and steps AdamW (lr, betas, eps, weight_decay "
              "as given) on that shard only")
@@ -273,7 +277,7 @@ def _judge_zero1(results: list[Zero1CheckResult], tol: float = ZERO1_TOL) -> Non
     scattered = sum(v for k, v in comm.items() if "reduce_scatter" in k or k == "reduce")
     if comm.get("all_reduce", 0) >= steps * psi and scattered < steps * psi:
         fail(f"your step() all-reduces the whole gradient ({comm['all_reduce'] // steps:,} elements a step), "
-             "though each rank updates only its shard. Hint: dist.reduce_scatter_tensor hands each rank the sum "
+             "though each rank updates only its shard. Hint: dist.reduce_scatter_single hands each rank the sum "
              "of its own slice only: half the traffic of an all-reduce")
 
 
@@ -441,3 +445,307 @@ def max_tp_degree(fn) -> None:
         " / bandwidth ≤ budget_s")
     fail(f"for {c[0]} tokens, hidden {c[1]}, {c[2]} layers, {c[3] / 1e9:g} GB/s, a {c[4] * 1e3:g} ms budget: "
          f"got degree {got}, expected {want}. Hint: {hint}")
+
+
+# --- exercise 7: a sharded optimizer for any optimizer -----------------------------------------
+
+_BROADCAST = ("after the owners step, broadcast every parameter from the rank that owns it "
+              "(dist.broadcast(p.data, src=owner)), in the same order on every rank")
+
+
+def _launch_check(worker: str, spec, result, desc: str, ranks: int | None = None) -> list:
+    """The ranks' reports of one launched check (``ranks``: CPU ranks, default the plan's); a launch
+    that runs out of time fails with the usual hint."""
+    plan = data_parallel_plan(ranks_cpu=ranks)
+    try:
+        return launch(worker, plan.placement, spec=spec, result=result, timeout=LAUNCH_TIMEOUT, desc=desc)
+    except LaunchFailed as e:
+        if "timed out after" not in str(e):
+            raise
+        fail(f"the ranks did not finish within {LAUNCH_TIMEOUT} s (the check's steps take well under a second). "
+             f"Hint: look for a loop that never ends or a wait that nothing answers; {_SAME_CALLS}")
+
+
+def _learner_class(cls, call: str) -> str:
+    """The source of the learner's class ``cls`` to ship to the ranks; "not attempted" while it still
+    holds the lab's placeholder."""
+    if not isinstance(cls, type):
+        fail(f"pass the class itself, {call}, not a {type(cls).__name__}")
+    source = class_source(cls)
+    if PLACEHOLDER_MESSAGE in source:
+        raise NotImplementedError(PLACEHOLDER_MESSAGE)  # the decorator reports "not attempted"
+    return source
+
+
+def _judge_sharded(results, tol: float | None = None) -> None:
+    """Fail with the first problem the ranks' reports show (see :mod:`teraflops.workers.sharded_check`)."""
+    tol = SHARDED_TOL if tol is None else tol
+    error = _rank_error(results)
+    if error:
+        fail(error)
+    n = results[0].world_size
+    for i, run0 in enumerate(results[0].runs):
+        runs = [r.runs[i] for r in results]
+        case = run0.case
+        said = sorted({m for run in runs for m in run.warnings})
+        if said:
+            fail(f"your step() with torch.optim.{case} emitted a warning: {said[0]}. Hint: use the collectives "
+                 "torch recommends (dist.reduce_scatter_single, dist.all_gather_single), and nothing deprecated")
+        if run0.group_sizes != [2, len(results[0].shapes) - 2]:
+            fail(f"with torch.optim.{case} your optimizer's param_groups hold {run0.group_sizes} parameters, "
+                 f"expected [2, {len(results[0].shapes) - 2}] (the two groups the check gave). Hint: call "
+                 "super().__init__(params, defaults) and let add_param_group record every group, so that "
+                 "schedulers and zero_grad() see all of them")
+        params = [torch.tensor(run.params, dtype=torch.float64) for run in runs]
+        ref, initial = (torch.tensor(t, dtype=torch.float64) for t in (run0.ref, run0.initial))
+        if not all(torch.isfinite(p).all() for p in params):
+            fail(f"after step() with torch.optim.{case} the parameters hold NaN or inf")
+        if max(_max_diff(p, initial) for p in params) == 0:
+            fail(f"after the steps with torch.optim.{case} the parameters have not changed. Hint: step the wrapped "
+                 f"optimizer, then {_BROADCAST}")
+        spread, other = max((_max_diff(p, params[0]), r) for r, p in enumerate(params))
+        if spread > tol:
+            fail(f"after step() with torch.optim.{case} the ranks hold different parameters (max difference "
+                 f"{spread:.2e} between rank 0 and rank {other}): each rank updated only the parameters it owns. "
+                 f"Hint: {_BROADCAST}")
+        err = _max_diff(params[0], ref)
+        if err > tol:
+            lo, hi = run0.second
+            lead = (f"after the steps with torch.optim.{case} your parameters differ from DDP + the unsharded "
+                    f"torch.optim.{case} by up to {err:.2e} (tolerance {tol:.0e})")
+            if torch.equal(params[0][lo:hi], initial[lo:hi]):
+                fail(f"{lead}: the second parameter group never moved. Hint: override add_param_group to call "
+                     "super().add_param_group(group) and hand this rank's part of the group to the wrapped optimizer, "
+                     "so a group added after construction is stepped too")
+            if _max_diff(params[0][:lo], ref[:lo]) <= tol:
+                fail(f"{lead}, in the second parameter group. Hint: give the wrapped optimizer each group's own "
+                     "settings (its lr, weight_decay...) with the group's parameters, not only the defaults")
+            fail(f"{lead}. Hint: pass **kwargs on to optimizer_cls, and let the wrapped optimizer step exactly "
+                 "this rank's parameters with their gradients (DDP has already averaged them)")
+        held = [set(r.runs[i].stateful) for r in results]
+        for p in range(len(results[0].shapes)):
+            owners = [r for r in range(n) if p in held[r]]
+            if len(owners) > 1:
+                fail(f"with torch.optim.{case} the state of parameter {p} (shape {tuple(results[0].shapes[p])}) is "
+                     f"held on ranks {owners}: every rank keeps a full optimizer. Hint: assign each parameter to one "
+                     "rank and give the wrapped optimizer on each rank only the parameters that rank owns")
+            if not owners:
+                fail(f"with torch.optim.{case} no rank holds optimizer state for parameter {p} (shape "
+                     f"{tuple(results[0].shapes[p])}). Hint: keep the wrapped optimizer as an attribute, and make "
+                     "every parameter belong to exactly one rank's wrapped optimizer")
+
+
+@exercise(7, "a sharded optimizer")
+def sharded_optimizer(cls) -> None:
+    """``cls``: the learner's ``torch.optim.Optimizer`` subclass (the class itself), built as
+    ``cls(params, optimizer_cls, **kwargs)`` with ``params`` a list of parameter-group dicts, and
+    supporting ``add_param_group``, ``zero_grad()`` and ``step()``.
+
+    Its source runs in ``plan.ranks`` processes (:func:`teraflops.launch.placement.data_parallel_plan`)
+    with only ``torch``, ``dist``, ``math``, ``nn`` and ``F`` defined
+    (:mod:`teraflops.workers.sharded_check`): a DDP-wrapped 517-parameter MLP trained 3 steps with
+    ``torch.optim.AdamW`` (two groups given as dicts) and ``torch.optim.SGD`` with momentum (second
+    group added with ``add_param_group``), next to DDP with the unsharded optimizer. Passing needs:
+    no warning during ``step()``, both groups in ``param_groups``, parameters within
+    :data:`~teraflops.parallelization.sharded_optimizer.SHARDED_TOL` of the reference on every
+    rank, and each parameter's optimizer state on exactly one rank.
+
+    Named mistakes: an exception in any rank, a warning (deprecated collectives), groups not recorded,
+    no broadcast (ranks differ or nothing moves), a group added later never stepped, a group's own
+    settings dropped, full state on every rank, state nowhere to be seen.
+    """
+    source = _learner_class(cls, "check.sharded_optimizer(ShardedOptimizer)")
+    results = _launch_check("teraflops.workers.sharded_check", ShardedCheckSpec(source, cls.__name__),
+                            ShardedCheckResult, "sharded-optimizer check")
+    _judge_sharded(results)
+
+
+# --- exercises 8 and 9: DDP by hand, overlapped with backward ----------------------------------
+
+_BEFORE_ACCUMULATION = ("a hook registered with register_hook runs before the gradient is accumulated into p.grad "
+                        "(None at the first step): use p.register_post_accumulate_grad_hook(hook), whose hook "
+                        "receives the parameter once p.grad holds its gradient")
+_DDP_HINTS = {  # errors in the learner's wrapper: {substring of "Type: message": hint}
+    "NoneType": _BEFORE_ACCUMULATION,
+    "Expected parameter `tensor` of type torch.Tensor": _BEFORE_ACCUMULATION,  # dist.all_reduce(None)
+    "finish_gradient_synchronization": "define finish_gradient_synchronization(self), which waits on every "
+                                       "all-reduce launched during backward",
+    "bucket_size_mb": "take the bucket size as __init__(self, module, bucket_size_mb)",
+}
+_WAIT = ("keep the handle of each dist.all_reduce(..., async_op=True) and call .wait() on every one in "
+         "finish_gradient_synchronization(), then divide by the world size")
+BUCKET_SIZES_MB = (1.0, 0.004)  # the bucketed check: all of TiedLM's 1,320 gradients in one bucket; ~1,000 per bucket
+
+
+def _judge_ddp(results, tol: float = DDP_TOL) -> None:
+    """Fail with the first problem the ranks' reports show (see :mod:`teraflops.workers.ddp_check`)."""
+    error = _rank_error(results, _DDP_HINTS)
+    if error:
+        fail(error)
+    n, sizes = results[0].world_size, results[0].sizes
+    for i, run0 in enumerate(results[0].runs):
+        runs = [r.runs[i] for r in results]
+        how = "per parameter" if run0.bucket_mb is None else f"with bucket_size_mb={run0.bucket_mb}"
+        initial = torch.tensor(run0.initial, dtype=torch.float64)
+        for r, run in enumerate(runs):
+            if not torch.equal(torch.tensor(run.wrapped, dtype=torch.float64), initial):
+                fail(f"right after wrapping, rank {r}'s parameters differ from rank 0's (every rank's model starts "
+                     "from its own random seed). Hint: in __init__, broadcast every parameter from rank 0 "
+                     "(dist.broadcast(p.data, src=0)) so all replicas start equal")
+        unwaited = max(run.unwaited for run in runs)
+        if unwaited:
+            fail(f"{how}, finish_gradient_synchronization() returned with {unwaited} asynchronous all-reduce(s) not "
+                 f"waited on, so step() may read gradients still being summed. Hint: {_WAIT}")
+        during, after = run0.backward_calls, run0.finish_calls
+        if not any(during):
+            where = ("after backward(), in finish_gradient_synchronization()" if any(after)
+                     else "nowhere")
+            fail(f"{how}, your wrapper all-reduced {sum(after)} gradients {where}: no communication overlaps the "
+                 "backward pass. Hint: launch each all-reduce from a hook, "
+                 "p.register_post_accumulate_grad_hook(hook), with async_op=True")
+        per_step, params = during[0] + after[0], len(sizes)
+        if run0.bucket_mb is None and per_step != params:
+            why = (" (the tied embedding/output weight is one parameter: one hook, one all-reduce)"
+                   if per_step > params else ": some gradients were never averaged")
+            fail(f"per parameter, your wrapper made {per_step} all-reduce calls a step for {params} parameters{why}. "
+                 "Hint: register one hook on each parameter of module.parameters() that requires a gradient")
+        if run0.bucket_mb is not None:
+            cap = int(run0.bucket_mb * 1e6 / 4)  # fp32 elements a bucket holds (MB = 1e6 bytes)
+            fewest = math.ceil(sum(sizes) / cap)
+            if per_step >= params and params > fewest:
+                fail(f"{how}, your wrapper made {per_step} all-reduce calls a step for {params} parameters: one per "
+                     f"parameter, not per bucket. Hint: group the parameters into buckets of at most "
+                     f"{run0.bucket_mb} MB and all-reduce a bucket (one flat tensor) once its last gradient is ready")
+            if per_step < fewest or run0.largest > max(cap, max(sizes)):
+                fail(f"{how}, your wrapper's largest all-reduce held {run0.largest:,} elements ({per_step} calls a "
+                     f"step): a bucket may hold at most {cap:,} fp32 elements (or one larger parameter). Hint: start "
+                     "a new bucket when the next parameter would overflow the current one")
+        params_t = [torch.tensor(run.params, dtype=torch.float64) for run in runs]
+        spread, other = max((_max_diff(p, params_t[0]), r) for r, p in enumerate(params_t))
+        if spread > tol:
+            fail(f"{how}, after {len(during)} steps the ranks hold different parameters (max difference {spread:.2e} "
+                 f"between rank 0 and rank {other}). Hint: every gradient must be all-reduced and waited on before "
+                 "step()")
+        ref, single, summed = (torch.tensor(t, dtype=torch.float64) for t in (run0.ref, run0.single, run0.summed))
+        err = _max_diff(params_t[0], ref)
+        if err > tol:
+            lead = (f"{how}, after {len(during)} steps your parameters differ from DistributedDataParallel's by up to "
+                    f"{err:.2e} (tolerance {tol:.0e})")
+            if _max_diff(params_t[0], summed) <= 1e-4:
+                fail(f"{lead}, and match DDP fed the sum of the gradients. Hint: dist.all_reduce sums over the {n} "
+                     "ranks: divide each gradient by the world size")
+            fail(f"{lead}. Hint: {_WAIT}; each gradient exactly once (a tied weight is one parameter)")
+        err = _max_diff(params_t[0], single)
+        if err > tol:
+            fail(f"{how}, your parameters match DDP's but differ from one process on the global batch by {err:.2e} "
+                 f"(tolerance {tol:.0e})")
+
+
+def _ddp_check(cls, call: str, bucket_mb=None) -> None:
+    source = _learner_class(cls, call)
+    results = _launch_check("teraflops.workers.ddp_check", DdpCheckSpec(source, cls.__name__, bucket_mb=bucket_mb),
+                            DdpCheckResult, "DDP check")
+    _judge_ddp(results)
+
+
+@exercise(8, "DDP overlapped with backward")
+def ddp_overlap(cls) -> None:
+    """``cls``: the learner's ``nn.Module`` wrapper (the class itself), built as ``cls(module)``, with
+    ``forward(*inputs)`` and ``finish_gradient_synchronization()``: rank 0's parameters broadcast at
+    wrap time, one asynchronous all-reduce per parameter launched from a post-accumulate hook during
+    ``backward()``, waited on and averaged in ``finish_gradient_synchronization()``.
+
+    Runs on ``plan.ranks`` processes (:mod:`teraflops.workers.ddp_check`): 5 SGD steps of
+    :class:`~teraflops.parallelization.hand_ddp.TiedLM` (tied embedding and output weight; every rank
+    starts from its own seed) next to ``DistributedDataParallel`` and one process on the global
+    batch; parameters must agree within :data:`~teraflops.parallelization.hand_ddp.DDP_TOL` (fp32).
+
+    Named mistakes: an exception (``register_hook`` reading ``.grad`` before accumulation), no
+    broadcast at wrap time, handles not waited on, all-reduces only after backward (no overlap), a
+    tied weight reduced twice, summed instead of averaged gradients.
+    """
+    _ddp_check(cls, "check.ddp_overlap(DDPOverlap)")
+
+
+@exercise(9, "DDP with gradient buckets")
+def ddp_bucketed(cls) -> None:
+    """``cls``: as :func:`ddp_overlap`, built as ``cls(module, bucket_size_mb)``: gradients grouped in
+    buckets of at most ``bucket_size_mb`` MB (1e6 bytes; a larger parameter alone), one asynchronous
+    all-reduce per bucket launched from the hooks once the bucket's last gradient is ready. Checked
+    with :data:`BUCKET_SIZES_MB` (one bucket for the whole model, then ~1,000 fp32 elements each):
+    the same parameters as DDP and one process, at least the buckets the size needs, no call larger
+    than a bucket, fewer calls than parameters."""
+    _ddp_check(cls, "check.ddp_bucketed(DDPBucketed)", BUCKET_SIZES_MB)
+
+
+# --- exercise 10: FSDP by hand -------------------------------------------------------------------
+
+_FSDP_HINTS = {
+    "full_parameters": "define full_parameters(self) -> (weight, bias): the full fp32 tensors, all-gathered",
+    "compute_dtype": "take the compute dtype as __init__(self, linear, compute_dtype=None)",
+}
+
+
+def _judge_fsdp(results) -> None:
+    """Fail with the first problem the ranks' reports show (see :mod:`teraflops.workers.fsdp_check`)."""
+    error = _rank_error(results, _FSDP_HINTS)
+    if error:
+        fail(error)
+    n, sizes = results[0].world_size, results[0].sizes
+    bound = sum(math.ceil(s / n) for s in sizes)  # every tensor's own padded shard: the most a rank may hold
+    for i, run0 in enumerate(results[0].runs):
+        runs = [r.runs[i] for r in results]
+        how = "in fp32" if run0.dtype == "float32" else f"with compute_dtype=torch.{run0.dtype}"
+        if any(r.held_dtypes != ["float32"] for r in runs):
+            fail(f"{how}, your layers' parameters are {runs[0].held_dtypes}: the optimizer needs fp32 master shards. "
+                 "Hint: keep the shard an fp32 nn.Parameter; cast only the gathered weight to the compute dtype")
+        held = max(r.held for r in runs)
+        if held > bound:
+            fail(f"{how}, a rank holds {held:,} parameter elements of the model's {sum(sizes):,}; a 1/{n} shard of each "
+                 f"is at most {bound:,}. Hint: keep only this rank's slice of the flattened, padded weight and bias as "
+                 "the parameter; the full weight exists only while the layer runs")
+        if run0.scatters == 0 and run0.reduces > 0:
+            fail(f"{how}, your backward all-reduces (or reduces) the gradients, so every rank receives the whole "
+                 "gradient though it steps only its shard. Hint: dist.reduce_scatter_single hands each rank the sum "
+                 "of its own shard: 1/n of the traffic an all-reduce delivers")
+        if run0.kept or run0.backward_gathers == 0:
+            why = ("a layer keeps its gathered weight as an attribute after forward" if run0.kept else
+                   "backward gathered nothing, so the weights gathered in forward stayed alive until backward")
+            fail(f"{how}, {why}: all-gather without freeing holds the full model on every rank, what FSDP exists to "
+                 "avoid. Hint: free the full weight when forward returns (save only the input for backward) and "
+                 "all-gather it again in backward, e.g. in a torch.autograd.Function")
+        params = torch.tensor(run0.params, dtype=torch.float64)
+        single, summed = (torch.tensor(t, dtype=torch.float64) for t in (run0.single, run0.summed))
+        tol = FSDP_TOL[run0.dtype]
+        if not torch.isfinite(params).all():
+            fail(f"{how}, the parameters hold NaN or inf after the steps")
+        err = _max_diff(params, single)
+        if err > tol:
+            lead = (f"{how}, after the steps your full parameters differ from one process "
+                    f"on the global batch by up to {err:.2e} (tolerance {tol:.0e})")
+            if _max_diff(params, summed) <= tol:
+                fail(f"{lead}, and match the gradients summed over the {n} ranks. Hint: reduce_scatter_single sums: "
+                     "divide the shard's gradient by the world size")
+            fail(f"{lead}. Hint: in backward, the weight's gradient is grad_out.T @ input (the bias's, grad_out "
+                 "summed over rows), flattened and padded like the parameters, reduce-scattered, divided by the "
+                 "world size and returned in fp32 as the shard's gradient")
+
+
+@exercise(10, "FSDP by hand")
+def fsdp_linear(cls) -> None:
+    """``cls``: the learner's ``nn.Module`` (the class itself) built as ``cls(linear, compute_dtype=None)``
+    from an ``nn.Linear``: its only parameter(s) this rank's fp32 shard of the flattened, padded weight
+    and bias; ``forward(x)`` all-gathers the full weight (in ``compute_dtype`` when given), frees it,
+    gathers it again in backward and reduce-scatters the weight's gradient (averaged, fp32, to the
+    shard); ``full_parameters()`` returns the full fp32 ``(weight, bias)``.
+
+    Runs on ``plan.ranks`` processes (:mod:`teraflops.workers.fsdp_check`): every Linear of a 3-layer
+    MLP wrapped, 5 SGD steps in fp32 and with bf16 compute, against one process on the global batch
+    (tolerances :data:`~teraflops.parallelization.hand_fsdp.FSDP_TOL`). Named mistakes: an exception,
+    non-fp32 master shards, full parameters held, all-reduce instead of reduce-scatter, all-gather
+    without freeing (nothing gathered in backward, or the full weight kept), summed gradients.
+    """
+    source = _learner_class(cls, "check.fsdp_linear(ShardedLinear)")
+    results = _launch_check("teraflops.workers.fsdp_check", FsdpCheckSpec(source, cls.__name__), FsdpCheckResult,
+                            "FSDP check")
+    _judge_fsdp(results)

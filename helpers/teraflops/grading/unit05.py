@@ -19,7 +19,9 @@ from teraflops.hardware.alpha_beta import fit_alpha_beta as reference_fit, ring_
 from teraflops.hardware.collectives import bus_factor
 from teraflops.hardware.comm_budget import accumulation_for_fraction
 from teraflops.datasheets import PUBLISHED_LINKS
-from teraflops.errors import CourseError
+from teraflops.errors import PLACEHOLDER_MESSAGE, CourseError
+from teraflops.hardware import ring
+from teraflops.launch.launcher import LaunchFailed
 from teraflops.grading.core import check_cases, close, exercise, expect_number, fail, finite_answer, holds, reveal
 
 
@@ -415,3 +417,101 @@ def accumulation_steps(fn) -> None:
     share = f" (at k = {got} the sync takes {_share(sync, micro, got):.1%} of the step)" if got >= 1 else ""
     fail(f"with a {1e3 * sync:g} ms sync, {1e3 * micro:g} ms micro-batches and target {target:g} you returned "
          f"k = {got}{share}, expected {want}. Hint: {hint}")
+
+
+# --- exercise 5: a ring all-reduce by hand -------------------------------------------------------
+
+LAUNCH_TIMEOUT = 120  # seconds for one world size's launch, start-up included
+_RING_STEPS = ("in reduce-scatter step s = 0 … n−2, rank r sends chunk (r − s) mod n to rank r + 1 and adds what "
+               "it receives from rank r − 1 into chunk (r − s − 1) mod n; the all-gather then starts from chunk "
+               "(r + 1) mod n, the one rank r finished")
+_RING_HINTS = {  # {substring of "Type: message": hint}
+    "imed out": "every send needs the matching receive on the neighbour: post both at once (dist.isend and "
+                "dist.irecv, or dist.batch_isend_irecv) and wait after, so no rank blocks in send",
+    "Connection closed by peer": "every rank must make the same steps, each a send to rank + 1 and a receive from "
+                                 "rank − 1",
+    "NameError": "only the function's own code goes to the ranks, with torch, dist, math, nn and F defined",
+    "size": "chunks differ in size when n does not divide the tensor: torch.tensor_split(t, n) gives views whose "
+            "sizes differ by at most one; receive into a buffer shaped like the chunk you will add it to",
+}
+
+
+def _ring_error(results) -> str | None:
+    errors = [(r.error, r.rank) for r in results if r.error]
+    if not errors:
+        return None
+    first, rank = min(errors, key=lambda er: (er[0].secondary, er[0].time))
+    text = f"{first.type}: {first.message}"
+    hint = next((h for needle, h in _RING_HINTS.items() if needle in text), "")
+    message = f": {first.message.rstrip('.')}" if first.message else " (with no message)"
+    return f"your {first.where} raised {first.type} on rank {rank}{message}" + (f". Hint: {hint}" if hint else "")
+
+
+def _judge_ring(results) -> None:
+    """Fail with the first problem the ranks' reports of one world size show (see
+    :mod:`teraflops.workers.ring_check`)."""
+    error = _ring_error(results)
+    n = results[0].world_size
+    if error:
+        fail(f"on {n} ranks, {error}")
+    calls = max(c.collectives for r in results for c in r.cases)
+    if calls:
+        fail(f"on {n} ranks your function called a collective ({calls} call(s) a run): the exercise builds the "
+             "all-reduce from messages. Hint: use only dist.send/dist.recv or dist.isend/dist.irecv")
+    wrong = [i for i, case in enumerate(results[0].cases) if any(r.cases[i].wrong for r in results)]
+    if wrong:  # judged on the largest wrong size: its chunks all hold elements, so the pattern shows
+        i = max(wrong, key=lambda j: results[0].cases[j].elements)
+        case = results[0].cases[i]
+        bad = [r.cases[i] for r in results if r.cases[i].wrong]
+        if bad:
+            even = [c.elements for c in results[0].cases if c.elements % n == 0 and c.elements >= n]
+            uneven_only = all(not r.cases[j].wrong for r in results for j, c in enumerate(results[0].cases)
+                              if c.elements in even)
+            lead = (f"on {n} ranks, a tensor of {case.elements} elements came back with {bad[0].wrong} wrong "
+                    f"element(s) on {len(bad)} rank(s), in chunk(s) {bad[0].chunks} of {n}")
+            if uneven_only and case.elements % n:
+                fail(f"{lead}; sizes that {n} divides come back right. Hint: {_RING_HINTS['size']}")
+            if all(len(c.chunks) == min(n, case.elements) - 1 and c.partial for c in bad) and len(bad) == n:
+                fail(f"{lead}: each rank holds the full sum of one chunk only. Hint: after the reduce-scatter, run "
+                     f"the all-gather's n − 1 steps, passing the finished chunks round the ring")
+            if all(c.partial for c in bad):
+                fail(f"{lead}, holding sums of some ranks' contributions, not all: the chunks the ring passes on "
+                     f"are off. Hint: {_RING_STEPS}")
+            fail(f"{lead}. Hint: {_RING_STEPS}; copy (not add) in the all-gather")
+    for i, case in enumerate(results[0].cases):
+        bound = 2 * (n - 1) * -(-case.elements // n)  # 2(n−1) chunks of at most ⌈S/n⌉ elements
+        sent = max(r.cases[i].sent for r in results)
+        if sent > bound:
+            fail(f"on {n} ranks, for {case.elements} elements a rank sent {sent:,} elements; a ring sends 2(n−1) "
+                 f"chunks of S/n, at most {bound:,}. Hint: send one chunk per step, not the whole tensor")
+
+
+@exercise(5, "a ring all-reduce by hand")
+def ring_all_reduce(fn) -> None:
+    """``fn(tensor) -> None``: sums ``tensor`` over the default group's ranks in place, with point-to-point
+    messages only (a reduce-scatter then an all-gather round a ring; :mod:`teraflops.hardware.ring`).
+
+    Its source runs on 2, 3 and 4 CPU ranks in turn (:mod:`teraflops.workers.ring_check`, one launch
+    each, ~10-20 s), on fp32 tensors of :data:`~teraflops.hardware.ring.CHECK_ELEMENTS` elements
+    (fewer than the ranks, sizes no rank count divides, a prime) holding integers, so its result must
+    equal ``dist.all_reduce``'s exactly. Named mistakes: an exception or a deadlock (blocking sends),
+    a collective used, uneven chunks mishandled, no all-gather, ring step indices off (partial sums),
+    more than 2(n−1) chunks sent.
+    """
+    if not callable(fn) or isinstance(fn, type):
+        fail(f"pass your function itself, check.ring_all_reduce(ring_all_reduce), not a {type(fn).__name__}")
+    try:
+        source = ring.function_source(fn)
+    except (OSError, TypeError):
+        fail("cannot find the source code of your function, and the check runs it in other processes. "
+             "Hint: define it in a notebook cell of its own and run that cell")
+    if PLACEHOLDER_MESSAGE in source:
+        raise NotImplementedError(PLACEHOLDER_MESSAGE)  # the decorator reports "not attempted"
+    for n in ring.CHECK_WORLDS:
+        try:
+            results = ring.run(source, fn.__name__, n, timeout=LAUNCH_TIMEOUT)
+        except LaunchFailed as e:
+            if "timed out after" not in str(e):
+                raise
+            fail(f"on {n} ranks the ranks did not finish within {LAUNCH_TIMEOUT} s. Hint: {_RING_HINTS['imed out']}")
+        _judge_ring(results)

@@ -49,7 +49,8 @@ from teraflops.launch.faults import fault_point
 from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
 from teraflops.parallelization.zero import OptimizerInfo, RankError, Zero1CheckResult, Zero1CheckSpec
 
-_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
+_COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_gather_single",
+                "all_gather_into_tensor", "all_gather",
                 "broadcast", "reduce", "all_to_all_single", "_reduce_scatter_base", "_all_gather_base")
 
 
