@@ -90,3 +90,25 @@ def test_sweep_releases_memory_after_the_except_block(monkeypatch):
                                     min_run_time=0.0, progress=False)
     assert [r.oom for r in res] == [True, False]
     assert seen == [None], "empty_cache ran while the out-of-memory traceback was still being handled"
+
+
+def test_training_sweep_measures_forward_and_backward_of_each_implementation():
+    n, d = 512, 16
+    res = attention.training_sweep((n,), 1, 1, d, torch.float32, "cpu", impls=("naive", "flash2-pytorch", "sdpa"),
+                                   min_run_time=0.0, progress=False)
+    by = {r.impl: r for r in res}
+    assert list(by) == ["naive", "flash2-pytorch", "sdpa"]
+    assert all(r.seconds > 0 and r.max_error < 1e-4 for r in res), res  # gradients against SDPA's
+    # autograd keeps naive attention's N×N probabilities and the backward makes dP and dS: at least two
+    # N×N fp32 matrices at once; the tiled FlashAttention-2 never holds one
+    assert by["naive"].peak_bytes >= 2 * n * n * 4, res
+    assert by["flash2-pytorch"].peak_bytes < n * n * 4, res
+    assert attention.memory_ratio(res, n, "flash2-pytorch") > 2, res
+    assert attention.training_flops(1, 1, n, d) == 3.5 * 4 * n * n * d
+    assert "fwd+bwd time" in attention.training_table(res, 1, 1, d)
+
+
+def test_training_sweep_leaves_the_tiled_pytorch_version_out_at_long_lengths():
+    res = attention.training_sweep((64,), 1, 1, 16, torch.float32, "cpu", impls=("flash2-pytorch", "sdpa"),
+                                   min_run_time=0.0, progress=False, tiled_pytorch_max_n=32)
+    assert [r.impl for r in res] == ["sdpa"]

@@ -181,6 +181,9 @@ def test_flops_convention():
 @pytest.mark.parametrize("shape", [(2, 4, 1000, 64), (1, 8, 1024, 128), (1, 2, 257, 32)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_gpu_half_precision_matches_sdpa(shape, dtype, tol, causal):
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs compute capability 8.0 or newer: the kernel refuses it below "
+                    "(flash_triton.check_dtype_for)")
     q, k, v = _qkv(shape, dtype=dtype, device="cuda", seed=6)
     o, lse = ft.flash_attention(q, k, v, causal=causal, return_lse=True)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)

@@ -10,7 +10,8 @@ import triton.language as tl
 from teraflops.model_definition import profiling, roofline
 from teraflops.model_definition.attention import naive_attention
 from teraflops.errors import ExerciseFailed, NotAttempted
-from teraflops.model_definition.flash_triton import flash_attention
+from teraflops.model_definition.flash_pytorch import FlashAttentionPytorch
+from teraflops.model_definition.flash_triton import FlashAttentionTriton, flash_attention
 from teraflops.grading import unit01 as check
 
 
@@ -34,16 +35,57 @@ def elem(dtype):
     return torch.empty((), dtype=dtype).element_size()
 
 
-def blockwise_softmax(x, block, m_start=float("-inf"), combine=torch.maximum, rescale=True):
+def blockwise_softmax(x, block, m_start=float("-inf"), combine=torch.maximum, rescale=True, masked_safe=True,
+                      on_device=True):
     """The reference online softmax, with knobs for the variants the tests need."""
-    m = torch.full(x.shape[:-1], m_start, dtype=x.dtype)
-    l = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    device = {"device": x.device} if on_device else {}
+    m = torch.full(x.shape[:-1], m_start, dtype=x.dtype, **device)
+    l = torch.zeros(x.shape[:-1], dtype=x.dtype, **device)
     for s in range(0, x.shape[-1], block):
         b = x[..., s:s + block]
         m_new = combine(m, b.max(-1).values)
-        l = (l * torch.exp(m - m_new) if rescale else l) + torch.exp(b - m_new[..., None]).sum(-1)
+        m_sub = torch.where(m_new == float("-inf"), 0.0, m_new) if masked_safe else m_new
+        l = (l * torch.exp(m - m_sub) if rescale else l) + torch.exp(b - m_sub[..., None]).sum(-1)
         m = m_new
     return torch.exp(x - m[..., None]) / l[..., None]
+
+
+def dense_attention(save_max=False, scale_in_ds=True, delta="dO∘O", diagonal=0, save_row_sums=False):
+    """An autograd Function computing attention densely, as a learner might, with one of the plausible
+    mistakes: the row max saved instead of the log-sum-exp, the scale left out of dS, D taken from V,
+    the causal mask shifted by ``diagonal``. Written here from the formulas, not from the check's
+    reference."""
+
+    def scores(q, k, is_causal):
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if is_causal:
+            n = q.shape[-2]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1 + diagonal), float("-inf"))
+        return s
+
+    class Dense(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, is_causal=False):
+            s = scores(q, k, is_causal)
+            m = s.amax(-1, keepdim=True)
+            l = torch.exp(s - m).sum(-1, keepdim=True)
+            o = torch.exp(s - m) / l @ v
+            saved = m if save_max else m + torch.log(l)
+            extra = (l.squeeze(-1),) if save_row_sums else ()  # a second (batch, n_queries) tensor
+            ctx.save_for_backward(q, k, v, o, saved.squeeze(-1), *extra)
+            ctx.is_causal = is_causal
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, o, lse = ctx.saved_tensors[:5]
+            p = torch.exp(scores(q, k, ctx.is_causal) - lse[..., None])
+            dp = do @ v.transpose(-2, -1)
+            d_row = {"dO∘O": (do * o).sum(-1), "dO∘V": (do * v).sum(-1), "dO·Vᵀ": dp.sum(-1)}[delta]
+            ds = p * (dp - d_row[..., None]) * (1 / math.sqrt(q.shape[-1]) if scale_in_ds else 1.0)
+            return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ do, None
+
+    return Dense
 
 
 def test_references_pass(capsys):
@@ -53,10 +95,19 @@ def test_references_pass(capsys):
     check.softmax_intensity(lambda r, c, d: 5 / (2 * elem(d)))
     check.naive_attention(lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1) @ v)
     check.online_softmax(blockwise_softmax)
+    check.flash_forward(FlashAttentionPytorch)
+    check.flash_backward(FlashAttentionPytorch)
     check.flash_attention(flash_attention)  # the Triton kernel, checked against an fp64 reference
     check.classify_op(lambda f, b, p, bw, floor: ("framework overhead" if max(f / p, b / bw) < floor
                                                   else "math" if f / p >= b / bw else "memory"))
-    assert capsys.readouterr().out.count("✓ Exercise") == 6
+    assert capsys.readouterr().out.count("✓ Exercise") == 8
+
+
+@pytest.mark.slow
+def test_the_packaged_triton_backward_passes(capsys):
+    """The course's Triton FlashAttention-2 through the learner's check (~10 s in the interpreter)."""
+    check.flash_backward_triton(FlashAttentionTriton)
+    assert capsys.readouterr().out.count("✓ Exercise 8") == 1
 
 
 def test_the_references_the_checks_use_give_the_hand_computed_values():
@@ -74,7 +125,8 @@ def test_the_references_the_checks_use_give_the_hand_computed_values():
 
 
 @pytest.mark.parametrize("name", ["matmul_intensity", "softmax_intensity", "naive_attention", "online_softmax",
-                                  "flash_attention", "classify_op"])
+                                  "flash_forward", "flash_backward", "flash_attention", "flash_backward_triton",
+                                  "classify_op"])
 def test_placeholder_reads_not_attempted(name):
     with pytest.raises(NotAttempted, match="not attempted"):
         getattr(check, name)(unattempted)
@@ -215,7 +267,7 @@ def test_online_softmax_accepts_other_correct_blockwise_forms():
         return blockwise_softmax(x, block, combine=torch.max)
 
     def log_sum_exp(x, block):  # FlashAttention-2's form: a running log-sum-exp
-        lse = torch.full(x.shape[:-1], float("-inf"))
+        lse = torch.full(x.shape[:-1], float("-inf"), device=x.device)
         for s in range(0, x.shape[-1], block):
             lse = torch.logaddexp(lse, torch.logsumexp(x[..., s:s + block], dim=-1))
         return torch.exp(x - lse[..., None])
@@ -247,3 +299,62 @@ def test_classify_sum_instead_of_max_fails():
         return "math" if t_math >= t_mem else "memory"
 
     fails(check.classify_op, summed, "not their sum")
+
+
+def test_online_softmax_nan_on_a_fully_masked_first_block_fails():
+    fails(check.online_softmax, lambda x, b: blockwise_softmax(x, b, masked_safe=False), "first block fully masked",
+          "exp(−inf + inf)")
+
+
+def test_online_softmax_must_run_on_the_device_of_its_input():
+    fails(check.online_softmax, lambda x, b: blockwise_softmax(x, b, on_device=False), "device=x.device")
+
+
+def test_dense_attention_written_from_the_formulas_passes():
+    """The wrong answers below differ from this one by their mistake only (and it is not tiled: the
+    checks grade the results and the interface, as CS336's tests do)."""
+    check.flash_forward(dense_attention())
+    check.flash_backward(dense_attention())
+
+
+def test_lse_saved_as_max_only_fails_with_its_hint():
+    fails(check.flash_forward, dense_attention(save_max=True), "row maximum", "m + log(l)")
+    fails(check.flash_backward, dense_attention(save_max=True), "row maximum")
+
+
+def test_scale_forgotten_in_ds_fails_with_its_hint():
+    fails(check.flash_backward, dense_attention(scale_in_ds=False), "scale is forgotten in dS")
+
+
+@pytest.mark.parametrize("delta", ["dO∘V", "dO·Vᵀ"])
+def test_delta_from_v_instead_of_o_fails_with_its_hint(delta):
+    fails(check.flash_backward, dense_attention(delta=delta), "D = rowsum(dO ∘ O)")
+
+
+@pytest.mark.parametrize("diagonal", [-1, 1], ids=["diagonal excluded", "one key too many"])
+def test_causal_mask_off_by_one_fails_with_its_hint(diagonal):
+    fails(check.flash_forward, dense_attention(diagonal=diagonal), "causal mask is off by one")
+    fails(check.flash_backward, dense_attention(diagonal=diagonal), "causal mask is off by one")
+
+
+def test_fa2_interface_mistakes_fail_in_one_line():
+    def plain(q, k, v, is_causal=False):  # a function, not an autograd Function: no grad_fn of its own
+        with torch.no_grad():
+            return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1) @ v
+
+    fails(check.flash_forward, plain, "no grad_fn")
+
+    fails(check.flash_forward, dense_attention(save_row_sums=True), "saved 2 tensors of shape")
+    fails(check.flash_forward, lambda q, k, v, c: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=c),
+          "not your Function's")
+
+    class ThreeGrads(dense_attention()):
+        @staticmethod
+        def backward(ctx, do):
+            return dense_attention().backward(ctx, do)[:3]
+
+    fails(check.flash_backward, ThreeGrads, "(dQ, dK, dV, None)")
+
+
+def test_triton_backward_check_wants_the_math_in_kernels():
+    fails(check.flash_backward_triton, FlashAttentionPytorch, "ran in PyTorch")

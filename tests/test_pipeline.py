@@ -73,7 +73,7 @@ def test_two_cuda_stages_run_both_schedules():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs for CUDA stages, this machine has {torch.cuda.device_count()}")
     rows = pp.run(pp_config(PRESETS["tiny"]), 2, micro_batches=(2, 4), steps=1, warmup=1)
-    assert all(r["refused"] is None and 0 <= r["bubble"] < 1 and r["loss_diff"] < 1e-4 for r in rows)
+    assert all(r["refused"] is None and 0 <= r["bubble"] < 1 and r["loss_diff"] < 1e-4 for r in rows)  # not timed: a fraction's bounds
 
 
 def ideal_results(p: int, m: int, t_f: float = 1.0, t_b: float = 2.0) -> list[pp.PipelineResult]:

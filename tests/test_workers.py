@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 WORKERS = Path(__file__).resolve().parents[1] / "helpers" / "teraflops" / "workers"
-SHARED = {"__init__.py", "common.py"}  # no rank program: what the rank programs share
+SHARED = {"__init__.py", "common.py", "learner_code.py"}  # no rank program: what the rank programs share
 # programs that read a Spec but are no rank of the course's launcher, so there is no rank's result file to
 # write_result into: the Result goes to the path their Spec names (wire.write)
 DRIVERS = {"ray_train.py": "Ray Train's driver, run once in node 0 by `cluster exec`; Ray starts the ranks",

@@ -1,7 +1,10 @@
 """Checks for Unit 1 (Model definition). Each takes the learner's function and nothing else.
 
 References: :mod:`teraflops.model_definition.roofline` (intensities), :mod:`teraflops.model_definition.attention` (SDPA as the
-reference attention), :mod:`teraflops.model_definition.profiling` (the verdict rule).
+reference attention), :mod:`teraflops.model_definition.profiling` (the verdict rule). FlashAttention-2's forward and
+backward (Exercises 5, 6 and 8) are checked against fp64 attention and its gradients written out densely
+(:func:`_dense64`), whose knobs also model the plausible mistakes each hint names; the packaged answers are
+:mod:`teraflops.model_definition.flash_pytorch` and :class:`teraflops.model_definition.flash_triton.FlashAttentionTriton`.
 """
 
 from __future__ import annotations
@@ -175,6 +178,9 @@ def online_softmax(fn) -> None:
         ("block wider than the row", torch.randn(2, 10, generator=g), 32),
         ("large values", torch.randn(3, 130, generator=g) * 1000, 32),
         ("very negative rows", torch.randn(3, 70, generator=g) * 10 - 200, 16),  # exp(x - 0) underflows to 0
+        # masked keys (−inf): the first block of a row wholly masked makes exp(m − m_new) = exp(−inf + inf)
+        ("first block fully masked", torch.randn(3, 50, generator=g).index_fill(1, torch.arange(16), float("-inf")), 16),
+        ("a masked block in the middle", torch.randn(2, 48, generator=g).index_fill(1, torch.arange(16, 32), float("-inf")), 16),
     ]
     for name, x, block in cases:
         x_in = x.clone()
@@ -191,12 +197,217 @@ def online_softmax(fn) -> None:
         # fp32 rounding of a correct answer: x − m loses up to one ulp of |x| (1.5e-5 near 200)
         if not math.isnan(err) and ((out.double() - want).abs() <= 1e-6 + 3e-5 * want.abs()).all():
             continue
+        if math.isnan(err) and "masked" in name:
+            fail(f"NaN on '{name}' (block_size={block}). Hint: while a row has seen only −inf, m = m_new = −inf "
+                 "and exp(m − m_new) = exp(−inf + inf) is NaN: subtract 0 instead of −inf for such rows "
+                 "(m_safe = torch.where(m_new == -inf, 0, m_new)), as torch.softmax does")
         if math.isnan(err):
             fail(f"NaN/inf on '{name}' (block_size={block}). Hint: exp(x - m) with m the running maximum "
                  "never overflows, and never divides 0 by 0; start m at -inf and l at 0")
         fail(f"max error {err:.2e} on '{name}' (block_size={block}). Hint: " + reveal(
             "when a block raises the running max, the sum so far was taken against the old max and must be rescaled",
             "l = l·exp(m − m_new) + Σ exp(x_block − m_new); start m at -inf, not 0"))
+    _runs_on_the_device_of_its_input(fn)
+
+
+def _runs_on_the_device_of_its_input(fn) -> None:
+    """On a ``meta`` tensor (shapes and dtypes, no data: any machine has that device) the answer must
+    come back on ``meta``; running state made without ``device=x.device`` lands on the CPU and fails
+    there exactly as it would against a CUDA input."""
+    x = torch.empty(3, 40, device="meta")
+    try:
+        out = fn(x, 16)
+        wrong = None if isinstance(out, torch.Tensor) and out.device == x.device else getattr(out, "device", type(out))
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:  # reached only after the values passed
+        wrong = f"an error ({type(e).__name__})"
+    if wrong is not None:
+        fail(f"on an input on device 'meta' (as on 'cuda') it gave {wrong}. Hint: create the running max and "
+             "sum on the input's device: torch.full(..., device=x.device), torch.zeros(..., device=x.device)")
+
+
+# --- FlashAttention-2 forward and backward as an autograd Function (Exercises 5, 6 and 8) ---------
+
+# (shape, is_causal): (batch, n, d) and (batch, heads, n, d); lengths that no power-of-two tile divides
+_FA2_CASES = [((2, 17, 16), False), ((2, 100, 64), True), ((1, 2, 128, 16), True), ((1, 2, 257, 64), False)]
+
+
+def _apply(fn):
+    """The learner's ``torch.autograd.Function`` subclass (called through ``.apply``), or any callable
+    ``(q, k, v, is_causal) -> O``."""
+    if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
+        return fn.apply
+    return fn
+
+
+def _dense64(q, k, v, do, causal, diagonal=0, lse_as_max=False, scale_in_ds=True, delta="dO∘O"):
+    """fp64 attention and its gradients, written out densely (FlashAttention-2, Dao 2023,
+    arXiv:2307.08691, eqs. of §2.2), or a plausible mistake: a causal mask shifted by ``diagonal``
+    (query i sees keys j ≤ i + diagonal), the row max saved instead of the log-sum-exp
+    (``lse_as_max``), the scale left out of dQ and dK (``scale_in_ds=False``), or D taken from V
+    (``delta``: ``"dO∘V"`` = rowsum(dO ∘ V), ``"dO·Vᵀ"`` = rowsum(dO Vᵀ)) instead of rowsum(dO ∘ O).
+    Returns ``(O, L, dQ, dK, dV)`` (L: what the backward reads, the log-sum-exp or the max)."""
+    q, k, v, do = (t.detach().double().cpu() for t in (q, k, v, do))
+    scale = 1 / math.sqrt(q.shape[-1])
+    s = q @ k.transpose(-2, -1) * scale
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        s = s.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool).triu(1 + diagonal), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    o = torch.softmax(s, -1) @ v
+    saved = s.amax(-1) if lse_as_max else lse
+    p = torch.exp(s - saved[..., None])
+    dv = p.transpose(-2, -1) @ do
+    dp = do @ v.transpose(-2, -1)
+    d_row = {"dO∘O": (do * o).sum(-1), "dO∘V": (do * v).sum(-1), "dO·Vᵀ": dp.sum(-1)}[delta]
+    ds = p * (dp - d_row[..., None]) * (scale if scale_in_ds else 1.0)
+    return o, saved, ds @ k, ds.transpose(-2, -1) @ q, dv
+
+
+def _near(got, want, tol) -> bool:
+    """``got`` within ``tol`` of ``want`` wherever ``want`` is finite (rows a mistake leaves empty are
+    NaN there), and finite itself there."""
+    want = want.to(got.device)
+    ok = torch.isfinite(want)
+    return bool(ok.any()) and max_error(got.double()[ok], want[ok]) <= tol
+
+
+def _fa2_inputs(shape, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(*shape, generator=g).to(device=device, dtype=dtype) for _ in range(4))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
+def _forward_checked(fn, shape, causal, dtype, device, tol, seed):
+    """Run the learner's forward on one case and check O and the saved log-sum-exp; returns
+    ``(q, k, v, do, O)`` with O still attached to the learner's backward."""
+    q, k, v, do = _fa2_inputs(shape, dtype, device, seed)
+    what = f"shape {shape}{', causal' if causal else ''}"
+    ops = count_ops(lambda: _apply(fn)(q, k, v, causal))
+    if any("scaled_dot_product" in op for op in ops):
+        fail("it calls scaled_dot_product_attention; build the tiles yourself (this exercise is the algorithm)")
+    o = expect_tensor(f"output ({what})", _apply(fn)(q, k, v, causal), shape, dtype)
+    if o.grad_fn is None:
+        fail(f"the output ({what}) has no grad_fn: call your class through `.apply(q, k, v, is_causal)` "
+             "and return O from `forward` (subclass torch.autograd.Function)")
+    want_o, want_lse, *_ = _dense64(q, k, v, do, causal)
+    err = max_error(o, want_o.to(o.device))  # the reference is computed on the CPU, in fp64
+    if not err <= tol:  # NaN included
+        if causal and any(_near(o, _dense64(q, k, v, do, causal, diagonal=dg)[0], tol) for dg in (-1, 1)):
+            fail(f"max error {err:.2e} against the reference ({what}). Hint: the causal mask is off by one: "
+                 "query i attends to keys j ≤ i, the diagonal included (mask j > i, not j ≥ i or j > i + 1)")
+        if math.isnan(err):
+            fail(f"output has NaN or inf ({what}). Hint: a row whose keys are all masked so far has m = −inf, "
+                 "and exp(m − m_new) = exp(−inf + inf) is NaN: subtract 0 instead of −inf for such rows")
+        fail(f"max error {err:.2e} against the reference ({what}, tolerance {tol:g}). Hint: " + reveal(
+            "check the online softmax on each tile (Exercise 4) and the causal mask of the tiles on the diagonal",
+            "for each key tile: s = q kᵀ/√d (−inf where j > i), m_new = max(m, rowmax s), "
+            "l = l·exp(m − m_new) + rowsum exp(s − m_new), acc = acc·exp(m − m_new) + exp(s − m_new) v; O = acc / l"))
+    if not hasattr(o.grad_fn, "saved_tensors"):  # only a torch.autograd.Function's node has them
+        fail(f"the output's grad_fn is PyTorch's own {type(o.grad_fn).__name__}, not your Function's: compute O "
+             "inside `forward` of a torch.autograd.Function subclass, save L there, and return O")
+    rows = tuple(shape[:-1])
+    saved = [t for t in o.grad_fn.saved_tensors if tuple(t.shape) == rows]
+    if len(saved) != 1:
+        fail(f"forward saved {len(saved)} tensors of shape {rows} (batch, n_queries) with "
+             "ctx.save_for_backward; save exactly one there, the log-sum-exp L of each row")
+    lse_err = max_error(saved[0], want_lse.to(saved[0].device))
+    if not lse_err <= max(tol, 1e-4):
+        if _near(saved[0], _dense64(q, k, v, do, causal, lse_as_max=True)[1], max(tol, 1e-4)):
+            fail(f"the saved L is the row maximum ({what}), not the log-sum-exp. Hint: save L = m + log(l): "
+                 "the backward rebuilds P = exp(S − L), which is only normalised with l folded in")
+        fail(f"the saved L is {lse_err:.2e} from logsumexp of the scaled scores ({what}). Hint: " + reveal(
+            "save the log-sum-exp of each row, in natural log, of the *scaled* (and masked) scores",
+            "L = m + log(l) after the last key tile"))
+    return q, k, v, do, o
+
+
+def _check_forward(fn, dtype, device, tol) -> None:
+    for seed, (shape, causal) in enumerate(_FA2_CASES):
+        _forward_checked(fn, shape, causal, dtype, device, tol, seed)
+
+
+_GRAD_MISTAKES = [
+    (dict(lse_as_max=True), "P rebuilt as exp(S − m) with the row max is not normalised: the forward must save "
+                            "L = m + log(l) and the backward use P = exp(S − L)"),
+    (dict(scale_in_ds=False), "the scale is forgotten in dS: S = Q Kᵀ · scale, so dQ = dS K · scale and "
+                              "dK = dSᵀ Q · scale"),
+    (dict(delta="dO∘V"), "D is computed from dO and V: D = rowsum(dO ∘ O), the output O, not V"),
+    (dict(delta="dO·Vᵀ"), "D is computed from dO·Vᵀ (that is rowsum(dP), over all keys): D = rowsum(dO ∘ O)"),
+    (dict(diagonal=-1), "the causal mask is off by one: query i attends to keys j ≤ i, the diagonal included"),
+    (dict(diagonal=1), "the causal mask is off by one: query i attends to keys j ≤ i, not j ≤ i + 1"),
+]
+
+
+def _check_backward(fn, dtype, device, tol, triton_only=False) -> None:
+    """The forward as :func:`_check_forward`, then dQ, dK, dV against the fp64 reference; a mismatch
+    names the first plausible mistake that reproduces every gradient of that case."""
+    for seed, (shape, causal) in enumerate(_FA2_CASES):
+        q, k, v, do, o = _forward_checked(fn, shape, causal, dtype, device, tol, seed)
+        what = f"shape {shape}{', causal' if causal else ''}"
+        ops = count_ops(lambda: o.backward(do, retain_graph=True))
+        if triton_only:
+            torch_math = sorted(op for op in ops if op in {"mm", "bmm", "matmul", "exp", "addmm", "baddbmm"})
+            if torch_math:
+                fail(f"the backward math ran in PyTorch ({', '.join(torch_math)}), not in your Triton kernels")
+        grads = [t.grad for t in (q, k, v)]
+        if any(g is None for g in grads):
+            fail(f"backward returned no gradient for {', '.join(n for n, g in zip('qkv', grads) if g is None)}: "
+                 "return (dQ, dK, dV, None), one per input of forward")
+        for name, g, t in zip(("dQ", "dK", "dV"), grads, (q, k, v)):
+            expect_tensor(f"{name} ({what})", g, tuple(t.shape), dtype)
+        want = _dense64(q, k, v, do, causal)[2:]
+        errs = [max_error(g, w.to(g.device)) for g, w in zip(grads, want)]
+        if all(e <= tol for e in errs):
+            continue
+        worst = max(range(3), key=lambda i: errs[i] if not math.isnan(errs[i]) else math.inf)
+        head = f"{('dQ', 'dK', 'dV')[worst]} is {errs[worst]:.2e} from the reference ({what}, tolerance {tol:g})"
+        if any(math.isnan(e) for e in errs):
+            fail(f"{head}: NaN or inf. Hint: rows with L = −inf (no key seen) must give P = 0, not exp(−inf + inf)")
+        for knobs, hint in _GRAD_MISTAKES:
+            if "diagonal" in knobs and not causal:
+                continue
+            mistaken = _dense64(q, k, v, do, causal, **knobs)[2:]
+            if all(_near(g, w, tol) for g, w in zip(grads, mistaken)) or (
+                    "scale_in_ds" in knobs and errs[2] <= tol
+                    and any(_near(grads[i], mistaken[i], tol) for i in (0, 1))):
+                fail(f"{head}. Hint: {hint}")
+        fail(f"{head}. Hint: " + reveal(
+            "recompute P per tile from L, then dV, dP, D, dS, dQ and dK in that order",
+            "P = exp(S − L); dV += Pᵀ dO; dP = dO Vᵀ; D = rowsum(dO ∘ O); dS = P ∘ (dP − D); "
+            "dQ += dS K · scale; dK += dSᵀ Q · scale"))
+
+
+@exercise(5, "FlashAttention-2 forward in PyTorch")
+def flash_forward(fn) -> None:
+    """``fn``: a ``torch.autograd.Function`` subclass; ``fn.apply(q, k, v, is_causal)`` on (batch, n, d)
+    and (batch, heads, n, d) fp32 CPU tensors returns O (within 1e-4 of an fp64 reference) and saves
+    exactly one tensor of shape (batch, n_queries) (per head), the log-sum-exp (within 1e-4)."""
+    _check_forward(fn, torch.float32, "cpu", 1e-4)
+
+
+@exercise(6, "FlashAttention-2 backward in PyTorch")
+def flash_backward(fn) -> None:
+    """``fn`` as for :func:`flash_forward`; its backward's dQ, dK, dV within 1e-4 of an fp64 reference
+    (SDPA's autograd gradients, computed without rounding), causal and not."""
+    _check_backward(fn, torch.float32, "cpu", 1e-4)
+
+
+@exercise(8, "FlashAttention-2 backward in Triton")
+def flash_backward_triton(fn) -> None:
+    """``fn`` as for :func:`flash_backward`, with the backward's math in Triton kernels: fp32 within 1e-4
+    under the interpreter (CPU); fp16 within 1e-2 compiled on a GPU (dQ and dK sum N rounded products)."""
+    device, dtype, _ = kernel_setting()
+    _check_backward(fn, dtype, device, 1e-4 if dtype == torch.float32 else 1e-2, triton_only=True)
+
+
+flash_forward.__wrapped__.hints = flash_backward.__wrapped__.hints = {
+    "unexpected keyword argument 'is_causal'": "forward(ctx, q, k, v, is_causal=False) takes is_causal by position: "
+                                                "call it as .apply(q, k, v, is_causal)",
+    "returned an incorrect number of gradients": "backward returns one gradient per input of forward: "
+                                                 "(dQ, dK, dV, None), None for is_causal",
+}
+flash_backward_triton.__wrapped__.hints = {**flash_backward.__wrapped__.hints, **{
+    "must be Tensor, not tensor": "inside a @triton.jit kernel use triton.language (tl.exp, tl.sum, tl.dot), not torch"}}
 
 
 _TORCH_MATH = {"mm", "bmm", "addmm", "baddbmm", "matmul", "_softmax", "softmax", "exp", "div", "mul"}
@@ -208,7 +419,7 @@ _KERNEL_HINTS = {
 }
 
 
-@exercise(5, "FlashAttention forward kernel in Triton")
+@exercise(7, "FlashAttention forward kernel in Triton")
 def flash_attention(fn) -> None:
     """``fn(q, k, v) -> out`` built on the learner's Triton kernel; compared with SDPA.
 
@@ -244,7 +455,7 @@ def flash_attention(fn) -> None:
 flash_attention.__wrapped__.hints = _KERNEL_HINTS
 
 
-# Cases for Exercise 6: (name, FLOPs, bytes, (peak FLOP/s, bandwidth B/s, launch floor s), why).
+# Cases for Exercise 9 (classify_op): (name, FLOPs, bytes, (peak FLOP/s, bandwidth B/s, launch floor s), why).
 _GPU = (100e12, 2e12, 5e-6)  # an imaginary GPU: 100 TFLOP/s, 2 TB/s, 5 µs floor
 _CPU = (1e11, 1e10, 2e-6)  # a CPU-like machine: 100 GFLOP/s, 10 GB/s, 2 µs floor
 _CLASSIFY_CASES = [
@@ -264,7 +475,7 @@ _CLASSIFY_CASES = [
 ]
 
 
-@exercise(6, "math, memory or framework overhead")
+@exercise(9, "math, memory or framework overhead")
 def classify_op(fn) -> None:
     """``fn(flops, nbytes, peak_flops, bandwidth, launch_floor) -> "math" | "memory" | "framework overhead"``."""
     for name, flops, nbytes, (peak, bw, floor), why in _CLASSIFY_CASES:

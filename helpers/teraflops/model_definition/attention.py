@@ -8,6 +8,11 @@ Three implementations of ``softmax(Q Kᵀ / √d) V`` for ``(batch, heads, seq_l
   (flash, memory-efficient, cuDNN or math); :func:`sdpa_backend` reports which one actually ran;
 * ``triton``: the course's own FlashAttention forward kernel (:mod:`teraflops.model_definition.flash_triton`).
 
+:func:`training_sweep` times forward *and* backward (what training pays) for naive attention, the
+course's FlashAttention-2 autograd Functions (tiled PyTorch, :mod:`teraflops.model_definition.flash_pytorch`,
+and Triton) and SDPA: autograd saves naive attention's ``N × N`` probabilities for the backward
+pass and builds two more ``N × N`` gradients there; FlashAttention-2 saves one log-sum-exp per row.
+
 Models shown next to the measurements (Dao et al. 2022, "FlashAttention: Fast and
 Memory-Efficient Exact Attention with IO-Awareness", arXiv:2205.14135):
 
@@ -34,7 +39,8 @@ from teraflops import widgets
 from teraflops.errors import DTypeError, ShapeError
 from teraflops.machine import triton_mode
 from teraflops.memory import peak_memory
-from teraflops.model_definition.flash_triton import flash_attention
+from teraflops.model_definition.flash_pytorch import FlashAttentionPytorch
+from teraflops.model_definition.flash_triton import FlashAttentionTriton, flash_attention
 from teraflops.tables import table
 from teraflops.timing import benchmark, format_seconds
 
@@ -210,6 +216,99 @@ def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torc
     return results
 
 
+# --- forward + backward ------------------------------------------------------------------------
+
+TRAINING_IMPLS = ("naive", "flash2-pytorch", "flash2-triton", "sdpa")
+TRAINING_FUNCS = {
+    "naive": naive_attention,
+    "flash2-pytorch": lambda q, k, v, causal=False: FlashAttentionPytorch.apply(q, k, v, causal),
+    "flash2-triton": lambda q, k, v, causal=False: FlashAttentionTriton.apply(q, k, v, causal),
+    "sdpa": sdpa,
+}
+
+
+def training_flops(batch: int, heads: int, seq_len: int, head_dim: int) -> float:
+    """FLOPs of attention's forward plus backward: the forward's two matmuls (4·B·H·N²·d) and the
+    backward's five (dV, dP, dQ, dK and the recomputed S: 10·B·H·N²·d), the FlashAttention-2 paper's
+    convention (Dao 2023, §4.1: backward counted as 2.5× the forward)."""
+    return 3.5 * 4 * batch * heads * seq_len**2 * head_dim
+
+
+def training_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: str,
+                   impls=TRAINING_IMPLS, min_run_time: float = 0.1, causal: bool = False,
+                   progress: bool = True, tiled_pytorch_max_n: int = 4096) -> list[AttentionResult]:
+    """Time and peak memory of one forward + backward step (``out.backward(dO)``) of each
+    implementation at each sequence length.
+
+    Returns :class:`AttentionResult` per (impl, N): ``seconds`` per step, ``peak_bytes`` above the
+    inputs during the step (the saved activations, the backward's temporaries and the three
+    gradients), ``max_error`` the largest |dQ, dK, dV − SDPA's| in the input dtype. An out-of-memory
+    error is a data point, as in :func:`attention_sweep`. Under the Triton interpreter the Triton
+    step is run twice only (memory, then time): one call takes seconds there. ``flash2-pytorch`` is
+    left out above ``tiled_pytorch_max_n``: its Python loop visits (N/64)² tile pairs, a million at
+    N = 65,536.
+    """
+    from tqdm.auto import tqdm
+
+    results = []
+    bar = tqdm(total=len(seq_lens) * len(impls), desc="forward+backward sweep", disable=not progress)
+    for n in seq_lens:
+        g = torch.Generator(device=device).manual_seed(n)
+        q, k, v, do = (torch.randn(batch, heads, n, head_dim, device=device, dtype=dtype, generator=g) for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+        def step(fn):
+            for t in (q, k, v):
+                t.grad = None
+            fn(q, k, v, causal).backward(do)
+            return [t.grad for t in (q, k, v)]
+
+        ref = [t.detach().clone() for t in step(sdpa)]
+        for impl in impls:
+            if impl == "flash2-pytorch" and n > tiled_pytorch_max_n:
+                bar.update()
+                continue
+            fn = TRAINING_FUNCS[impl]
+            bar.set_postfix(N=n, impl=impl)
+            oom = False
+            try:
+                slow = impl == "flash2-triton" and triton_mode() == "interpreter"
+                if not slow:
+                    step(fn)  # warm-up: compiling, autotuning, the allocator's first blocks
+                peak, grads = peak_memory(lambda: step(fn), device)
+                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, ref))
+                del grads
+                t = benchmark(lambda: step(fn), min_run_time=0.0 if slow else min_run_time, warmup=0)
+                results.append(AttentionResult(impl, n, t.median, peak, err))
+            except Exception as e:  # noqa: BLE001 - only OOM is a data point; everything else re-raises
+                if not is_oom(e):
+                    raise
+                results.append(AttentionResult(impl, n, None, None, None, oom=True))
+                oom = True
+            if oom:
+                release_cached_memory(device)
+            bar.update()
+        del q, k, v, do, ref
+        if device == "cuda":
+            release_cached_memory(device)
+    bar.close()
+    return results
+
+
+def training_table(results: list[AttentionResult], batch: int, heads: int, head_dim: int) -> str:
+    """Per N and implementation: forward+backward time, TFLOP/s (:func:`training_flops`), measured peak
+    MiB and the max gradient error against SDPA."""
+    rows = []
+    for r in results:
+        if r.oom:
+            rows.append((r.seq_len, r.impl, "OOM", "-", "OOM", "-"))
+        else:
+            rows.append((r.seq_len, r.impl, format_seconds(r.seconds),
+                         training_flops(batch, heads, r.seq_len, head_dim) / r.seconds / 1e12,
+                         r.peak_bytes / 2**20, f"{r.max_error:.1e}"))
+    return table(rows, ["N", "impl", "fwd+bwd time", "TFLOP/s", "peak MiB", "max grad err"])
+
+
 def sweep_table(results: list[AttentionResult], batch: int, heads: int, head_dim: int, elem_bytes: int) -> str:
     """Per N and implementation: time, TFLOP/s, measured peak MiB, modelled peak MiB, max error."""
     rows = []
@@ -232,8 +331,10 @@ def memory_ratio(results: list[AttentionResult], seq_len: int, flash_impl: str =
     return a.peak_bytes / b.peak_bytes
 
 
-def plot_sweep(results: list[AttentionResult], batch: int, heads: int, head_dim: int, elem_bytes: int):
-    """Two panels against N: time per call and peak memory (OOM drawn as ×), with the memory models."""
+def plot_sweep(results: list[AttentionResult], batch: int, heads: int, head_dim: int, elem_bytes: int,
+               models: bool = True):
+    """Two panels against N: time per call and peak memory (OOM drawn as ×), with the forward's memory
+    models unless ``models`` is False (a forward+backward sweep has no model drawn)."""
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
@@ -247,8 +348,11 @@ def plot_sweep(results: list[AttentionResult], batch: int, heads: int, head_dim:
                 ax_m.plot([r.seq_len], [max(x.peak_bytes for x in ok) / 2**20 if ok else 1], "x",
                           color=line.get_color(), ms=12, mew=3, label=f"{impl}: out of memory")
     ns = sorted({r.seq_len for r in results})
-    ax_m.loglog(ns, [naive_peak_bytes(batch, heads, n, head_dim, elem_bytes) / 2**20 for n in ns], "k:", label="model: naive (2 N² + Nd)")
-    ax_m.loglog(ns, [flash_peak_bytes(batch, heads, n, head_dim, elem_bytes) / 2**20 for n in ns], "k--", label="model: flash (Nd + N)")
+    if models:
+        ax_m.loglog(ns, [naive_peak_bytes(batch, heads, n, head_dim, elem_bytes) / 2**20 for n in ns], "k:",
+                    label="model: naive (2 N² + Nd)")
+        ax_m.loglog(ns, [flash_peak_bytes(batch, heads, n, head_dim, elem_bytes) / 2**20 for n in ns], "k--",
+                    label="model: flash (Nd + N)")
     for ax in (ax_t, ax_m):
         ax.set_xticks(ns, [f"{n:,}" for n in ns])
         ax.minorticks_off()

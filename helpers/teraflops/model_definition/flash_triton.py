@@ -1,4 +1,4 @@
-"""The course's FlashAttention forward kernel, written in Triton.
+"""The course's FlashAttention kernels, forward and backward, written in Triton.
 
 Standard attention computes ``S = Q Kᵀ``, ``P = softmax(S)`` and ``O = P V`` as three separate
 passes, so the N×N matrices ``S`` and ``P`` are written to and read back from HBM: its HBM traffic
@@ -35,7 +35,14 @@ Implementation notes:
   strictly below the diagonal need no mask, and only the diagonal tile is masked.
 * Sequence lengths that are not a multiple of the tile sizes are handled with masks.
 
-On a GPU the kernel is compiled and autotuned over a few tile shapes; on a CPU-only machine
+The backward pass (FlashAttention-2, Algorithm 2; :func:`_backward`) rebuilds ``P = exp(S − L)``
+tile by tile from the saved log-sum-exp ``L``, with ``D = rowsum(dO ∘ O)``: one kernel per key tile
+accumulates dK and dV, one per query tile accumulates dQ (no atomics). Its tile sizes come from the
+device's shared memory (:func:`backward_tiles`). :class:`FlashAttentionTriton` packages forward and
+backward as a ``torch.autograd.Function`` (the interface of
+:class:`teraflops.model_definition.flash_pytorch.FlashAttentionPytorch`).
+
+On a GPU the forward kernel is compiled and autotuned over a few tile shapes; on a CPU-only machine
 ``teraflops`` runs it in Triton's interpreter (NumPy, one program instance at a time), which is
 exact but slow, and supports fp32 only.
 """
@@ -54,7 +61,7 @@ import triton.language as tl  # noqa: E402
 
 from teraflops.errors import DTypeError, ShapeError, expect_shape  # noqa: E402
 
-__all__ = ["flash_attention", "flops"]
+__all__ = ["FlashAttentionTriton", "flash_attention", "flops"]
 
 # Tile sizes under the interpreter: the ones a GPU would use for d = 64 (128 query rows, 64 keys),
 # so that on a CPU, too, no program ever holds more than a 128×64 tile of scores; the point of the
@@ -220,7 +227,7 @@ def fitting_configs(configs, head_dim: int, elem_bytes: int, smem_budget: int, k
     block (64 KiB on a T4 (sm75), 99 KiB on an L4/A10/RTX 4090, 163 KiB on an A100, 227 KiB on an
     H100): the tile shapes whose tiles fit in 90 % of it, at most ``keep`` of them (the listed
     order is best-first, so autotuning a new length times a few kernels, not 11), or the
-    smallest one if none fits. ``configs``: ``triton.Config``\ s (or objects with ``.kwargs``
+    smallest one if none fits. ``configs``: ``triton.Config`` objects (or objects with ``.kwargs``
     ``BLOCK_M``/``BLOCK_N`` and ``.num_stages``)."""
     def smem(c):
         return tile_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, head_dim, elem_bytes)
@@ -427,3 +434,215 @@ def flops(batch: int, heads: int, seq_len: int, head_dim: int, causal: bool = Fa
     """
     f = 4.0 * batch * heads * seq_len * seq_len * head_dim
     return f / 2 if causal else f
+
+
+# --- the backward pass (FlashAttention-2, Algorithm 2) ---------------------------------------
+#
+# Three kernels, as in FlashAttention-2: ``D = rowsum(dO ∘ O)`` per query row first; then one
+# program per key tile accumulates that tile's dK and dV on chip over every query tile that can see
+# it; then one program per query tile accumulates its dQ over the key tiles. Splitting dQ from
+# dK/dV costs a second recomputation of P but needs no atomic adds. Each pair of tiles rebuilds the
+# probabilities from the saved log-sum-exp, P = exp(S − L), so no N×N matrix is ever stored.
+# Every tile is masked (end of sequence, causal): simpler than the forward's split into masked and
+# unmasked loops, at the cost of a few masked selects per tile.
+
+@triton.jit
+def _flash_bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
+                          stride_dob, stride_doh, stride_don, stride_dod, H, N_CTX,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``DELTA[bh, i] = Σ_d dO[i, d] · O[i, d]`` (fp32, contiguous (batch · H, N_CTX))."""
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < N_CTX
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+                mask=row_ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don
+                 + offs_d[None, :] * stride_dod, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + off_bh.to(tl.int64) * N_CTX + offs_m, tl.sum(o * do, 1), mask=offs_m < N_CTX)
+
+
+@triton.jit
+def _flash_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
+                    stride_b, stride_h, stride_n, stride_d, H, N_CTX,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One program = one tile of ``BLOCK_N`` keys of one (batch, head): its dK and dV.
+
+    All of Q, K, V, dO, dK, dV are contiguous (batch, H, N_CTX, HEAD_DIM) with the same strides;
+    LSE and DELTA contiguous fp32 (batch · H, N_CTX). Grid ``(cdiv(N_CTX, BLOCK_N), batch · H)``.
+    """
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bh = tl.program_id(1)
+    base = (off_bh // H).to(tl.int64) * stride_b + (off_bh % H).to(tl.int64) * stride_h
+    row_base = off_bh.to(tl.int64) * N_CTX
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_n < N_CTX
+    kv_off = offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
+    k = tl.load(K + base + kv_off, mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + base + kv_off, mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    # query rows before start_n see none of these keys when causal
+    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    for start_m in range(lo, N_CTX, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < N_CTX
+        q_off = offs_m[:, None] * stride_n + offs_d[None, :] * stride_d
+        q = tl.load(Q + base + q_off, mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + base + q_off, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
+        # mechanism: backward tile
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_N)
+        keep = row_ok[:, None] & col_ok[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt from the log-sum-exp
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=INPUT_PRECISION)  # dV += Pᵀ dO
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)  # dP = dO Vᵀ
+        ds = p * (dp - delta[:, None])  # dS = P ∘ (dP − D), D = rowsum(dO ∘ O)
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=INPUT_PRECISION)  # dK += dSᵀ Q
+        # end mechanism
+    dk = dk * sm_scale  # S = Q Kᵀ · scale: the scale comes back in dK (and dQ)
+    tl.store(DK + base + kv_off, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + base + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _flash_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
+                  stride_b, stride_h, stride_n, stride_d, H, N_CTX,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One program = one tile of ``BLOCK_M`` query rows of one (batch, head): its dQ.
+
+    Layouts as :func:`_flash_bwd_dkdv`. Grid ``(cdiv(N_CTX, BLOCK_M), batch · H)``.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    base = (off_bh // H).to(tl.int64) * stride_b + (off_bh % H).to(tl.int64) * stride_h
+    row_base = off_bh.to(tl.int64) * N_CTX
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N_CTX
+    q_off = offs_m[:, None] * stride_n + offs_d[None, :] * stride_d
+    q = tl.load(Q + base + q_off, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + base + q_off, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    hi = tl.minimum(start_m + BLOCK_M, N_CTX) if CAUSAL else N_CTX  # later keys: masked for every row
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < N_CTX
+        kv_off = offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
+        k = tl.load(K + base + kv_off, mask=col_ok[:, None], other=0.0)
+        v = tl.load(V + base + kv_off, mask=col_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale
+        keep = row_ok[:, None] & col_ok[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)  # dQ += dS K
+    tl.store(DQ + base + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# (BLOCK_M, BLOCK_N, num_warps), best first. The backward keeps four tiles on chip per program (Q
+# and dO of BLOCK_M rows, K and V of BLOCK_N rows, double-buffered) plus two fp32 accumulators, so
+# its tiles are smaller than the forward's.
+_BWD_CONFIGS = [(64, 64, 4), (64, 32, 4), (32, 32, 4), (16, 16, 2)]
+
+
+def backward_smem_bytes(block_m: int, block_n: int, head_dim: int, elem_bytes: int, stages: int = 2) -> int:
+    """Shared memory of one backward program's tiles (bytes): Q, dO, K and V tiles, ``stages`` deep,
+    ``elem_bytes · head_dim · 2 · (BLOCK_M + BLOCK_N) · stages``. A lower bound, as
+    :func:`tile_smem_bytes`."""
+    return elem_bytes * head_dim * 2 * (block_m + block_n) * stages
+
+
+def backward_tiles(head_dim: int, elem_bytes: int, smem_budget: int | None, n_ctx: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of the backward kernels for a device with ``smem_budget``
+    bytes of shared memory per block (None: the interpreter, where the first config is used): the
+    first of ``_BWD_CONFIGS`` whose tiles fit in 90 % of it, else the smallest; tiles no longer than
+    the sequence rounded up to a power of two (at least 16, what ``tl.dot`` needs)."""
+    fits = [c for c in _BWD_CONFIGS if smem_budget is None
+            or backward_smem_bytes(c[0], c[1], head_dim, elem_bytes) <= 0.9 * smem_budget]
+    bm, bn, warps = (fits or _BWD_CONFIGS[-1:])[0]
+    cap = max(16, triton.next_power_of_2(n_ctx))
+    return min(bm, cap), min(bn, cap), warps
+
+
+def _backward(q, k, v, o, lse, do, causal: bool, sm_scale: float, block_m: int | None = None,
+              block_n: int | None = None):
+    """Launch the three backward kernels; returns (dQ, dK, dV) in the inputs' dtype and shape.
+
+    q, k, v, o, do: (batch, H, N, d), already checked; lse: (batch, H, N) fp32 from :func:`_forward`.
+    ``block_m``/``block_n`` force tile sizes (tests); by default :func:`backward_tiles` on q's device.
+    """
+    B, H, N, D = q.shape
+    q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0:
+        return dq, dk, dv
+    compiled = _machine.triton_mode() == "compiled"
+    bm, bn, warps = backward_tiles(D, q.element_size(), _smem_budget_bytes(q.device) if compiled else None, N)
+    bm, bn = block_m or bm, block_n or bn
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    lse = lse.contiguous()
+    delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    launch = dict(num_warps=warps) if compiled else {}
+    strides = (*q.stride(),)
+    meta = dict(HEAD_DIM=D, CAUSAL=bool(causal), INPUT_PRECISION=precision, **launch)
+    with torch.cuda.device(q.device) if q.is_cuda else _nullcontext():
+        _flash_bwd_preprocess[(triton.cdiv(N, bm), B * H)](o, do, delta, *o.stride(), *do.stride(), H, N,
+                                                           HEAD_DIM=D, BLOCK_M=bm, **launch)
+        _flash_bwd_dkdv[(triton.cdiv(N, bn), B * H)](q, k, v, do, lse, delta, dk, dv, float(sm_scale),
+                                                     *strides, H, N, BLOCK_M=bm, BLOCK_N=bn, **meta)
+        _flash_bwd_dq[(triton.cdiv(N, bm), B * H)](q, k, v, do, lse, delta, dq, float(sm_scale),
+                                                   *strides, H, N, BLOCK_M=bm, BLOCK_N=bn, **meta)
+    return dq, dk, dv
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 forward and backward in Triton, as an autograd Function.
+
+    ``FlashAttentionTriton.apply(q, k, v, is_causal=False)``: q, k, v of shape (batch, n, d) or
+    (batch, heads, n, d), one shape, dtype and device (see :func:`flash_attention` for what each
+    mode accepts). Returns O of that shape and dtype; saves q, k, v, O and the log-sum-exp, fp32 of
+    shape (batch, n) (or (batch, heads, n)), the only saved tensor of that shape. ``backward``
+    returns dQ, dK, dV (and None for ``is_causal``).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):
+        three_d = q.dim() == 3
+        q4, k4, v4 = (t.unsqueeze(1) if three_d else t for t in (q, k, v))  # (batch, 1, n, d): one head
+        _check_inputs(q4, k4, v4)
+        o, lse = _forward(q4, k4, v4, bool(is_causal), 1.0 / math.sqrt(q.shape[-1]))
+        if three_d:
+            o, lse = o.squeeze(1), lse.squeeze(1)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.is_causal = bool(is_causal)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        if q.dim() == 3:
+            q, k, v, o, do, lse = (t.unsqueeze(1) for t in (q, k, v, o, do, lse))
+        dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.is_causal, 1.0 / math.sqrt(q.shape[-1]))
+        if ctx.saved_tensors[0].dim() == 3:
+            dq, dk, dv = dq.squeeze(1), dk.squeeze(1), dv.squeeze(1)
+        return dq, dk, dv, None

@@ -117,7 +117,7 @@ def sgd(params, lr: float) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=lr, foreach=False)
 
 
-def one_rank_steps(cfg, device, steps: int = 2, optimizer=sgd) -> dict:
+def one_rank_steps(cfg, device, steps: int, optimizer=sgd) -> dict:
     """The TP rank's training step in this process, as a 1-rank mesh (gloo on the CPU, NCCL on CUDA;
     a ``FileStore`` in a temporary folder, no port, no other process): the sharded GPT's parameters
     are the same mix of DTensor and plain tensors as on ``tp`` ranks, so the optimizer meets what it
