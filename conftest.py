@@ -18,11 +18,6 @@ from xdist.scheduler import LoadScopeScheduling
 
 from teraflops.course import any_folder
 
-# A virtual environment in a folder with a space: pytest restarts once through a space-free link to it,
-# before any test imports torch, so that DeepSpeed's op build and torch.compile's C++ build work (the
-# workers and every process the tests start inherit the link). teraflops.course.any_folder says why.
-if sys.argv and sys.argv[0].replace("\\", "/").rsplit("/", 2)[-1] in ("pytest", "py.test", "__main__.py"):  # a command line
-    any_folder.reexec(["-m", "pytest", *sys.argv[1:]])
 
 MACHINE_WIDE = frozenset({
     # Slurm: one controller per machine (its config, spool and ports are the machine's), or submit to it
@@ -72,3 +67,19 @@ class FileScheduling(LoadScopeScheduling):
 
     def _split_scope(self, nodeid: str) -> str:
         return unit_of_work(nodeid)
+
+
+def pytest_configure(config):
+    """A virtual environment in a folder with a space: pytest restarts once through a space-free link to
+    it, so that DeepSpeed's op build and torch.compile's C++ build work (the workers and every process
+    the tests start inherit the link; teraflops.course.any_folder says why). Only a pytest started from
+    the command line restarts (not one run inside another process), and only after pytest's capture of
+    the output is stopped: the restarted process inherits the file descriptors, which capture points at
+    its temporary files."""
+    args = list(config.invocation_params.args)
+    if hasattr(config, "workerinput") or sys.argv[1:] != args or not any_folder.needs_link():
+        return
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.stop_global_capturing()
+    any_folder.reexec(["-m", "pytest", *args])
