@@ -503,6 +503,43 @@ def check_ray_sizing():
     return flops / 1e9, "GFLOP/worker-step", f"GPT d_model {spec.model.d_model}, {spec.model.micro_batch} sequences a worker"
 
 
+def _selected(checks, only, full: bool) -> list:
+    """The checks to run: ``checks`` (default :data:`CHECKS`) without the ``--full`` ones unless ``full``
+    or named in ``only``; only those named in ``only`` when given.
+
+    Raises:
+        CourseError: ``only`` names a check that does not exist.
+    """
+    checks = [c for c in (CHECKS if checks is None else checks) if full or not c.full or (only and c.name in only)]
+    if not only:
+        return checks
+    unknown = sorted(set(only) - {c.name for c in checks})
+    if unknown:
+        raise CourseError(f"no preflight check named {', '.join(unknown)}. "
+                          f"Hint: one of {', '.join(c.name for c in checks)}")
+    return [c for c in checks if c.name in only]
+
+
+def _outcome(c) -> tuple:
+    """``(value, unit, status, detail)`` of running check ``c``: passed, inconclusive, skipped (a reason it
+    found by running), or failed in one line (the exception's type and first line, and where, unless it
+    is the check's own verdict)."""
+    try:
+        value, unit, detail = c.fn()
+        return value, unit, "passed", detail
+    except CheckInconclusive as e:
+        return None, "", "inconclusive", str(e)
+    except CheckSkipped as e:
+        return None, "", "skipped", str(e)
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line of the table
+        first = (str(e).strip().splitlines() or [""])[0]
+        detail = first if isinstance(e, CheckFailed) else f"{type(e).__name__}: {first}"
+        if not isinstance(e, (CheckFailed, CourseError)):
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            detail += f" ({Path(frame.filename).name}:{frame.lineno})"
+        return None, "", "failed", detail
+
+
 def run(checks=None, only=None, progress: bool = True, full: bool = False) -> list[CheckResult]:
     """Run ``checks`` (default: every registered one, :data:`CHECKS`), or those named in ``only``, in
     order; one :class:`CheckResult` each.
@@ -513,13 +550,7 @@ def run(checks=None, only=None, progress: bool = True, full: bool = False) -> li
     Raises:
         CourseError: ``only`` names a check that does not exist.
     """
-    checks = [c for c in (CHECKS if checks is None else checks) if full or not c.full or (only and c.name in only)]
-    if only:
-        unknown = sorted(set(only) - {c.name for c in checks})
-        if unknown:
-            raise CourseError(f"no preflight check named {', '.join(unknown)}. "
-                              f"Hint: one of {', '.join(c.name for c in checks)}")
-        checks = [c for c in checks if c.name in only]
+    checks = _selected(checks, only, full)
     gpus = machine.detect().gpu_count
     out = []
     for c in checks:
@@ -532,20 +563,7 @@ def run(checks=None, only=None, progress: bool = True, full: bool = False) -> li
         if progress:
             print(f"  ...   {c.name}: {c.label}", flush=True)
         start = time.perf_counter()
-        try:
-            value, unit, detail = c.fn()
-            status = "passed"
-        except CheckInconclusive as e:
-            value, unit, status, detail = None, "", "inconclusive", str(e)
-        except CheckSkipped as e:
-            value, unit, status, detail = None, "", "skipped", str(e)
-        except Exception as e:  # noqa: BLE001 - every failure becomes one line of the table
-            value, unit, status = None, "", "failed"
-            first = (str(e).strip().splitlines() or [""])[0]
-            detail = first if isinstance(e, CheckFailed) else f"{type(e).__name__}: {first}"
-            if not isinstance(e, (CheckFailed, CourseError)):
-                frame = traceback.extract_tb(e.__traceback__)[-1]
-                detail += f" ({Path(frame.filename).name}:{frame.lineno})"
+        value, unit, status, detail = _outcome(c)
         out.append(CheckResult(c.name, c.label, status, detail, time.perf_counter() - start, value, unit))
     return out
 
