@@ -389,7 +389,7 @@ def test_a_real_sweep_on_four_ranks_moves_every_element_right(monkeypatch):
 
 
 def test_plot_sweep_labels_stay_in_the_frame_apart_and_off_the_data():
-    """Issue 18: "InfiniBand NDR" ran past the frame and the "80 % of B" note sat on a data line."""
+    """"InfiniBand NDR" ran past the frame and the "80 % of B" note sat on a data line."""
     from figure_checks import assert_text_off_lines, assert_texts_inside_and_apart
 
     matplotlib.use("Agg")

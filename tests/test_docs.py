@@ -1,6 +1,6 @@
 """README is read in five minutes and every page it points to is there: README.md stays short, every
-relative link in README.md and docs/*.md resolves (file and heading), and the project's own text speaks
-of the course, not of its tickets or branches."""
+relative link in README.md and docs/*.md resolves (file and heading), and the project's own text (docs,
+notebooks, the package, the tests, the scripts) speaks of the course, not of its tickets or branches."""
 
 from __future__ import annotations
 
@@ -67,9 +67,15 @@ def ticket_talk(text: str) -> list[str]:
     return [m.group(0) for m in TICKET.finditer(text)]
 
 
-@pytest.mark.parametrize("page", PAGES + sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
-def test_the_course_speaks_of_itself(page):
-    assert not ticket_talk(page.read_text()), f"{page.name}: say why in the project's own words"
+PRODUCT = [*PAGES, *sorted((ROOT / "notebooks").glob("*.ipynb")), *sorted((ROOT / "solutions").glob("*.ipynb")),
+           *sorted((ROOT / "labs").glob("*.ipynb")), *sorted((ROOT / "helpers" / "teraflops").rglob("*.py")),
+           *sorted(p for p in (ROOT / "tests").glob("*.py") if p.name != "test_docs.py"),
+           *sorted((ROOT / "scripts").glob("*")), ROOT / "conftest.py", ROOT / "pyproject.toml", ROOT / ".ci" / "run"]
+
+
+def test_the_course_speaks_of_itself():
+    found = [f"{p.relative_to(ROOT)}: {t}" for p in PRODUCT if p.is_file() for t in ticket_talk(p.read_text())]
+    assert not found, "say why in the project's own words, not by ticket or branch:\n" + "\n".join(found)
 
 
 def test_ticket_talk_is_caught():

@@ -1,4 +1,4 @@
-"""Issue 25: every GPU-preset workload's memory per rank, measured without a GPU (FakeTensorMode) for a
+"""Every GPU-preset workload's memory per rank, measured without a GPU (FakeTensorMode) for a
 T4, a 24 GB card, an H100 and an H200 with 1, 2 and 8 GPUs, within gpu_fit's model and budget; the
 table in docs/gpu_memory.md is the one the code computes. Several minutes on 2 cores (the GPT steps
 run as fake tensors): slow."""

@@ -1,4 +1,4 @@
-"""Issue 25's findings on the GPU path, each checked without a GPU: what a rank builds and holds at
+"""The findings on the GPU path, each checked without a GPU: what a rank builds and holds at
 the GPU preset's sizes (measured under FakeTensorMode), the plans the notebooks build on a 2-GPU box,
 and the environments a real cluster would get."""
 

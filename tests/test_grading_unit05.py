@@ -372,7 +372,7 @@ def test_accumulation_garbage(wrong, message):
 @pytest.mark.parametrize("spelling", ["allreduce", "all-reduce"])
 @pytest.mark.parametrize("otherwise", ["raise", "half"])
 def test_busbw_names_a_collective_spelt_otherwise(spelling, otherwise):
-    """Issue 18: a branch on "allreduce" was answered with a hint about the bus factor."""
+    """A branch on "allreduce" was answered with a hint about the bus factor."""
     def mine(algbw, collective, n):
         if collective == spelling:
             return algbw * 2 * (n - 1) / n

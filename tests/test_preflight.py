@@ -112,7 +112,7 @@ def test_a_checks_gpu_path_is_skipped_with_the_reason_preflight_gives():
 
 
 def test_full_adds_the_gpu_preset_checks_and_a_cpu_machine_skips_the_gpu_ones_with_reasons(monkeypatch):
-    """Issue 25: `teraflops preflight --full` runs every CPU-reachable part and lists each GPU-only one as
+    """`teraflops preflight --full` runs every CPU-reachable part and lists each GPU-only one as
     skipped with its reason; without --full none of them runs. The memory check is replaced by a stand-in
     here (its real run, minutes on 2 cores, is tests/test_gpu_memory.py's)."""
     from teraflops.course import preflight
@@ -133,7 +133,7 @@ def test_full_adds_the_gpu_preset_checks_and_a_cpu_machine_skips_the_gpu_ones_wi
 
 
 def test_the_straggler_check_does_not_flag_a_healthy_ranks_blip_at_ms_scale():
-    """Issue 25: 8 GPU ranks busy ~2 ms a step; one healthy rank's 0.6 ms blips, one rank 200 ms late.
+    """8 GPU ranks busy ~2 ms a step; one healthy rank's 0.6 ms blips, one rank 200 ms late.
     With a MAD floor of 5 % of the median alone (0.1 ms) the healthy rank is flagged too."""
     import numpy as np
 

@@ -109,7 +109,7 @@ def _run_script_on_node(tmp_path, text: str, node: int, emulated: bool) -> dict:
 
 @pytest.mark.slow
 def test_the_script_on_a_real_cluster_leaves_gpus_and_network_to_slurm_and_nccl(tmp_path):
-    """Issue 25: the archived job.sbatch is the script to take to a real cluster. Rendered for 2 nodes ×
+    """The archived job.sbatch is the script to take to a real cluster. Rendered for 2 nodes ×
     2 GPUs and run as node 1 of a real cluster, its ranks get neither the emulation's sockets, nor
     InfiniBand off, nor NCCL's socket transport, nor GPUs 2,3 of the login machine; on the emulated
     nodes (TERAFLOPS_EMULATED_NODES=1, as the course submits it) they get all of them."""

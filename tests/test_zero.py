@@ -49,7 +49,7 @@ def test_zero_runs_leave_no_shared_memory_files(runs_and_leftovers):
 
 @pytest.mark.slow
 def test_zero_peak_model_states_fall_stage_by_stage(runs):
-    """Issue 30: stages 1 and 2 read the same after backward; at the backward pass's peak stage 1 still
+    """Stages 1 and 2 read the same after backward; at the backward pass's peak stage 1 still
     holds every gradient, stage 2 its partition and a bucket, so per rank 2 < 1 < 0, and 3 <= 2. (At the
     demo's CPU sizes, Ψ = 437,760, stage 3 is below stage 2 too: ``teraflops demo zero``; at tiny's Ψ =
     118,528 with 100,000-element buckets, stage 3's gathered gradients can equal stage 2's bucket.)"""
