@@ -114,6 +114,17 @@ def test_the_knee_is_the_lowest_tail_near_the_best_throughput():
     assert loadgen.knee(pts, slack=0.0).concurrency == 32
 
 
+def _rate(rate, rps):
+    return LoadPoint("decode_batched", None, rate, rps, rps * 8, 10, 20, 30, 0, 0, 0, 1.0, 1, 1)
+
+
+def test_the_rate_knee_is_the_highest_offered_rate_still_served():
+    pts = [_rate(20, 19.8), _rate(40, 36.5), _rate(80, 60), _rate(160, 62), _point(16, 240, 80)]
+    assert loadgen.rate_knee(pts).request_rate == 40  # 36.5 ≥ 0.9 × 40; 60 < 0.9 × 80
+    assert loadgen.rate_knee(pts, keep_up=0.95).request_rate == 20  # 36.5 < 0.95 × 40
+    assert loadgen.rate_knee([_rate(80, 60), _point(16, 240, 80)]) is None  # no rate kept up; clients ignored
+
+
 def test_closed_loop_clients_fill_the_batch_and_batch_one_serves_one_over_latency():
     lat = BatchLatency((1, 2, 4, 8, 16), (0.030, 0.031, 0.033, 0.037, 0.045))
     one = batching.simulate_clients(lat, 16, 1, 0.0, 5.0)

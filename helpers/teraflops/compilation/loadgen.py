@@ -211,6 +211,16 @@ def knee(points: list[LoadPoint], slack: float = 0.1) -> LoadPoint:
     return min((p for p in points if p.throughput_rps >= (1 - slack) * best), key=lambda p: p.p99_ms)
 
 
+def rate_knee(points: list[LoadPoint], keep_up: float = 0.9) -> LoadPoint | None:
+    """The knee of a request-rate sweep (open loop), found from the measurement: the highest offered rate the
+    server still serves, ``throughput_rps >= keep_up × request_rate`` (90 %: a Poisson stream's count over a
+    few seconds varies by several %). Past it requests arrive faster than they leave, the queue grows for as
+    long as they arrive, and latency grows with it (an M/G/1-like queue at utilisation ≥ 1). ``None`` when no
+    measured rate kept up; closed-loop points (``request_rate`` None) are ignored."""
+    kept = [p for p in points if p.request_rate is not None and p.throughput_rps >= keep_up * p.request_rate]
+    return max(kept, key=lambda p: p.request_rate) if kept else None
+
+
 def load_table(points: list[LoadPoint]) -> str:
     """The points as a text table (the load, served requests/s, tokens/s, latency percentiles, the server's split, the
     executed batch)."""
