@@ -9,7 +9,8 @@ and what a lecture claims about a live measurement is one of its stories (``hold
 
 This file reads every test module (parsed, not run) and fails on:
 
-* a call of ``assert_within`` (the time budgets this suite used to hold lectures to);
+* a call of ``assert_within`` (the time budgets this suite used to hold lectures to), or a
+  ``@pytest.mark.timeout`` below the suite's hang guard (a budget in disguise);
 * an ``assert`` that orders (``<``, ``<=``, ``>``, ``>=``) a clock reading (``time.perf_counter()``,
   ``time.time()``, ``time.monotonic()``, or a name assigned from an expression that reads one) against
   anything but zero;
@@ -90,6 +91,7 @@ def _is_number(node: ast.AST) -> bool:
 
 
 ORDER = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+HANG_GUARD_S = 900  # pyproject's pytest timeout: a per-test timeout below it is a budget a busy machine breaks
 
 
 def timed_assertions(source: str, filename: str = "<test>") -> list[str]:
@@ -107,6 +109,10 @@ def timed_assertions(source: str, filename: str = "<test>") -> list[str]:
         for node in ast.walk(fn):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "assert_within":
                 found.append(f"{filename}:{node.lineno}: a wall-clock budget (assert_within)")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "timeout"
+                    and "mark" in _words(node.func) and node.args and _is_number(node.args[0])
+                    and node.args[0].value < HANG_GUARD_S):
+                found.append(f"{filename}:{node.lineno}: a time budget as a timeout (below the {HANG_GUARD_S} s hang guard)")
             if not isinstance(node, ast.Assert) or EXEMPT in lines[node.lineno - 1]:
                 continue
             for cmp in [n for n in ast.walk(node.test) if isinstance(n, ast.Compare)]:
@@ -141,6 +147,7 @@ def test_no_test_asserts_this_machines_speed():
     "def test_a():\n    assert by[16].throughput_rps >= 2 * single.throughput_rps\n",
     "def test_a():\n    assert abs(r['bubble'] - r['theory']) < 0.15\n",
     "def test_a():\n    assert ok and copy_gbps < 1.5 * peak_gbps\n",
+    "import pytest\n@pytest.mark.timeout(180)\ndef test_a():\n    run()\n",
 ])
 def test_a_timed_assertion_is_caught(source):
     assert timed_assertions(source)

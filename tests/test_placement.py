@@ -139,7 +139,7 @@ def test_launch_commands_per_launcher_and_node():
 def test_no_caller_places_ranks_by_itself():
     """One home for placement: no module but placement.py hides GPUs, splits ranks per node or picks
     the backend from a GPU count."""
-    patterns = [r'CUDA_VISIBLE_DEVICES"\s*:\s*""', r"per_node\(", r'"nccl" if .*gpu']
+    patterns = [r'CUDA_VISIBLE_DEVICES"\s*:\s*""', r"\bper_node\(", r'"nccl" if .*gpu']
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path.name in ("placement.py",):
