@@ -490,12 +490,16 @@ def test_real_mysteries_are_profiled_and_the_evidence_check_reads_them(tmp_path,
     assert capsys.readouterr().out.count("passed") == 1
 
 
-def test_an_answer_the_tool_agrees_with_is_told_so(found):
-    """The synthetic mysteries' key is not mystery_key(SEED): where the learner writes what triage
-    says and the key differs, the check says the measurement disagrees, not the learner."""
+def test_an_answer_the_tool_agrees_with_passes(found, capsys):
+    """The synthetic mysteries' key is not mystery_key(SEED), as a busy machine can make a real profile
+    read: where the learner writes what triage says of the trace and the key differs, the learner read
+    the measurement right and passes; an answer that is neither the key nor the trace's reading fails,
+    and without the mysteries only the key counts."""
     said = {k: tr.triage(m.trace, waits=m.waits).verdict for k, m in found.items()}
     key = workloads.mystery_key(SEED)
     first = next(k for k in key if tr.VERDICTS[key[k]] != said[k])
-    fails(check.verdicts, said, SEED, found, match=f"mystery {first}: triage does say {said[first]}.*quiet machine")
+    check.verdicts(said, SEED, found)
+    assert "passed" in capsys.readouterr().out
     wrong = dict(said, **{first: next(v for v in tr.VERDICTS.values() if v not in (said[first], tr.VERDICTS[key[first]]))})
     fails(check.verdicts, wrong, SEED, found, match=f"mystery {first} is not ")
+    fails(check.verdicts, said, SEED, match=f"mystery {first} is not ")

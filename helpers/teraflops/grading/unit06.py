@@ -301,7 +301,7 @@ def verdicts(answers, seed: int, found: dict | None = None) -> None:
     ``seed``: a string of :data:`teraflops.triage.verdict.VERDICTS` (``"memory-bound"``, ``"waiting (straggler)"``
     …) or a category name (``"memory"``, ``"waiting"``); compared with
     :func:`teraflops.triage.workloads.mystery_key`, what each mystery was built as. With ``found`` (the
-    mysteries), a wrong answer that is what the tool itself says of that trace is told so: the
+    mysteries), an answer that is what the tool itself says of that trace passes too: the
     measurement, not the learner, disagrees with the key (a busy machine can do that)."""
     key = mystery_key(seed)
     answers = _answers_dict(answers, tuple(key), "verdict")
@@ -313,20 +313,23 @@ def verdicts(answers, seed: int, found: dict | None = None) -> None:
             fail(f"mystery {label}: {shown!r} is not a verdict. Hint: answer one of "
                  f"{', '.join(map(repr, tr.VERDICTS.values()))}, as triage(...).verdict gives it")
         got[label] = _ACCEPTED[norm]
-    wrong = [k for k in key if got[k] != key[k]]
+    wrong = [k for k in key if got[k] != key[k] and not _reads_the_trace(found, k, got[k])]
     if not wrong:
         return
     first = wrong[0]
     more = f" ({len(wrong) - 1} more wrong: {', '.join(wrong[1:])})" if len(wrong) > 1 else ""
-    if isinstance(found, dict) and first in found:
-        m = found[first]
-        said = tr.triage(m.trace, waits=m.waits)
-        if said.verdict == tr.VERDICTS[got[first]]:
-            fail(f"mystery {first}: triage does say {said.verdict} on this trace, but it was built as another kind of "
-                 f"workload{more}. Hint: its shares are close or the machine was busy while it was profiled "
-                 f"({', '.join(f'{k} {v:.0%}' for k, v in said.shares.items() if v >= 0.01)}); rerun the setup cell "
-                 "on a quiet machine, and read the evidence: which rows decide it?")
     fail(f"mystery {first} is not {tr.VERDICTS[got[first]]}{more}. Hint: {_verdict_hint(got[first], key[first])}")
+
+
+def _reads_the_trace(found, label: str, answer: str) -> bool:
+    """Whether ``answer`` is what triage itself says of mystery ``label``'s trace in ``found``: a right
+    reading of the measurement even where the measurement disagrees with how the mystery was built (a
+    busy machine beside the profile can move a share past another), so it passes; without ``found``
+    only the key counts."""
+    if not isinstance(found, dict) or label not in found:
+        return False
+    m = found[label]
+    return tr.triage(m.trace, waits=m.waits).verdict == tr.VERDICTS[answer]
 
 
 # --- exercise 4: the evidence ----------------------------------------------------------------------
