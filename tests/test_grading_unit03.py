@@ -160,7 +160,7 @@ def test_placeholder_is_not_attempted():
 
 
 def test_a_mean_centred_detector_fails_on_its_telling_case():
-    """Issue 18: a detector centred on the mean with a 1 % MAD floor passed every case before."""
+    """A detector centred on the mean with a 1 % MAD floor passed every case before."""
     with pytest.raises(ExerciseFailed, match=r"three equal ranks, one 30 % slower': flagged \[\], expected \[3\]"):
         check.straggler_detector(check._mean_centred)
 
@@ -239,9 +239,105 @@ def _interval(t, c, m, r):
     return min((max(1, math.floor(k)), math.ceil(k)), key=lambda n: c / (n * t) + (r + n * t / 2) / m)
 
 
-def test_checkpoint_interval_passes_youngs_optimum(capsys):
+@pytest.fixture
+def formula_only(monkeypatch):
+    """No emulated nodes: the check judges the formula alone (the real run is the slow test's)."""
+    import teraflops.nodes.cluster
+
+    monkeypatch.setattr(teraflops.nodes.cluster, "unavailable", lambda: "no Ray in this test")
+
+
+def _fake_ray_run(calls, checkpoint_s=0.03, resume_off=0):
+    """A stand-in for ray_elastic.run: the records a run with ``checkpoint_every`` would leave (kill after
+    step 17 of 30, 0.25 s steps, each checkpoint logged with the next step), no process started."""
+    from teraflops.orchestration.ray_elastic import RayDriverResult, RayElasticRun
+
+    def run(steps, checkpoint_every, kill_step, rejoin_after, step_s, **_):
+        calls.append(checkpoint_every)
+        k, a = checkpoint_every, ["10.213.0.1", "10.213.0.2", "10.213.0.3"]
+        ckpt = lambda n: checkpoint_s if n > 1 and (n - 1) % k == 0 else 0.0  # noqa: E731
+        rows = [{"step": n, "loss": 5.0, "world": 3, "nodes": a, "resumed_from": 0, "time": 100 + n * step_s,
+                 "checkpoint_s": ckpt(n)} for n in range(1, kill_step + 1)]
+        resumed = kill_step // k * k + resume_off
+        rows += [{"step": n, "loss": 5.0, "world": 2, "nodes": a[:2], "resumed_from": resumed,
+                  "time": 140 + n * step_s, "checkpoint_s": ckpt(n) if n > resumed + 1 else 0.0}
+                 for n in range(resumed + 1, steps + 1)]
+        driver = RayDriverResult(True, None, 5.0, steps, 90.0, 160.0, "node0", [], [])
+        return RayElasticRun(rows, 2, 100 + kill_step * step_s + 0.1, None, driver, [5.0] * steps, k, {}, 3.0)
+    return run
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """Emulated nodes and Ray 'available', ray_elastic.run replaced by :func:`_fake_ray_run`: the intervals it was
+    asked for."""
+    import teraflops.nodes.cluster
+    import teraflops.nodes.ray
+    import teraflops.orchestration.ray_elastic
+
+    calls = []
+    monkeypatch.setattr(teraflops.nodes.cluster, "unavailable", lambda: None)
+    monkeypatch.setattr(teraflops.nodes.ray, "unavailable", lambda: None)
+    monkeypatch.setattr(teraflops.orchestration.ray_elastic, "run", _fake_ray_run(calls))
+    return calls
+
+
+def test_checkpoint_interval_passes_youngs_optimum(capsys, formula_only):
     check.checkpoint_interval(_interval)
-    assert "passed" in capsys.readouterr().out
+    assert "passed" in capsys.readouterr().out and "no Ray" in check.last_run["skipped"]
+
+
+def test_the_learners_interval_runs_on_ray_and_resumes_where_it_says(capsys, fake_ray):
+    check.checkpoint_interval(_interval)
+    assert capsys.readouterr().out.strip().endswith("passed")  # the measurements are the lab's next cell's
+    k = _interval(*check.LIVE_CASE)
+    assert fake_ray == [k] and k == 5  # the live case's best interval sits inside the 30-step run
+    m = check.last_run
+    assert m["k"] == 5 and m["resumed_from"] == 15 == m["predicted_resume"] and m["steps_redone"] == 2
+    assert m["checkpoints"] >= 1 and m["checkpoint_s"] == pytest.approx(0.03)
+
+
+@pytest.mark.parametrize("wrong, hint, measured", [
+    (lambda t, c, m, r: 1, "a checkpoint every step", r"measured on Ray: \d+ checkpoints cost [\d.]+ s \(30 ms each\); "
+     r"the kill after step 17 redid 0 steps"),
+    (lambda t, c, m, r: 10**9, "never checkpointing", r"the kill after step 17 redid 17 steps \(4\.2 s\)"),
+])
+def test_every_step_and_never_fail_with_their_measured_cost(wrong, hint, measured, fake_ray):
+    with pytest.raises(ExerciseFailed, match=re.escape(hint)) as e:
+        check.checkpoint_interval(wrong)
+    assert re.search(measured, str(e.value)), str(e.value)
+
+
+def test_a_run_that_resumed_elsewhere_fails(monkeypatch, fake_ray):
+    import teraflops.orchestration.ray_elastic
+
+    monkeypatch.setattr(teraflops.orchestration.ray_elastic, "run", _fake_ray_run([], resume_off=-3))
+    with pytest.raises(ExerciseFailed, match="resumed from step 12, not a checkpoint of your interval at or before 15"):
+        check.checkpoint_interval(_interval)
+
+
+def test_a_checkpoint_ray_had_not_registered_yet_is_not_the_learners_fault(monkeypatch, fake_ray):
+    """Ray resumes from the last checkpoint it registered: with one every step that can trail the last written."""
+    import teraflops.orchestration.ray_elastic
+
+    monkeypatch.setattr(teraflops.orchestration.ray_elastic, "run", _fake_ray_run([], resume_off=-5))
+    check.checkpoint_interval(_interval)
+    assert check.last_run["resumed_from"] == 10 and check.last_run["steps_redone"] == 7
+
+
+@pytest.mark.slow
+def test_the_solution_runs_on_a_real_ray_cluster(capsys):
+    """One real run (a 3-node Ray cluster, a node killed): the solution's interval resumes where it says."""
+    from teraflops.nodes import cluster
+    from teraflops.nodes import ray as ray_nodes
+
+    why = cluster.unavailable() or ray_nodes.unavailable()
+    if why:
+        pytest.skip(f"Ray on emulated nodes unavailable: {why}")
+    check.checkpoint_interval(_interval)
+    m = check.last_run
+    assert m["resumed_from"] == m["predicted_resume"] and m["k"] == 5 and m["steps_redone"] >= 0
+    assert math.isfinite(m["checkpoint_s"]) and m["checkpoint_s"] > 0
 
 
 @pytest.mark.parametrize("wrong, hint", [
@@ -252,6 +348,6 @@ def test_checkpoint_interval_passes_youngs_optimum(capsys):
     (lambda t, c, m, r: math.sqrt(2 * c * m) / t, "whole number of steps"),
     (lambda t, c, m, r: 10, "minimise C/(k·T)"),
 ])
-def test_checkpoint_interval_mistakes_are_named(wrong, hint):
+def test_checkpoint_interval_mistakes_are_named(wrong, hint, formula_only):
     with pytest.raises(ExerciseFailed, match=re.escape(hint)):
         check.checkpoint_interval(wrong)

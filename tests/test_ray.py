@@ -46,7 +46,9 @@ def test_the_head_gets_the_shortened_failure_detection_and_no_dashboard():
     made = cl.Cluster(3, name="demo", ray=RayConfig(health_check_period_ms=500, health_check_failure_threshold=4))
     r = ray_mod.Ray(made, made.ray)
     head, worker = r.command(0), r.command(2)
-    assert head[1:3] == ["start", "--head"] and "--include-dashboard" in head and "false" in head
+    n = len(ray_mod.ray_command())  # this Python -m ray.scripts.scripts: Ray's processes inherit its path
+    assert head[:n] == ray_mod.ray_command() and head[n:n + 2] == ["start", "--head"]
+    assert "--include-dashboard" in head and "false" in head
     assert '"health_check_period_ms": 500' in " ".join(head) and made.ray.detection_s() == 2.0
     assert worker[worker.index("--address") + 1] == "10.213.0.1:6379"
     assert worker[worker.index("--node-ip-address") + 1] == "10.213.0.3"
@@ -54,7 +56,7 @@ def test_the_head_gets_the_shortened_failure_detection_and_no_dashboard():
 
 
 def test_missing_ray_names_the_install_command(monkeypatch):
-    monkeypatch.setattr(ray_mod, "ray_binary", lambda: None)
+    monkeypatch.setattr(ray_mod, "ray_command", lambda: None)
     assert "pip install" in ray_mod.unavailable() and "ray[train]" in ray_mod.unavailable()
 
 

@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # a hang guard, not a budget: the unit starts Slurm clusters and a 3-node Ray cluster
 def test_run_unit_3_reports_idle_time_and_tells_its_stories(lecture_out):
-    (result,) = run_units([3], out_dir=lecture_out, root=ROOT)
+    # Ray's cell (start, kill, shrink, regrow) took 593 s at load 12: twice the runner's default per cell
+    (result,) = run_units([3], out_dir=lecture_out, root=ROOT, timeout_per_cell=1200)
     assert result.ok, result.error
     # the check cells, compared as nbval compares them: CI executes each lecture once, here, not under nbval too
     assert not result.mismatches, result.mismatches  # compared by the run itself (runner.run_notebook)
@@ -33,7 +35,7 @@ def test_run_unit_3_reports_idle_time_and_tells_its_stories(lecture_out):
     assert all(s.status in STATUSES for s in result.stories)
     if unavailable() is not None:  # the emulated-node section skipped: its stories cannot tell, and say why
         assert all(s.status == CANT_TELL and "measurement missing" in s.why for s in result.stories
-                   if s.name.startswith(("slow_link", "slow_compute")))
+                   if s.name.startswith(("slow_link", "slow_compute", "ray_", "pg_")))
     summary = format_summary(detect(), [result])
     assert "healthy ranks idle at" in summary and "%" in summary
     assert all(s.line() in summary for s in result.stories)

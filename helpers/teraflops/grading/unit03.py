@@ -20,7 +20,9 @@ import numpy as np
 
 from teraflops.grading.core import exercise, fail, reveal
 from teraflops.nodes import cluster as cl
+from teraflops.nodes import ray as ray_nodes
 from teraflops.nodes import slurm
+from teraflops.orchestration import ray_elastic
 from teraflops.orchestration.detection import flag_stragglers as reference_flags
 from teraflops.orchestration.queue_sim import Job, fifo, make_trace, simulate
 from teraflops.orchestration.ray_elastic import best_interval, overhead
@@ -451,7 +453,17 @@ _INTERVAL_MISTAKES = [
      "the interval: it does not move the optimum; only the checkpoint's cost does"),
     (lambda t, c, m, r: round(math.sqrt(2 * m / c) / t), "checkpoint cost and MTBF are the wrong way round: a dearer "
      "checkpoint should make the interval longer"),
+    (lambda t, c, m, r: 1, "a checkpoint every step pays the checkpoint's cost every step to save at most one step "
+     "per failure"),
+    (lambda t, c, m, r: _NEVER, "never checkpointing (an interval longer than any run) redoes everything since the "
+     "start at every failure"),
 ]
+_NEVER = 10**6  # steps: an interval at least this long never checkpoints a run of this course
+# The real run: the learner's interval on Ray Train, one node killed once. Its case is scaled so that the best
+# interval (5 steps: sqrt(2·0.05·15) = 1.2 s of 0.25 s steps) falls well inside a 30-step run.
+LIVE_CASE = (0.25, 0.05, 15.0, 30.0)  # step_s, checkpoint_s, mtbf_s, recovery_s
+LIVE_STEPS, LIVE_KILL = 30, 17
+last_run: dict = {}  # the last real run's measurements (what the lab's next cell prints; the check prints none)
 
 
 @exercise(6, "checkpoint interval from measured recovery times")
@@ -471,13 +483,43 @@ def checkpoint_interval(fn) -> None:
             if not isinstance(got, numbers.Real):
                 fail(f"checkpoint_interval should return an int (steps), got {type(got).__name__}")
         answers.append((int(got), None, case))
+    measured = _live_run(int(fn(*LIVE_CASE))) if all(got >= 1 for got, _, _ in answers) else ""
     for got, _, case in answers:
         best = best_interval(*case)
         if got < 1 or overhead(got, *case) > overhead(best, *case) * 1.001:
-            mistake = _named_mistake(answers, _INTERVAL_MISTAKES, lambda a, b: abs(a - b) <= 1)
+            mistake = _named_mistake(answers, _INTERVAL_MISTAKES,
+                                     lambda a, b: abs(a - b) <= 1 or min(a, b) >= _NEVER)
+            if mistake and measured:
+                mistake += f" (measured on Ray: {measured})"
             where = (f"for step {case[0]} s, checkpoint {case[1]} s, MTBF {case[2]:g} s, restart {case[3]} s: got "
                      f"{got} steps (expected time lost {100 * overhead(max(got, 1), *case):.2f} %), the best is {best} "
                      f"({100 * overhead(best, *case):.2f} %)")
             fail(f"{where}. Hint: " + (mistake or reveal(
                 "minimise C/(k·T) + (R + k·T/2)/M over whole k ≥ 1",
                 "Young's optimum is k·T = sqrt(2·C·M): k = sqrt(2·C·M) / T, rounded to the better neighbour")))
+
+
+def _live_run(k: int) -> str:
+    """Train on Ray with a checkpoint every ``k`` steps (:data:`LIVE_CASE`'s run: :data:`LIVE_STEPS` steps, a
+    node killed after :data:`LIVE_KILL`; :func:`teraflops.orchestration.ray_elastic.run` without the regrow)
+    and check that it resumed where the interval says; the measured cost in one line (also in
+    :data:`last_run`), or "" where this machine cannot run Ray on emulated nodes (the formula's verdict stands
+    alone, and ``last_run["skipped"]`` says why)."""
+    last_run.clear()
+    why = cl.unavailable() or ray_nodes.unavailable()
+    if why:
+        last_run["skipped"] = why
+        return ""
+    r = ray_elastic.run(steps=LIVE_STEPS, checkpoint_every=k, kill_step=LIVE_KILL, rejoin_after=None,
+                        step_s=LIVE_CASE[0])
+    m = ray_elastic.measured_cost(r)
+    last_run.update(m, k=k)
+    # Ray resumes from the last checkpoint its controller had *registered*, which can trail the last one written
+    # by a step or two when checkpoints come every step (measured: k = 1, killed after step 17, resumed from 15)
+    if m["resumed_from"] is None or m["resumed_from"] % k or m["resumed_from"] > m["predicted_resume"]:
+        fail(f"with a checkpoint every {k} steps the run resumed from step {m['resumed_from']}, not a checkpoint of "
+             f"your interval at or before {m['predicted_resume']} (the last multiple of {k} up to step "
+             f"{m['last_before_kill']}, the last step before the kill). Hint: return the interval in steps")
+    return (f"{m['checkpoints']} checkpoints cost {m['checkpoint_total_s']:.1f} s ({1e3 * m['checkpoint_s']:.0f} ms "
+            f"each); the kill after step {m['last_before_kill']} redid {m['steps_redone']} steps "
+            f"({m['redo_s']:.1f} s)")

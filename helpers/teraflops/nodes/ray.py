@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import importlib.util
 import os
 import shutil
 import signal
@@ -58,7 +59,8 @@ from teraflops.teardown import StateFolders, stop_groups
 PORT = 6379  # the GCS's port on node 0 (Ray's default)
 STATE_ENV = "TERAFLOPS_RAY_DIR"
 START_MARK = "--- teraflops: ray start ---"  # written into a node's log before each start
-START_ATTEMPTS = 3  # ray start per node, when it times out waiting for its own raylet (Ray.start)
+SLOW_START_S = 15.0  # a node's start slower than this says so (Ray.start); ~3 s on a quiet machine
+START_ATTEMPTS = 5  # ray start per node, when it times out waiting for its own raylet (Ray.start; measured: 31.6 s for a head at load 10)
 INSTALL = 'pip install "ray[train]==2.60.0"'
 # Ray's processes, by program name (psutil's name(); Python ones by the module in their command line)
 PROGRAMS = ("gcs_server", "raylet", "ray::", "raylet/agent", "dashboard_agent", "runtime_env_agent", "log_monitor",
@@ -69,17 +71,23 @@ class RayError(CourseError, RuntimeError):
     """Ray on the emulated nodes could not start or answer; one line with a hint."""
 
 
-def ray_binary() -> str | None:
-    """The ``ray`` command of this Python's environment (beside ``sys.executable``), else the one on
-    ``PATH``; None if Ray is not installed."""
-    beside = Path(sys.executable).with_name("ray")
-    return str(beside) if beside.exists() else shutil.which("ray")
+def ray_command() -> list[str] | None:
+    """The ``ray`` command: ``<this Python> -m ray.scripts.scripts`` where this Python has Ray (the entry
+    point the ``ray`` script calls), else ``ray`` on ``PATH``; None if Ray is not installed. Not the
+    environment's ``ray`` script: its first line names the environment's Python by its real path, and
+    in a folder with a space Ray's processes then start their helpers through a shell that splits it
+    (``ray_client_server`` exited 127); this Python is the space-free link's
+    (:mod:`teraflops.course.any_folder`), which Ray's processes inherit as ``sys.executable``."""
+    if importlib.util.find_spec("ray") is not None:
+        return [sys.executable, "-m", "ray.scripts.scripts"]
+    found = shutil.which("ray")
+    return [found] if found else None
 
 
 def unavailable() -> str | None:
     """Why Ray cannot run on emulated nodes here, in one line; ``None`` when it can (the nodes
     themselves are :func:`teraflops.nodes.cluster.unavailable`'s business)."""
-    if ray_binary() is None:
+    if ray_command() is None:
         return f"Ray is not installed in this environment (install it with: {INSTALL}, or pip install -e '.[ray]')"
     return None
 
@@ -197,9 +205,9 @@ class Ray:
             system = {"health_check_period_ms": c.health_check_period_ms,
                       "health_check_failure_threshold": c.health_check_failure_threshold,
                       "health_check_initial_delay_ms": 1000, "agent_register_timeout_ms": 120_000}
-            return [ray_binary(), "start", "--head", "--port", str(PORT), "--include-dashboard", "false",
+            return [*ray_command(), "start", "--head", "--port", str(PORT), "--include-dashboard", "false",
                     "--system-config", json.dumps(system), *common]
-        return [ray_binary(), "start", "--address", self.address, *common]
+        return [*ray_command(), "start", "--address", self.address, *common]
 
     def start_node(self, i: int, attempt: int = 1) -> subprocess.Popen:
         """Start node ``i``'s Ray (``ray start --block`` in its namespace; log ``log/node<i>.out``).
@@ -234,13 +242,22 @@ class Ray:
         self.dir.mkdir(parents=True)
         (self.dir / "cluster.json").write_text(json.dumps({"name": self.cluster.name, "nodes": self.cluster.nodes,
                                                            "config": asdict(self.config)}))
-        self.start_node(0)
-        self.wait_nodes([0], timeout)
-        for i in range(1, self.cluster.nodes):  # one at a time: started together on 2 busy cores, their agents'
-            self.start_node(i)                   # imports outlasted ray start's 30 s (see _retry)
+        for i in range(self.cluster.nodes):  # one at a time: started together on 2 busy cores, their agents'
+            began = time.monotonic()          # imports outlasted ray start's 30 s (see _retry)
+            self.start_node(i)
             self.wait_nodes([i], timeout)
+            self._say_if_slow(f"Ray on node {i} of {self.cluster.nodes}", time.monotonic() - began)
         self.wait_listed(timeout)
         return self
+
+    @staticmethod
+    def _say_if_slow(what: str, took: float) -> None:
+        """One line when a start took longer than :data:`SLOW_START_S` (a lecture cell under load shows
+        progress, not minutes of silence), with the load that explains it."""
+        if took > SLOW_START_S:
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+            print(f"{what} up after {took:.0f} s (load {load:.1f} on {os.cpu_count()} cores: Ray starts "
+                  "slowly on a busy machine)", flush=True)
 
     def wait_listed(self, timeout: float) -> str:
         """Wait until ``ray status`` lists every node of the cluster as active; its text.
@@ -301,7 +318,7 @@ class Ray:
 
     def status(self) -> str:
         """``ray status`` on the head's node: the nodes, resources and demands as Ray sees them."""
-        done = self.exec([ray_binary(), "status"], timeout=60)
+        done = self.exec([*ray_command(), "status"], timeout=60)
         return done.stdout if done.returncode == 0 else f"ray status failed: {(done.stderr or done.stdout).strip()[-300:]}"
 
     def log_tail(self, lines: int = 2) -> str:

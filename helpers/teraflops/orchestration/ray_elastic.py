@@ -18,8 +18,8 @@ The knobs the course shortens, and why: :data:`KNOBS` (and :class:`teraflops.nod
 health check), so that one run fits a lecture; production keeps the defaults, which are minutes of
 patience against flapping nodes.
 
-:func:`run` (about a minute here): a cluster of 3 nodes × 1 CPU (so one worker per node), the
-course's GPT (:mod:`teraflops.workers.ray_train`) with ``num_workers=(2, 3)``; after ``kill_step``
+:func:`run` (5 min with the cluster's start at load 4–6 here, 10 at load 12): a cluster of 3 nodes ×
+1 CPU (so one worker per node), the course's GPT (:mod:`teraflops.workers.ray_train`) with ``num_workers=(2, 3)``; after ``kill_step``
 steps every process of node 2 is SIGKILLed (its raylet and its worker: the node dies as a machine
 does, without a word to the head); once the 2-worker group has trained ``rejoin_after`` steps, node 2
 starts Ray again and the group grows back to 3. What is measured, from Ray's and the run's own
@@ -41,8 +41,12 @@ order): :data:`LOSS_TOLERANCE` is the agreement the lecture states.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
+import re
+import os
 import shutil
 import subprocess
 import sys
@@ -59,17 +63,27 @@ from teraflops.launch import wire
 from teraflops.models import GPT, lm_loss
 from teraflops.nodes import ray as ray_mod
 from teraflops.nodes.cluster import Cluster
-from teraflops.sizing import TrainConfig, gpt_config, preset
+from teraflops.sizing import PRESETS, TrainConfig, gpt_config, preset
 from teraflops.tables import table
 
 WORKER = "teraflops.workers.ray_train"
 LOSS_TOLERANCE = 1e-3  # nats: 2 or 3 workers vs one process, float32 summation order (measured here ~1e-6)
 # Ray Train's knobs, shortened for the lecture (defaults in the comments), set in the driver's environment
 KNOBS = {
-    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20",  # 60: how long a new group may take to start
+    # 60: how long a new group's placement group (its workers' resources) may stay pending before the controller
+    # gives up on that size. It bounds the reservation only, not the workers' start (measured: a 2-worker group
+    # reserved at once and started 38 s later at load 13 without a timeout); a reservation on live nodes takes
+    # well under a second, a retry at the old size after a node died waits all of it (the lecture's decomposition)
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "8",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",  # 2: how often the controller polls its workers
+    # off by default: Ray Train's record of its runs and worker-group attempts (the decomposition reads it)
+    "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
 }
 RESIZE_INTERVAL_S = 3.0  # ScalingConfig(elastic_resize_monitor_interval_s), default 60: look for more nodes
+SLOW_PHASE_S = 30.0  # a phase waited on this long says so (run's ``say``)
+# The cluster the run needs: one CPU per node, so one Train worker per node (and 2 fake GPUs each, which the
+# lecture's placement groups use on the same cluster afterwards)
+CLUSTER = ray_mod.RayConfig(cpus_per_node=1, gpus_per_node=2)
 
 
 class RayTrainError(CourseError, RuntimeError):
@@ -82,7 +96,9 @@ class RaySpec:
     batches of ``global_batch`` sequences (divisible by every group size), each step at least
     ``step_s`` s, a checkpoint every ``checkpoint_every`` steps; ``num_workers`` workers (with
     ``min_workers``: elastic, ``(min_workers, num_workers)``); files in ``steps_log``, ``result_path``,
-    ``storage_path`` (Ray Train's run folder); ``ifname``: the nodes' interface for gloo."""
+    ``storage_path`` (Ray Train's run folder); ``ifname``: the nodes' interface for gloo; ``hold_path``: the
+    host's hold file (a shrunken group pauses while it exists, so that a run on a slow machine does not end
+    before the node it waits for is back)."""
 
     model: TrainConfig
     steps: int
@@ -100,6 +116,7 @@ class RaySpec:
     collective_timeout_s: float = 30
     node_poll_s: float = 0.2  # how often the driver reads the GCS's node table (ray.nodes()), s
     resize_interval_s: float = RESIZE_INTERVAL_S
+    hold_path: str = ""  # while this file exists, a group smaller than num_workers waits before each step
 
     def __post_init__(self):
         sizes = range(self.min_workers or self.num_workers, self.num_workers + 1)
@@ -112,7 +129,9 @@ class RaySpec:
 class RayDriverResult:
     """What the driver hands back: whether ``trainer.fit()`` succeeded (``error`` if not), the last
     reported step and loss, Unix start/end, and the GCS's node table as it changed
-    (``node_events``: ``{"time", "address", "alive"}`` at every change the driver saw)."""
+    (``node_events``: ``{"time", "address", "alive"}`` at every change the driver saw), and Ray Train's own
+    record of its worker-group attempts (``attempts``: ``{"start", "end", "status", "workers", "nodes",
+    "detail"}``, Unix s, from Train's state actor; one attempt per worker group the controller started)."""
 
     ok: bool
     error: str | None
@@ -122,6 +141,7 @@ class RayDriverResult:
     ended: float
     host: str
     node_events: list = field(default_factory=list)
+    attempts: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -221,9 +241,14 @@ def _read_steps(path: Path) -> list[dict]:
         return []
 
 
-def _wait(ready, timeout: float, what: str, driver: subprocess.Popen, log: Path):
-    deadline = time.monotonic() + timeout
+def _wait(ready, timeout: float, what: str, driver: subprocess.Popen, log: Path, say=None):
+    start = time.monotonic()
+    deadline, told = start + timeout, start
     while not (found := ready()):
+        if say is not None and time.monotonic() - told > SLOW_PHASE_S:  # under load: progress, not silence
+            told = time.monotonic()
+            say(f"  still waiting ({told - start:.0f} s; load {_load():.1f} on {os.cpu_count()} cores: "
+                "a busy machine starts Ray's workers slowly)")
         if driver.poll() is not None or time.monotonic() > deadline:
             tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])[-600:] if log.exists() else ""
             why = "the driver exited" if driver.poll() is not None else f"not within {timeout:g} s"
@@ -232,44 +257,88 @@ def _wait(ready, timeout: float, what: str, driver: subprocess.Popen, log: Path)
     return found
 
 
-def run(steps: int = 60, checkpoint_every: int = 5, kill_step: int = 12, rejoin_after: int = 8,
-        step_s: float = 0.25, global_batch: int = 12, timeout: float = 240, knobs: dict | None = None) -> RayElasticRun:
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def worker_preset():
+    """The preset that sizes the Ray Train workers' GPT: they are CPU workers (``use_gpu=False``, one
+    CPU each, ``workers/ray_train.py``), so the preset in force where it is a CPU one (``cpu``, ``tiny``),
+    else the ``cpu`` preset: the GPU preset's GPT (~10⁸ parameters, TFLOPs per worker-step) on one core
+    each would outlast every phase's timeout."""
+    p = preset()
+    return p if p.device == "cpu" else PRESETS["cpu"]
+
+
+def make_spec(folder: Path, *, steps: int, checkpoint_every: int, step_s: float, global_batch: int) -> RaySpec:
+    """The driver's :class:`RaySpec` for a run whose files live in ``folder``; the GPT and learning rate
+    of :func:`worker_preset`, ``global_batch // 3`` sequences per worker."""
+    p = worker_preset()
+    return RaySpec(model=gpt_config(p, global_batch // 3, p.dp.lr),
+                   steps=steps, global_batch=global_batch, checkpoint_every=checkpoint_every, num_workers=3,
+                   min_workers=2, step_s=step_s, steps_log=str(folder / "steps.jsonl"),
+                   result_path=str(folder / "result.json"), storage_path=str(folder / "ray"))
+
+
+def run(steps: int = 60, checkpoint_every: int = 5, kill_step: int = 12, rejoin_after: int | None = 8,
+        step_s: float = 0.25, global_batch: int = 12, timeout: float = 240, knobs: dict | None = None,
+        cluster: Cluster | None = None, say=None) -> RayElasticRun:
     """Train on a fresh 3-node Ray cluster with ``num_workers=(2, 3)``; kill node 2 after ``kill_step``
     steps, bring it back after ``rejoin_after`` steps of the smaller group (module docstring).
+    ``cluster``: an up 3-node cluster with Ray at one CPU per node (:data:`CLUSTER`) to use instead of a fresh
+    one (the lecture runs its placement groups on it afterwards; node 2 is back up when this returns);
+    ``say``: called with one line at each phase (``print`` in the lecture: a slow phase is not silence);
+    ``rejoin_after=None``: node 2 is not brought back (the run ends on 2 workers; Lab 3's checkpoint run).
 
     Raises:
         RayTrainError: the run failed or a phase did not come within ``timeout`` s (quoting the driver's log).
         teraflops.nodes.cluster.ClusterError: the machine cannot host the nodes or Ray.
     """
     knobs = {**KNOBS, **(knobs or {})}
-    p = preset()
     folder = Path(tempfile.mkdtemp(prefix="teraflops-ray-"))
-    spec = RaySpec(model=gpt_config(p, global_batch // 3, p.dp.lr),
-                   steps=steps, global_batch=global_batch, checkpoint_every=checkpoint_every, num_workers=3,
-                   min_workers=2, step_s=step_s, steps_log=str(folder / "steps.jsonl"),
-                   result_path=str(folder / "result.json"), storage_path=str(folder / "ray"))
+    spec = make_spec(folder, steps=steps, checkpoint_every=checkpoint_every, step_s=step_s, global_batch=global_batch)
+    hold = folder / "hold"
+    spec = dataclasses.replace(spec, hold_path=str(hold))
     wire.write(spec, folder / "spec.json")
     log, steps_log = folder / "driver.log", Path(spec.steps_log)
-    config = ray_mod.RayConfig(cpus_per_node=1)
+    config = cluster.ray_.config if cluster is not None else CLUSTER
+    say = say or (lambda line: None)
     kept = False
     try:
-        with Cluster(3, ray=config) as cl:
+        with contextlib.nullcontext(cluster) if cluster is not None else Cluster(3, ray=config) as cl:
             env = {**cl.ray_.env(), **knobs}
             with open(log, "wb") as out:
                 driver = subprocess.Popen(["nsenter", f"--net=/run/netns/{cl.node_name(0)}", sys.executable, "-m", WORKER,
                                            "--spec", str(folder / "spec.json")], stdout=out, stderr=subprocess.STDOUT,
                                           env=env, start_new_session=True)
             try:
+                t0 = time.time()
+                say(f"Ray Train driver started on node 0; waiting for 3 workers to train {kill_step} steps")
                 _wait(lambda: any(s["step"] >= kill_step and s["world"] == 3 for s in _read_steps(steps_log)), timeout,
-                      "the 3-worker group did not reach the kill step", driver, log)
+                      "the 3-worker group did not reach the kill step", driver, log, say)
                 kill_time = time.time()
                 cl.ray_.kill_node(2)
-                _wait(lambda: sum(1 for s in _read_steps(steps_log) if s["world"] == 2) >= rejoin_after, timeout,
-                      "the group did not shrink to 2 workers", driver, log)
-                cl.ray_.start_node(2)
-                cl.ray_.wait_nodes([2], timeout)
-                rejoin_time = time.time()
-                _wait(lambda: driver.poll() is not None, timeout, "the run did not finish", driver, log)
+                say(f"step {kill_step} reached after {kill_time - t0:.0f} s: node 2 killed (SIGKILL, every process)")
+                _wait(lambda: sum(1 for s in _read_steps(steps_log) if s["world"] == 2) >= (rejoin_after or 1), timeout,
+                      "the group did not shrink to 2 workers", driver, log, say)
+                rejoin_time = None
+                if rejoin_after is not None:  # else node 2 stays down (a cluster of the caller's is left with 2 nodes)
+                    hold.touch()  # the 2 workers pause: on a busy machine they would finish before node 2 is back
+                    say(f"2 workers trained {rejoin_after} steps ({time.time() - kill_time:.0f} s after the kill) and "
+                        "pause; node 2 starts Ray again")
+                    rejoin_time = _rejoin(cl, timeout, say)
+                    if rejoin_time is not None:
+                        say(f"node 2 rejoined {rejoin_time - kill_time:.0f} s after the kill; waiting for 3 workers")
+                        _wait(lambda: any(s["world"] == 3 and s["time"] > rejoin_time for s in _read_steps(steps_log)),
+                              timeout, "the group did not grow back to 3 workers", driver, log, say)
+                    hold.unlink()
+                _wait(lambda: driver.poll() is not None, timeout, "the run did not finish", driver, log, say)
+                say(f"run finished {time.time() - t0:.0f} s after the driver started")
+                logged = [x for f in sorted(cl.ray_.dir.glob("node*/session_latest/logs/train/ray-train-sys-controller-*.log"))
+                          for x in f.read_text(errors="replace").splitlines()]  # read before the teardown removes them
             except BaseException:
                 _keep_logs(cl, folder)
                 raise
@@ -278,6 +347,11 @@ def run(steps: int = 60, checkpoint_every: int = 5, kill_step: int = 12, rejoin_
                     driver.kill()
                 driver.wait(10)
         result = wire.read(RayDriverResult, Path(spec.result_path)) if Path(spec.result_path).exists() else None
+        from_log = attempts_from_controller_log(logged)
+        if result is not None and len(from_log) >= len(result.attempts):
+            # the controller's log holds every attempt; Train's state actor only those whose placement group was
+            # reserved (measured here: the retry at the old size, pending until its timeout, was not in it)
+            result = dataclasses.replace(result, attempts=from_log)
         if result is None or not result.ok:
             kept = True
             raise RayTrainError(f"the Ray Train run failed: {result.error if result else 'no result'}. Logs in {folder}; driver: "
@@ -293,6 +367,19 @@ def run(steps: int = 60, checkpoint_every: int = 5, kill_step: int = 12, rejoin_
     finally:
         if not kept:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _rejoin(cl: Cluster, timeout: float, say) -> float | None:
+    """Start node 2's Ray again; when it is up (Unix s), or None when it could not start (said in one line: at a
+    load of 10 or more on 2 cores the node's dashboard agent can outlast the raylet's own wait for it, and the run
+    then ends on the survivors without the regrow)."""
+    try:
+        cl.ray_.start_node(2)
+        cl.ray_.wait_nodes([2], timeout)
+    except ray_mod.RayError as e:
+        say(f"node 2 could not start Ray again (load {_load():.1f}): the run ends on 2 workers. {str(e)[:300]}")
+        return None
+    return time.time()
 
 
 def _keep_logs(cl: Cluster, folder: Path) -> None:
@@ -325,6 +412,124 @@ def recovery_table(r: RayElasticRun) -> str:
             ("steps redone", str(r.steps_redone), f"checkpoint every {r.checkpoint_every} steps"),
             ("final loss − uninterrupted", f"{r.final_loss_diff:.1e}", f"tolerance {LOSS_TOLERANCE:g} nats")]
     return table(rows, ["event", "s", "what sets it"])
+
+
+def _step_s(r: RayElasticRun) -> float:
+    """The median time between consecutive logged steps of one group (s): what a redone step costs."""
+    gaps = sorted(b["time"] - a["time"] for a, b in zip(r.steps, r.steps[1:])
+                  if (a["world"], a["resumed_from"]) == (b["world"], b["resumed_from"]))
+    return gaps[len(gaps) // 2] if gaps else float("nan")
+
+
+def recovery_parts(r: RayElasticRun) -> list[dict]:
+    """Kill → first step of the smaller group, cut at Ray Train's own records (``r.driver.attempts``, the
+    worker-group attempts; ``r.steps``): ``{"part", "s", "knob"}`` in order. The parts before
+    ``"work redone"`` add up to :attr:`RayElasticRun.shrink_s` exactly (consecutive intervals of one clock):
+
+    1. kill → the controller ends the broken group (its poll sees the failed workers: the survivors' gloo
+       all-reduce fails when the dead node's worker vanishes, or the GCS declares the node dead);
+    2. each retry that failed: a new group asked for and never started, until the worker-group start
+       timeout (Ray Train retries at the size it last had while the dead node's resources still count);
+    3. the controller between attempts (tearing a group down, choosing the next size);
+    4. the smaller group's start → its first step (placing and starting workers, torch + gloo set-up,
+       loading the checkpoint);
+    then, not part of ``shrink_s``: the steps redone since the checkpoint, times the median step time.
+    Empty when the run has no attempts on record (another Ray version) or did not shrink.
+    """
+    small = min((g["world"] for g in r.groups()), default=None)
+    first = r._first_after(r.kill_time, small) if small is not None else None
+    if not r.driver.attempts or first is None:
+        return []
+    first_step = r.kill_time + first
+    broken = [a for a in r.driver.attempts if a["start"] <= r.kill_time and (a["end"] or first_step) >= r.kill_time]
+    later = [a for a in r.driver.attempts if a["start"] > r.kill_time and a["start"] < first_step]
+    if not broken or not later or later[-1]["workers"] != small:
+        return []
+    parts = [{"part": f"kill → controller ends the {broken[-1]['workers']}-worker group",
+              "s": (broken[-1]["end"] or first_step) - r.kill_time,
+              "knob": "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (controller's poll); node death: "
+                      "health_check_period_ms × health_check_failure_threshold"}]
+    gap, prev_end = 0.0, broken[-1]["end"] or first_step
+    for a in later[:-1]:
+        gap += a["start"] - prev_end
+        parts.append({"part": f"retry at {a['workers']} workers (placement group pending: {a['status'].lower()})",
+                      "s": (a["end"] or a["start"]) - a["start"], "knob": "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"})
+        prev_end = a["end"] or a["start"]
+    gap += later[-1]["start"] - prev_end
+    parts.append({"part": "controller between groups (teardown, next size)", "s": gap,
+                  "knob": "none (Ray Train's own work; slower on a busy machine)"})
+    parts.append({"part": f"{small}-worker group start → first step", "s": first_step - later[-1]["start"],
+                  "knob": "the machine's load, torch + gloo set-up, checkpoint size"})
+    parts.append({"part": f"work redone: {r.steps_redone} steps × {_step_s(r):.2f} s", "s": r.steps_redone * _step_s(r),
+                  "knob": f"checkpoint interval (every {r.checkpoint_every} steps)"})
+    return parts
+
+
+def parts_table(parts: list[dict]) -> str:
+    """:func:`recovery_parts` as a table, with the total of the parts before the work redone (``shrink_s``)."""
+    before = [p for p in parts if not p["part"].startswith("work redone")]
+    rows = [(p["part"], f"{p['s']:.1f}", p["knob"]) for p in parts]
+    rows.insert(len(before), ("= kill → first step of the smaller group", f"{sum(p['s'] for p in before):.1f}", ""))
+    return table(rows, ["part of the recovery", "s", "the knob that moves it"])
+
+
+def plot_timeline(r: RayElasticRun, ax=None):
+    """Per node, the worker each attempt ran there (a bar from the group's start to its end; hatched: an
+    attempt that never started its workers, drawn on the controller's row) and each logged step (a tick
+    under its group's bar); the kill, the GCS's verdict and the rejoin as vertical lines. Seconds from
+    the first attempt's start."""
+    import matplotlib.pyplot as plt  # lazy: figures only
+
+    ax = ax or plt.subplots(figsize=(11, 3.2))[1]
+    attempts = r.driver.attempts
+    t0 = min([a["start"] for a in attempts] + [s["time"] for s in r.steps[:1]])
+    nodes = [Cluster.address(i) for i in range(3)]
+    rows = {a: i for i, a in enumerate(nodes)} | {"controller": len(nodes)}
+    colours = {3: "tab:blue", 2: "tab:orange"}
+    end_all = max([s["time"] for s in r.steps] + [a["end"] or 0 for a in attempts])
+    for a in attempts:
+        end = a["end"] or end_all
+        where = a["nodes"] or ["controller"]
+        for n in where:
+            ax.barh(rows.get(n, len(nodes)), end - a["start"], left=a["start"] - t0, height=0.5,
+                    color=colours.get(a["workers"], "tab:green"), alpha=0.35 if a["nodes"] else 0.15,
+                    hatch=None if a["nodes"] else "//", edgecolor="black", linewidth=0.5)
+        if not a["nodes"]:
+            ax.text(a["start"] - t0, len(nodes) + 0.3, f"{a['workers']} workers asked, never started", fontsize=8)
+    for s in r.steps:
+        for n in s["nodes"]:
+            ax.plot([s["time"] - t0] * 2, [rows[n] - 0.2, rows[n] + 0.2], color=colours.get(s["world"], "k"), lw=0.8)
+    marks = [(r.kill_time, "node 2 killed", "red")]
+    if r.detect_s is not None:
+        marks.append((r.kill_time + r.detect_s, "GCS: node dead", "darkred"))
+    if r.rejoin_time is not None:
+        marks.append((r.rejoin_time, "node 2 back", "green"))
+    for n, (t, label, colour) in enumerate(marks):
+        ax.axvline(t - t0, color=colour, ls="--", lw=1)
+        ax.text(t - t0, -0.75 + 0.3 * (n % 2), " " + label, color=colour, fontsize=8)  # staggered: marks can be close
+    ax.set_yticks(range(len(rows)), [f"node {i} ({a})" for i, a in enumerate(nodes)] + ["controller"])
+    ax.set_ylim(-1.0, len(rows) - 0.3)
+    ax.invert_yaxis()
+    ax.set_xlabel("s since the first worker group was asked for (ticks: steps; blue 3 workers, orange 2)")
+    ax.set_title("Ray Train: the worker groups per node, the kill, the shrink and the regrow")
+    return ax
+
+
+def measured_cost(r: RayElasticRun) -> dict:
+    """What a run's checkpoint interval cost, from its records: ``checkpoints`` written and their measured
+    time (``checkpoint_s`` each, the median; ``checkpoint_total_s``; rank 0's save plus Ray's registration,
+    the steps log's ``checkpoint_s``), the last step logged before the kill, the step the next group
+    ``resumed_from`` and the one the interval predicts (``predicted_resume``: the last multiple of the
+    interval at or before it, 0 if none), ``steps_redone`` and their time (``redo_s``, at the median step)."""
+    k = r.checkpoint_every
+    last = max((s["step"] for s in r.steps if s["time"] <= r.kill_time), default=0)
+    after = [g for g in r.groups() if g["first_time"] > r.kill_time]
+    times = sorted(s["checkpoint_s"] for s in r.steps if s.get("checkpoint_s", 0.0) > 0)  # logged a step later
+    each = times[len(times) // 2] if times else float("nan")
+    return {"checkpoints": len(times), "checkpoint_s": each, "checkpoint_total_s": sum(times),
+            "last_before_kill": last, "resumed_from": after[0]["resumed_from"] if after else None,
+            "predicted_resume": last // k * k, "steps_redone": r.steps_redone,
+            "redo_s": r.steps_redone * _step_s(r)}
 
 
 def comparison_rows(r: RayElasticRun | None, torchrun=None, slurm_requeue_s: float | None = None) -> list[tuple]:
@@ -368,3 +573,37 @@ def best_interval(step_s: float, checkpoint_s: float, mtbf_s: float, recovery_s:
     k = max(1.0, math.sqrt(2 * checkpoint_s * mtbf_s) / step_s)
     candidates = {max(1, math.floor(k)), math.ceil(k)}
     return min(sorted(candidates), key=lambda n: overhead(n, step_s, checkpoint_s, mtbf_s, recovery_s))
+
+
+_STARTING = re.compile(r"Attempting to start training worker group of size (\d+)")
+_STARTED = re.compile(r"Started training worker group of size (\d+)")
+_NODE_IP = re.compile(r"\(ip=([\d.]+),")
+
+
+def attempts_from_controller_log(lines) -> list[dict]:
+    """Ray Train's worker-group attempts read from its controller's structured log (``logs/train/
+    ray-train-sys-controller-*.log`` on the controller's node: one JSON object per line, ``asctime`` in the
+    machine's local time), in :class:`RayDriverResult`'s ``attempts`` form: an attempt starts at "Attempting to
+    start training worker group of size N", is running from "Started training worker group" (``nodes``: its
+    workers' addresses), and ends at the controller's next "[FailurePolicy]" decision, a "startup timed out"
+    error (status ``ERRORED``) or the next attempt. What the driver reads when Train's state actor has none."""
+    out: list[dict] = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            t = time.mktime(time.strptime(rec["asctime"].split(",")[0], "%Y-%m-%d %H:%M:%S")) + \
+                int(rec["asctime"].split(",")[1]) / 1000
+            msg = rec["message"]
+        except (ValueError, KeyError, IndexError):
+            continue
+        cur = out[-1] if out and out[-1]["end"] is None else None
+        if m := _STARTING.search(msg):
+            if cur is not None:
+                cur["end"] = t
+            out.append({"start": t, "end": None, "status": "PENDING", "workers": int(m.group(1)), "nodes": [],
+                        "detail": ""})
+        elif cur is not None and _STARTED.search(msg):
+            cur.update(status="RUNNING", nodes=_NODE_IP.findall(msg))
+        elif cur is not None and ("[FailurePolicy]" in msg or "startup timed out" in msg):
+            cur.update(end=t, status="ERRORED", detail=msg.strip().splitlines()[0][:300])
+    return out

@@ -17,8 +17,9 @@ number of workers: a run that shrinks from 3 workers to 2 computes the same step
 rounding. Each step reports ``ray.train.report(metrics, checkpoint=...)`` (every worker reports;
 rank 0 attaches a checkpoint, model + optimizer + step, every ``checkpoint_every`` steps). At start
 a worker resumes from ``ray.train.get_checkpoint()``, the last checkpoint Ray registered, if any.
-Rank 0 appends ``{"step", "loss", "world", "nodes", "time"}`` to the spec's ``steps_log`` (one
-flushed JSON line per step; ``nodes``: the addresses of the workers' nodes; ``time``: Unix seconds),
+Rank 0 appends ``{"step", "loss", "world", "nodes", "time", "checkpoint_s"}`` to the spec's
+``steps_log`` (one flushed JSON line per step; ``nodes``: the addresses of the workers' nodes;
+``time``: Unix seconds; ``checkpoint_s``: what the *previous* step's checkpoint took, 0 without one),
 which the host reads while the run goes on. Each step lasts at least the spec's ``step_s`` (the
 model's step here is a few ms; the pause stretches the run so a node can die and come back while it
 trains; it is not compute).
@@ -79,7 +80,10 @@ def train_loop(config: dict) -> None:
     nodes = [None] * world
     dist.all_gather_object(nodes, _node_address())
     share = a.global_batch // world
+    last_checkpoint_s = 0.0  # the previous step's checkpoint: rank 0's save + Ray's registration, s
     for step in range(start, a.steps):
+        while world < a.num_workers and a.hold_path and _held(Path(a.hold_path), rank):
+            time.sleep(0.2)  # a smaller group waits for the host's node to come back (RaySpec.hold_path)
         t0 = time.monotonic()
         rows = slice(step * a.global_batch + rank * share, step * a.global_batch + (rank + 1) * share)
         opt.zero_grad(set_to_none=True)
@@ -96,15 +100,27 @@ def train_loop(config: dict) -> None:
         if rank == 0:
             with open(a.steps_log, "a") as log:
                 log.write(json.dumps({"step": step + 1, "loss": loss_value, "world": world, "nodes": nodes,
-                                      "resumed_from": start, "time": time.time()}) + "\n")
+                                      "resumed_from": start, "time": time.time(),
+                                      "checkpoint_s": last_checkpoint_s}) + "\n")
+        t1 = time.monotonic()
         if (step + 1) % a.checkpoint_every == 0 or step + 1 == a.steps:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
                     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1},
                                Path(d) / "state.pt")
                 ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
+            last_checkpoint_s = time.monotonic() - t1  # logged with the next step (this one's line is written)
         else:
             ray.train.report(metrics)
+            last_checkpoint_s = 0.0
+
+
+def _held(path: Path, rank: int) -> bool:
+    """Whether the host's hold file exists, as rank 0 sees it, the same answer on every rank (one broadcast:
+    ranks that each looked for themselves could disagree and leave one alone in the next all-reduce)."""
+    flag = torch.tensor([1.0 if rank == 0 and path.exists() else 0.0])
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
 
 
 def _scaling(a: RaySpec):
@@ -145,7 +161,29 @@ def drive(a: RaySpec) -> RayDriverResult:
     watcher.join(5)
     return RayDriverResult(ok=error is None, error=error, final_loss=metrics.get("loss"),
                            final_step=metrics.get("step"), started=t0, ended=time.time(), host=socket.gethostname(),
-                           node_events=list(events))
+                           node_events=list(events), attempts=_attempts())
+
+
+def _attempts() -> list[dict]:
+    """Ray Train's record of this job's worker-group attempts, oldest first: ``{"start", "end", "status",
+    "workers", "nodes", "detail"}`` (Unix s; ``workers``: the group's size, ``nodes``: its workers' node
+    addresses, empty for a group that never started). Read from Train's state actor (the record behind its
+    dashboard page: ``ray.train.v2._internal.state``, Ray 2.60; an internal API, hence the fallback to none)."""
+    import ray  # lazy: only in the driver
+
+    try:
+        from ray.train.v2._internal.state.state_actor import get_state_actor
+
+        actor = get_state_actor()
+        runs = ray.get(actor.get_train_run_attempts.remote(), timeout=30) if actor is not None else {}
+    except Exception:  # noqa: BLE001 - another Ray version: the run stands without the attempts
+        traceback.print_exc()
+        return []
+    out = [{"start": a.start_time_ns / 1e9, "end": None if a.end_time_ns is None else a.end_time_ns / 1e9,
+            "status": getattr(a.status, "value", str(a.status)), "workers": len(a.resources),
+            "nodes": [w.node_ip for w in a.workers], "detail": (a.status_detail or "").strip()[:400]}
+           for attempts in runs.values() for a in attempts.values()]
+    return sorted(out, key=lambda a: a["start"])
 
 
 def _watch_nodes(events: list, stop: threading.Event, every: float) -> None:
