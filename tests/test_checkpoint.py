@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from teraflops.orchestration.checkpoint import CheckpointError, checkpoint_path, latest, load, save_atomic
+from teraflops.orchestration.checkpoint import (CheckpointError, best_interval, checkpoint_path, latest, load, overhead,
+                                                save_atomic)
 
 DEAD_PID = 2**22 + 1  # above Linux's largest pid_max: no process has it
 
@@ -107,3 +108,12 @@ def test_save_latest_keeps_only_the_newest_checkpoint(tmp_path):
         assert save_latest(state(step), tmp_path, step) == checkpoint_path(tmp_path, step)
         assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{step:06d}.pt"]
     assert load(latest(tmp_path))["step"] == 9
+
+
+def test_youngs_interval_is_the_overheads_minimum():
+    # sqrt(2 · 0.5 s · 600 s) = 24.49 s of 0.25 s steps = 97.98: the whole numbers 97 and 98 are compared
+    k = best_interval(0.25, 0.5, 600.0, 45.0)
+    assert k == 98 and all(overhead(k, 0.25, 0.5, 600.0, 45.0) <= overhead(n, 0.25, 0.5, 600.0, 45.0)
+                           for n in range(1, 400))
+    # 0.5/(98·0.25) + (45 + 98·0.25/2)/600, worked by hand
+    assert overhead(98, 0.25, 0.5, 600.0, 45.0) == pytest.approx(0.5 / 24.5 + (45 + 12.25) / 600)

@@ -11,7 +11,8 @@ layer              may import
 base               base
 nodes              base
 launch             base, nodes
-lecture packages   base, nodes, launch, other lecture packages (no cycle: ``test_imports``)
+lecture packages   base, nodes, launch, the same and earlier lectures (Unit 2 may use Unit 1's
+                   package, never Unit 5's: what two lectures share lives in the base)
 grading            base, nodes, launch, lecture packages, grading (it executes a lab with
                    ``launch.notebook``, as ``teraflops run`` executes a lecture; never ``course``)
 workers            base, nodes, launch, lecture packages, workers
@@ -52,6 +53,12 @@ def layer(module: str) -> str:
     return "base"
 
 
+def unit(module: str) -> int | None:
+    """The lecture a module belongs to (0 = Unit 1's ``model_definition``), ``None`` outside the lectures."""
+    parts = module.split(".")
+    return LECTURES.index(parts[1]) if len(parts) > 1 and parts[1] in LECTURES else None
+
+
 def violations(graph: dict[str, set[str]]) -> list[str]:
     found = []
     for module, targets in sorted(graph.items()):
@@ -59,6 +66,9 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
         for target in sorted(targets):
             if layer(target) not in allowed and target not in allowed:
                 found.append(f"{module} ({layer(module)}) imports {target} ({layer(target)})")
+            elif unit(module) is not None and unit(target) is not None and unit(target) > unit(module):
+                found.append(f"{module} (lecture {unit(module) + 1}) imports {target} (later lecture "
+                             f"{unit(target) + 1}): move what both use to the base")
     return found
 
 
@@ -70,7 +80,7 @@ def test_every_import_goes_down_the_layers():
 def test_the_top_level_holds_only_the_shared_base():
     root = Path(__file__).resolve().parents[1] / "helpers" / "teraflops"
     top = sorted(p.stem for p in root.glob("*.py"))
-    base = ["__init__", "__main__", "caches", "ceilings", "data", "datasheets", "errors", "gpu_fit", "headlines",
+    base = ["__init__", "__main__", "caches", "ceilings", "comm_cost", "data", "datasheets", "errors", "gpu_fit", "headlines",
             "machine", "mechanism", "memory", "models", "ownership", "plots", "sizing", "tables", "teardown", "timing",
             "widgets"]
     assert top == base, f"top-level modules changed: {sorted(set(top) ^ set(base))} (a lesson goes in its unit's package)"
@@ -82,6 +92,7 @@ def test_the_top_level_holds_only_the_shared_base():
     ("teraflops.nodes.cluster", "teraflops.launch.launcher", "nodes"),
     ("teraflops.orchestration.stragglers", "teraflops.workers.straggler", "lecture"),
     ("teraflops.grading.grader", "teraflops.course.runner", "grading"),
+    ("teraflops.parallelization.tensor_parallel", "teraflops.hardware.alpha_beta", "lecture 2"),
 ])
 def test_a_deliberate_violation_is_caught(source, target, rule):
     graph = import_graph()

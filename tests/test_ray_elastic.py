@@ -67,12 +67,6 @@ def test_equal_slices_averaged_give_the_global_batchs_gradient():
     assert torch.allclose(grads[1], grads[2], atol=1e-6) and torch.allclose(grads[1], grads[3], atol=1e-6)
 
 
-def test_youngs_interval_is_the_overheads_minimum():
-    k = re_.best_interval(0.25, 0.5, 600.0, 45.0)
-    assert k == 98 and all(re_.overhead(k, 0.25, 0.5, 600.0, 45.0) <= re_.overhead(n, 0.25, 0.5, 600.0, 45.0)
-                           for n in range(1, 400))
-
-
 @pytest.mark.parametrize("in_force", ["gpu", "cpu", "tiny"])
 def test_the_cpu_workers_are_sized_by_a_cpu_preset(monkeypatch, tmp_path, in_force):
     """Ray Train's workers are CPU workers (one CPU each) whatever the preset in force: on a GPU box the

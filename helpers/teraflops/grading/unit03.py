@@ -25,7 +25,7 @@ from teraflops.nodes import slurm
 from teraflops.orchestration import ray_elastic
 from teraflops.orchestration.detection import flag_stragglers as reference_flags
 from teraflops.orchestration.queue_sim import Job, fifo, make_trace, simulate
-from teraflops.orchestration.ray_elastic import best_interval, overhead
+from teraflops.orchestration.checkpoint import best_interval, overhead
 from teraflops.orchestration.slurm_queue import parse_jobs
 from teraflops.orchestration.stragglers import idle_fraction as reference_idle
 
@@ -384,8 +384,8 @@ def batch_script(fn) -> None:
 
 
 def _submit_and_check(fn, work) -> None:
-    import time
-
+    """The learner's script for a command that reports each node's GPUs, read; then, where a Slurm
+    cluster can run here, submitted to one and judged on what ran, then read to the letter."""
     report = work / "report.sh"
     report.write_text(_REPORT)
     report.chmod(0o755)
@@ -399,27 +399,40 @@ def _submit_and_check(fn, work) -> None:
         return
     (work / "job.sh").write_text(script)
     with cl.Cluster(2, name=f"lab3{os.getpid() % 100000}", slurm=True) as nodes:
-        s = nodes.slurm_
-        done = s.exec(["sbatch", "--parsable", f"--output={work}/out.txt", str(work / "job.sh")])
-        if done.returncode != 0:
-            fail(f"sbatch refused the script: {(done.stderr or done.stdout).strip().splitlines()[-1]}")
-        job = int(done.stdout.strip().split(";")[0])
-        deadline = time.monotonic() + 60
-        while True:
-            rec = parse_jobs(s.exec(["scontrol", "-d", "-o", "show", "job", str(job)]).stdout).get(job, {})
-            if rec.get("state") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-                break
-            if time.monotonic() > deadline:
-                s.exec(["scancel", str(job)])
-                fail("the job did not finish within 60 s. Hint: `squeue` shows why it waits (the cluster has 2 nodes "
-                     "of 2 CPUs and 2 GPUs; ask for no more)")
-            time.sleep(0.3)
-        info = s.exec(["scontrol", "-o", "show", "job", str(job)]).stdout
+        state, info = _run_job(nodes.slurm_, work)
     output = (work / "out.txt").read_text(errors="replace") if (work / "out.txt").exists() else ""
+    _judge_job(state, info, output, command)
+    _static(script, opts, command)  # what ran right may still differ from the letter of the exercise
+
+
+def _run_job(s, work) -> tuple[str | None, str]:
+    """Submit ``work/job.sh`` with sbatch and wait (60 s at most) for it to end; its final state and
+    ``scontrol show job``'s line."""
+    import time
+
+    done = s.exec(["sbatch", "--parsable", f"--output={work}/out.txt", str(work / "job.sh")])
+    if done.returncode != 0:
+        fail(f"sbatch refused the script: {(done.stderr or done.stdout).strip().splitlines()[-1]}")
+    job = int(done.stdout.strip().split(";")[0])
+    deadline = time.monotonic() + 60
+    while True:
+        rec = parse_jobs(s.exec(["scontrol", "-d", "-o", "show", "job", str(job)]).stdout).get(job, {})
+        if rec.get("state") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        if time.monotonic() > deadline:
+            s.exec(["scancel", str(job)])
+            fail("the job did not finish within 60 s. Hint: `squeue` shows why it waits (the cluster has 2 nodes "
+                 "of 2 CPUs and 2 GPUs; ask for no more)")
+        time.sleep(0.3)
+    return rec.get("state"), s.exec(["scontrol", "-o", "show", "job", str(job)]).stdout
+
+
+def _judge_job(state: str | None, info: str, output: str, command: str) -> None:
+    """What the job did: completed, on 2 nodes, the command once on each with one GPU, a 1-minute limit."""
     lines = [x.split() for x in output.splitlines() if re.match(r"node\d+ gpus=", x)]
-    if rec.get("state") != "COMPLETED":
+    if state != "COMPLETED":
         last = output.strip().splitlines()[-1] if output.strip() else "no output"
-        fail(f"the job ended {rec.get('state')}: {last}")
+        fail(f"the job ended {state}: {last}")
     fields = dict(re.findall(r"(\w+)=(\S*)", info))
     if fields.get("NumNodes") != "2":
         fail(f"the job got {fields.get('NumNodes')} node(s), not 2. Hint: #SBATCH --nodes=2")
@@ -435,7 +448,6 @@ def _submit_and_check(fn, work) -> None:
         fail(f"GPUs per node: {per_node}, not one each. Hint: #SBATCH --gres=gpu:1 asks for one GPU on every node")
     if fields.get("TimeLimit") != "00:01:00":
         fail(f"the job's time limit is {fields.get('TimeLimit')}, not 1 minute. Hint: #SBATCH --time=1")
-    _static(script, opts, command)  # what ran right may still differ from the letter of the exercise
 
 
 # --- exercise 6: the checkpoint interval, given measured recovery times ------------------------------
@@ -469,8 +481,8 @@ last_run: dict = {}  # the last real run's measurements (what the lab's next cel
 @exercise(6, "checkpoint interval from measured recovery times")
 def checkpoint_interval(fn) -> None:
     """``fn(step_s, checkpoint_s, mtbf_s, recovery_s) -> int``: the steps between checkpoints that
-    minimise the expected time lost (:func:`teraflops.orchestration.ray_elastic.overhead`), checked against
-    :func:`~teraflops.orchestration.ray_elastic.best_interval`; an answer whose overhead is within 0.1 % of the
+    minimise the expected time lost (:func:`teraflops.orchestration.checkpoint.overhead`), checked against
+    :func:`~teraflops.orchestration.checkpoint.best_interval`; an answer whose overhead is within 0.1 % of the
     best one's also passes."""
     answers = []
     for case in _INTERVAL_CASES:

@@ -22,13 +22,13 @@ algbw B ≈ 0.35–0.45 GB/s (busbw 0.55–0.65 GB/s), R² ≈ 0.99, 80% of B fr
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-from teraflops.hardware.collectives import (CollectiveInputError, check_collective, check_positive, check_ranks,
-    bus_factor)
+# The ring's time lives in the shared base (Unit 2 prices tensor parallelism with it); Unit 5 teaches it here.
+from teraflops.comm_cost import ring_allreduce_seconds as ring_allreduce_seconds
+from teraflops.hardware.collectives import CollectiveInputError, bus_factor, check_collective, check_positive
 from teraflops.datasheets import PUBLISHED_LINKS
 from teraflops.tables import GB, fmt_bytes, fmt_seconds
 
@@ -171,27 +171,6 @@ def saturation_text(fit: AlphaBeta, fraction: float = 0.8) -> str:
     smallest = f"below {fmt_bytes(min(fit.sizes))}, the smallest size measured" if fit.sizes else \
         "below the smallest size measured"
     return f"{smallest} (α fitted as 0)"
-
-
-def ring_allreduce_seconds(size_bytes, n: int, bandwidth: float, alpha: float = 0.0):
-    """Time (s) of a ring all-reduce: ``2(n−1)/n · S/B + 2(n−1)·α`` (Patarasuk & Yuan 2009; NCCL's busbw
-    of all-reduce, nccl-tests doc/PERFORMANCE.md, is the ``B`` of this formula).
-
-    Args:
-        size_bytes: bytes all-reduced on every rank (> 0). n: ranks (>= 2). bandwidth: bytes/s per
-            direction of each rank's link (> 0). alpha: latency of one of the ``2(n−1)`` steps (s, >= 0).
-
-    Raises:
-        CollectiveInputError: a value out of range.
-    """
-    check_ranks(n)
-    s = check_positive("size_bytes", size_bytes)
-    check_positive("bandwidth", bandwidth)
-    if isinstance(alpha, (bool, np.bool_)) or not (isinstance(alpha, numbers.Real) and 0 <= alpha < math.inf):
-        raise CollectiveInputError(f"alpha must be a latency >= 0 in seconds, got {alpha!r}. "
-                                   "Hint: alpha=0 gives the bandwidth-only ceiling")
-    out = 2 * (n - 1) / n * s / bandwidth + 2 * (n - 1) * alpha
-    return float(out) if out.ndim == 0 else out
 
 
 # ---- showing it --------------------------------------------------------------------------------------

@@ -21,21 +21,14 @@ fitted busbw of 49.8, 23.6 and 9.4 MB/s (R² ≥ 0.97), α 1.6-5.8 ms.
 
 from __future__ import annotations
 
-from teraflops.datasheets import ETHERNET_25G, PUBLISHED_LINKS, PublishedLink
+from teraflops.comm_cost import FABRICS, SCALE, scaled_rate  # the table's home is the shared base (Unit 2 uses it)
 from teraflops.hardware.alpha_beta import fit_rows
 from teraflops.hardware.collectives import BUS_FACTOR, sweep
 from teraflops.nodes.cluster import Cluster
 from teraflops.tables import table
 
-SCALE = 1e-3  # an emulated link runs at the published rate × SCALE: GB/s become MB/s
-FABRICS: tuple[PublishedLink, ...] = (PUBLISHED_LINKS[3], PUBLISHED_LINKS[1], ETHERNET_25G)  # IB NDR, PCIe Gen4, 25GbE
 SIZES = tuple(2 ** k for k in range(12, 22))  # 4 KiB - 2 MiB: the slowest scaled link moves 2 MiB in ~0.7 s
 SWEEP = {"iters": 4, "min_iters": 2, "warmup": 1, "volume_bytes": 2 ** 22}  # per size: ≤ 4 timed calls, ≤ 4 MiB
-
-
-def scaled_rate(link: PublishedLink, scale: float = SCALE) -> float:
-    """The emulated link's rate for a published one, bytes/s (per direction)."""
-    return link.bandwidth * scale
 
 
 def fabric_sweep(cluster, fabrics=FABRICS, sizes=SIZES, scale: float = SCALE, **sweep_kwargs) -> list[dict]:

@@ -16,10 +16,17 @@ power cut, not only a killed process.
 Names: ``step-000020.pt`` holds the state after 20 completed steps (the step to run next is 20).
 One writer per directory (in data parallelism, rank 0; every rank holds the same state).
 :func:`save_latest` saves and then deletes the older checkpoints, so one stays on disk.
+
+How often to checkpoint: :func:`overhead` is the expected share of wall time a checkpoint interval
+costs (writing checkpoints, plus per failure the restart and half an interval redone), and
+:func:`best_interval` the whole number of steps that minimises it (Young's first-order optimum; Unit 3
+measures the restart it needs under torchrun and under Ray, :mod:`teraflops.orchestration.elastic`,
+:mod:`teraflops.orchestration.ray_elastic`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -134,3 +141,22 @@ def load(path, map_location="cpu"):
                               "Hint: it is cut short or damaged (not written by save_atomic?), or holds objects "
                               "other than tensors, numbers, strings, lists and dicts; delete it and latest() "
                               "finds the one before") from None
+
+
+def overhead(k: int, step_s: float, checkpoint_s: float, mtbf_s: float, recovery_s: float) -> float:
+    """Expected fraction of wall time lost with a checkpoint every ``k`` steps of ``step_s`` s each:
+    ``checkpoint_s / (k·step_s)`` (writing checkpoints) ``+ (recovery_s + k·step_s / 2) / mtbf_s``
+    (per failure, every ``mtbf_s`` s on average: the restart, measured as a Ray run's ``shrink_s`` or
+    torchrun's ``restart_s``, and half an interval of steps redone). First-order model of Young, "A first order approximation to the optimum
+    checkpoint interval", CACM 17(9), 1974; its optimum is ``k·step_s = sqrt(2·checkpoint_s·mtbf_s)``,
+    whatever ``recovery_s`` (a cost per failure, not per interval)."""
+    interval = k * step_s
+    return checkpoint_s / interval + (recovery_s + interval / 2) / mtbf_s
+
+
+def best_interval(step_s: float, checkpoint_s: float, mtbf_s: float, recovery_s: float) -> int:
+    """The whole number of steps ``k ≥ 1`` that minimises :func:`overhead` (Young's optimum, rounded to
+    the better neighbour)."""
+    k = max(1.0, math.sqrt(2 * checkpoint_s * mtbf_s) / step_s)
+    candidates = {max(1, math.floor(k)), math.ceil(k)}
+    return min(sorted(candidates), key=lambda n: overhead(n, step_s, checkpoint_s, mtbf_s, recovery_s))

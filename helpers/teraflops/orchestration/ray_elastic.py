@@ -556,25 +556,6 @@ def comparison_table(r: RayElasticRun | None, torchrun=None, slurm_requeue_s: fl
                  ["mechanism", "who detects", "what restarts", "where", "time lost s", "knobs"])
 
 
-def overhead(k: int, step_s: float, checkpoint_s: float, mtbf_s: float, recovery_s: float) -> float:
-    """Expected fraction of wall time lost with a checkpoint every ``k`` steps of ``step_s`` s each:
-    ``checkpoint_s / (k·step_s)`` (writing checkpoints) ``+ (recovery_s + k·step_s / 2) / mtbf_s``
-    (per failure, every ``mtbf_s`` s on average: the restart, measured as ``shrink_s`` above, and half an
-    interval of steps redone). First-order model of Young, "A first order approximation to the optimum
-    checkpoint interval", CACM 17(9), 1974; its optimum is ``k·step_s = sqrt(2·checkpoint_s·mtbf_s)``,
-    whatever ``recovery_s`` (a cost per failure, not per interval)."""
-    interval = k * step_s
-    return checkpoint_s / interval + (recovery_s + interval / 2) / mtbf_s
-
-
-def best_interval(step_s: float, checkpoint_s: float, mtbf_s: float, recovery_s: float) -> int:
-    """The whole number of steps ``k ≥ 1`` that minimises :func:`overhead` (Young's optimum, rounded to
-    the better neighbour)."""
-    k = max(1.0, math.sqrt(2 * checkpoint_s * mtbf_s) / step_s)
-    candidates = {max(1, math.floor(k)), math.ceil(k)}
-    return min(sorted(candidates), key=lambda n: overhead(n, step_s, checkpoint_s, mtbf_s, recovery_s))
-
-
 _STARTING = re.compile(r"Attempting to start training worker group of size (\d+)")
 _STARTED = re.compile(r"Started training worker group of size (\d+)")
 _NODE_IP = re.compile(r"\(ip=([\d.]+),")

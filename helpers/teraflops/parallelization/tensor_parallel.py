@@ -47,8 +47,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from teraflops.errors import CourseError
 from teraflops.ceilings import measure_peak_flops
 from teraflops.gpu_fit import gpt_params, launch_timeout, link_config, rank_config, tp_step_bytes, train_step_flops
-from teraflops.hardware.alpha_beta import ring_allreduce_seconds
-from teraflops.hardware.fabrics import FABRICS, scaled_rate
+from teraflops.comm_cost import FABRICS, ring_allreduce_seconds, scaled_rate
 from teraflops.launch import launcher
 from teraflops.launch.placement import place
 from teraflops.launch.rank import RankIdentity
@@ -344,7 +343,7 @@ def link_comparison(cfg: TrainConfig, rate: float | None = None, *, steps: int =
                     timeout: float | None = None) -> dict:
     """The failure mode: TP and DP of the same model on 2 ranks, inside one node (loopback: the
     "NVLink domain") and on two emulated nodes joined by links of ``rate`` bytes/s (default: InfiniBand
-    NDR scaled as Unit 5 scales fabrics, :func:`teraflops.hardware.fabrics.scaled_rate`).
+    NDR scaled as Unit 5 scales fabrics, :func:`teraflops.comm_cost.scaled_rate`).
 
     Returns:
         ``{"rows", "rate", "comm_ratio", "bytes_ratio", "share_ratio", "inside", "across", "unavailable"}``: rows of
@@ -398,7 +397,7 @@ def predict_tp_step(hidden: int, layers: int, tokens: int, tp: int, bandwidth: f
     Compute: ``6 · Ψ · T / (tp · peak_flops · mfu)`` with ``Ψ = 12 · L · h²`` (Kaplan et al. 2020
     §2.1; Narayanan et al. 2021 §5.1 use the same count); communication: ``4 · L`` ring all-reduces
     (:func:`megatron_per_layer`, 2 forward + 2 backward per block) of ``T · h · dtype_bytes`` bytes,
-    each ``2(tp−1)/tp · S / bandwidth + 2(tp−1) α`` (:func:`teraflops.hardware.alpha_beta.ring_allreduce_seconds`),
+    each ``2(tp−1)/tp · S / bandwidth + 2(tp−1) α`` (:func:`teraflops.comm_cost.ring_allreduce_seconds`),
     not overlapped (each is the next layer's input).
 
     Args:
