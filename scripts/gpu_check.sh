@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The course's GPU path on a fresh box, in one command: `teraflops preflight` then `pytest -m gpu`, each
-# bounded so the whole fits 8 minutes on one H100/H200; results.json and both logs land in one folder.
+# bounded so the whole fits 8 minutes on one H100/H200; results.json, both logs and the table of checks
+# (`teraflops preflight --list`) land in one folder.
 # On a CPU-only machine the GPU parts skip with their reasons (preflight runs its CPU equivalents).
 #   usage: scripts/gpu_check.sh [OUT_DIR]      (default: build/gpu-check-<UTC time>)
 # Budget (s): preflight PREFLIGHT_S, pytest PYTEST_S; each is killed past its limit and says so in results.json.
@@ -21,6 +22,8 @@ only=()
 if ! nvidia-smi -L > /dev/null 2>&1; then
   only=(--only ${CPU_CHECKS:-device tensor-parallel pipeline recompute serving ray-sizing})
 fi
+# the checks, the GPUs each needs and what it does on this box, before any runs
+timeout -k 10 60 "$PY" -m teraflops preflight --list > "$OUT/checks.txt" 2>&1
 timeout -k 10 "$PREFLIGHT_S" "$PY" -m teraflops preflight --out "$OUT/preflight" "${only[@]}" > "$OUT/preflight.log" 2>&1
 pre_rc=$?
 timeout -k 10 "$PYTEST_S" "$PY" -m pytest -p no:xdist -m gpu -q -rs --junitxml="$OUT/pytest-gpu.xml" tests > "$OUT/pytest-gpu.log" 2>&1
@@ -42,7 +45,7 @@ res = {"seconds": secs, "exclusive_process_gpus": exclusive,
 print(json.dumps(res))
 PYEOF
 if [ "$exclusive" -gt 0 ]; then
-  echo "warning: $exclusive GPU(s) in EXCLUSIVE_PROCESS mode: one process per GPU (kernel, rank 0 and server collide); nvidia-smi -c DEFAULT, or give each its own GPU" >&2
+  echo "warning: $exclusive GPU(s) in EXCLUSIVE_PROCESS mode: one process per GPU (kernel, rank 0 and server collide); sudo nvidia-smi -i N -c DEFAULT, or give each its own GPU (teraflops doctor names them)" >&2
 fi
 echo "results in $OUT"
 [ "$pre_rc" -eq 0 ] && { [ "$py_rc" -eq 0 ] || [ "$py_rc" -eq 5 ]; }

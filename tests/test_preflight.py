@@ -146,3 +146,60 @@ def test_the_straggler_check_does_not_flag_a_healthy_ranks_blip_at_ms_scale():
     busy[:, 7] += 0.2  # the injected straggler
     assert 3 in flag_stragglers(busy)  # the finding
     assert preflight.flag_late_ranks(busy) == [7]
+
+
+def test_list_prints_every_check_with_its_gpus_and_full_and_runs_none(monkeypatch, capsys):
+    """`teraflops preflight --list`: the table of checks (TP, pipeline, recompute, serving and Ray among
+    them), the GPUs each needs, whether only --full runs it and what it does on this machine; nothing runs."""
+    from teraflops.course import cli
+
+    def ran(*a, **k):
+        raise AssertionError("--list ran a check")
+
+    monkeypatch.setattr(preflight, "run", ran)
+    monkeypatch.setattr(preflight, "main", ran)
+    monkeypatch.setattr(preflight.machine, "detect", lambda: Machine("cpu", cpu_cores=2))
+    assert cli.main(["preflight", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["check", "GPUs", "--full", "here", "covers"]
+    rows = {line.split()[0]: line.split()[1:4] for line in lines[1:len(preflight.CHECKS) + 1]}
+    assert list(rows) == [c.name for c in preflight.CHECKS]
+    for name in ("tensor-parallel", "pipeline", "recompute", "serving", "ray-sizing"):
+        assert rows[name] == ["0", "no", "CPU"], name  # their CPU part runs here
+    assert rows["elastic"] == ["2", "no", "skipped"] and rows["full-memory"] == ["0", "yes", "CPU"]
+    assert rows["full-rank-traces"] == ["3", "yes", "skipped"]
+    assert lines[-1].startswith("here: this machine has 0 GPUs")
+    two = preflight.listing(gpus=2).splitlines()
+    assert "runs" in two[1].split() and "skipped" in next(x for x in two if x.startswith("full-rank-traces"))
+    assert preflight.listing().splitlines()[0].split() == ["check", "GPUs", "--full", "covers"]
+
+
+def test_the_rank_traces_check_covers_zero3_on_nccl_ranks_and_names_an_overhead_reading(monkeypatch):
+    """Whether ZeRO-3's trace on 3+ NCCL ranks reads communication-bound or overhead only a GPU shows
+    (the ratio of NCCL transfer time to DeepSpeed's host-side hooks); on the CPU: the check that shows
+    it needs 3 GPUs and --full, profiles zero3, and fails on an overhead reading naming the workload."""
+    from types import SimpleNamespace
+
+    from teraflops.orchestration.detection import MIN_RANKS
+    from teraflops.triage import rank_traces
+
+    check, = (c for c in preflight.CHECKS if c.name == "full-rank-traces")
+    assert check.gpus == MIN_RANKS >= 3 and check.full and "zero3" in rank_traces.WORKLOADS
+    assert "Only a GPU can show it" in check.fn.__doc__ and "overhead" in check.fn.__doc__
+    asked = []
+
+    def profile_ranks(workloads=rank_traces.WORKLOADS, **kw):
+        asked.append(tuple(workloads))
+        return {w: SimpleNamespace(trace=w, waits=None) for w in workloads}
+
+    verdicts = dict(rank_traces.EXPECTED)
+    monkeypatch.setattr(rank_traces, "profile_ranks", profile_ranks)
+    monkeypatch.setattr(preflight, "triage", lambda trace, waits=None: SimpleNamespace(verdict=verdicts[trace]))
+    value, unit, detail = check.fn()
+    assert asked == [rank_traces.WORKLOADS] and value == len(rank_traces.WORKLOADS)
+    assert "zero3: communication-bound" in detail
+    verdicts["zero3"] = "overhead"
+    with pytest.raises(preflight.CheckFailed) as info:
+        check.fn()
+    assert "'zero3': 'overhead'" in str(info.value) and "'zero3': 'communication-bound'" in str(info.value)
+    assert "straggler" not in str(info.value) and "size its GPT for the GPU" in str(info.value)

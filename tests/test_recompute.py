@@ -62,3 +62,21 @@ def test_a_step_that_runs_out_of_memory_is_a_row_and_the_sweep_goes_on(monkeypat
     assert not by[(4, True)]["oom"] and by[(4, True)]["peak_bytes"] > 0 and by[(4, True)]["step_s"] > 0
     assert "out of memory" in rc.recompute_table(rows)
     assert rc.largest_batch(rows, by[(2, False)]["peak_bytes"], False) >= 2  # fitted on batches 1 and 2
+
+
+def test_on_one_gpu_recomputation_runs_on_the_gpu_though_the_ranks_are_cpu_ranks():
+    """One GPU is too few for NCCL ranks, so the data-parallel plan's ranks and preset are the CPU's;
+    recomputation's sweep is one process, and runs on the GPU the machine has."""
+    from teraflops.launch.placement import data_parallel_plan
+    from teraflops.machine import GPU, Machine
+
+    def on(gpus, p="gpu"):
+        m = Machine("cuda" if gpus else "cpu", tuple(GPU(i, "NVIDIA H100", 80 << 30, (9, 0)) for i in range(gpus)),
+                    cpu_cores=16)
+        return data_parallel_plan(PRESETS[p], machine=m)
+
+    one = on(1)
+    assert not one.placement.on_gpus and one.preset.device == "cpu"  # CPU ranks, the CPU preset's sizes
+    assert one.local_device == "cuda"  # where recompute.measure(..., device=plan.local_device) runs
+    assert on(2).local_device == "cuda" and on(2).placement.on_gpus
+    assert on(0).local_device == "cpu" and on(1, "cpu").local_device == "cpu"  # no GPU, or the CPU preset asked for

@@ -68,7 +68,7 @@ def test_the_script_allocates_k_nodes_and_sruns_one_torchrun_each_meeting_on_the
     step = "\n".join(lines[srun:])
     assert "exec /venv/bin/torchrun" in step and "--nnodes 2 --nproc-per-node 2" in step
     assert '--rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:29400" --rdzv-id "$SLURM_JOB_ID"' in step
-    assert 'addr=$(getent hosts "$(hostname)")' in step and '--local-addr "$addr"' in step  # the node's own address
+    assert all(x in step for x in sbatch.ADDRESS_RULE) and '--local-addr "$addr"' in step  # the node's own address
     assert 'export TERAFLOPS_LISTEN_ADDRS="$addr"' in step  # where its stores listen (teraflops.launch.loopback)
     assert step.rstrip().endswith("/w/rank_wrapper.py teraflops.workers.selftest'")
     assert 'export TERAFLOPS_NODE="$SLURM_NODEID"' in step
@@ -77,7 +77,7 @@ def test_the_script_allocates_k_nodes_and_sruns_one_torchrun_each_meeting_on_the
     for var in ("export TERAFLOPS_BACKEND=gloo", "export OMP_NUM_THREADS=1",
                 "export TERAFLOPS_RESULTS_DIR=/tmp/r", "export TRITON_INTERPRET=1", "  export GLOO_SOCKET_IFNAME=eth0"):
         assert var in lines[:srun], var
-    assert "case" not in step  # nothing differs per node but what Slurm says
+    assert 'case "$SLURM_NODEID"' not in step  # nothing differs per node but what Slurm says
 
 
 def test_gpu_ranks_ask_for_gpus_and_each_node_gets_its_share():
@@ -105,6 +105,63 @@ def _run_script_on_node(tmp_path, text: str, node: int, emulated: bool) -> dict:
            **({sbatch.EMULATED_ENV: "1"} if emulated else {})}
     subprocess.run(["bash", str(script)], env=env, check=True, timeout=30)
     return dict(kv.split("=", 1) for kv in (tmp_path / "env.bin").read_text().split("\0") if "=" in kv)
+
+
+# getent as glibc's files backend answers it, from the hosts file $FAKE_HOSTS: ``hosts`` the first
+# line naming the host, ``ahostsv4`` each of its IPv4 addresses (STREAM, DGRAM and RAW lines)
+FAKE_GETENT = r"""db=$1 name=$2 found=
+while read -r ip names; do
+  case "$ip" in ""|"#"*) continue ;; esac
+  for n in $names; do
+    [ "$n" = "$name" ] || continue
+    case "$db" in
+      hosts) echo "$ip $names"; exit 0 ;;
+      ahostsv4) case "$ip" in *:*) ;; *) printf "%-15s STREAM %s\n%-15s DGRAM\n%-15s RAW\n" "$ip" "$name" "$ip" "$ip"; found=1 ;; esac ;;
+    esac
+  done
+done < "$FAKE_HOSTS"
+[ -n "$found" ] || exit 2"""
+
+
+def _address_on(tmp_path, hosts: str, interfaces: str) -> tuple[str, str, str]:
+    """Run the rendered script as node ``node1`` whose hosts file is ``hosts`` and whose interfaces'
+    addresses (``hostname -I``) are ``interfaces``: (its ``--local-addr``, the address its stores may
+    listen on, the script's stderr)."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, body in (("scontrol", "echo node0"), ("srun", 'while [ "$1" != bash ]; do shift; done; exec "$@"'),
+                       ("getent", FAKE_GETENT),
+                       ("hostname", f'if [ "${{1:-}}" = -I ]; then echo "{interfaces} "; else echo node1; fi'),
+                       ("torchrun", f'printf "%s\\n" "$@" > {tmp_path}/args; echo "$TERAFLOPS_LISTEN_ADDRS" > {tmp_path}/listen')):
+        (stubs / name).write_text(f"#!/bin/bash\n{body}\n")
+        (stubs / name).chmod(0o755)
+    (tmp_path / "hosts").write_text(hosts)
+    script = tmp_path / "job.sbatch"
+    script.write_text(job().script().replace("/venv/bin/torchrun", str(stubs / "torchrun")))
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_JOB_ID": "7",
+           "SLURM_NODEID": "1", "SLURMD_NODENAME": "node1", "FAKE_HOSTS": str(tmp_path / "hosts")}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True, timeout=30)
+    args = (tmp_path / "args").read_text().splitlines()
+    return args[args.index("--local-addr") + 1], (tmp_path / "listen").read_text().strip(), done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hosts, interfaces", [
+    ("127.0.0.1 localhost\n127.0.1.1 node1\n10.1.2.3 node1\n", ""),  # files hold both: the network one
+    ("127.0.0.1 localhost\n127.0.1.1 node1\n", "10.1.2.3 172.17.0.1 fe80::1"),  # Debian's: from the interfaces
+])
+def test_a_node_named_127_0_1_1_by_its_hosts_file_still_gives_its_network_address(tmp_path, hosts, interfaces):
+    """Debian's and Ubuntu's installers write ``127.0.1.1 HOSTNAME`` into /etc/hosts: the address the
+    agent gives the others (``--local-addr``) and its stores listen on must be one they can reach."""
+    local, listen, err = _address_on(tmp_path, hosts, interfaces)
+    assert local == listen == "10.1.2.3" and not err
+
+
+@pytest.mark.slow
+def test_a_node_with_only_loopback_falls_back_to_its_name_and_says_so(tmp_path):
+    local, listen, err = _address_on(tmp_path, "127.0.0.1 localhost\n127.0.1.1 node1\n", "")
+    assert local == listen == "node1"
+    assert err.count("\n") == 1 and "node1 has no address but loopback" in err and "Hint:" in err
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ Subcommands::
                                         the report card (build/report_card.html)
     teraflops doctor                    versions, devices, compilers and what is skipped here
     teraflops preflight [--only CHECK]  every GPU path at small sizes, before a session (exit 0 if all pass)
+    teraflops preflight --list          the checks, the GPUs each needs and whether only with --full; runs none
     teraflops lab [--port P] [--ip A]   start JupyterLab on the course folder, on loopback by default,
                                         and print its URL with the token
     teraflops grade NOTEBOOK [--unit N] [--json] [--out FILE.json|FILE.xml]
@@ -82,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     preflight.add_argument("--only", nargs="+", metavar="CHECK", help="run only these checks (names as in the table)")
     preflight.add_argument("--full", action="store_true", help="also each unit's GPU-preset launches and the memory "
                                                               "check (GPU-only ones skipped on a CPU, with the reason)")
+    preflight.add_argument("--list", action="store_true", help="print the checks (name, GPUs needed, --full only, "
+                                                              "what each does here, what it covers) and run none")
 
     lab = sub.add_parser("lab", help="start JupyterLab on the course folder (loopback only by default)")
     lab.add_argument("--port", type=int, default=8888, help="port (default: 8888, or the next free one)")
@@ -396,6 +399,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _cmd_preflight(args: argparse.Namespace) -> int:
     from teraflops.course import preflight
 
+    if args.list:
+        print(preflight.listing(gpus=preflight.machine.detect().gpu_count))
+        return 0
     return preflight.main(args.out, only=args.only, full=args.full)
 
 

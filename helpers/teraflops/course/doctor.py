@@ -23,7 +23,7 @@ from teraflops.course import any_folder
 from teraflops.machine import GiB, Machine, detect, triton_mode
 from teraflops.launch.placement import place
 
-__all__ = ["doctor", "skipped"]
+__all__ = ["compute_mode_lines", "compute_modes", "doctor", "skipped"]
 
 _INDENT = "  "
 
@@ -179,6 +179,51 @@ def _links(m: Machine) -> list[str]:
     return lines
 
 
+# One line per GPU, "INDEX, MODE" (nvidia-smi --help-query-gpu: compute_mode is Default, Exclusive_Process
+# or Prohibited; Exclusive_Thread on old drivers)
+COMPUTE_MODE_QUERY = ("--query-gpu=index,compute_mode", "--format=csv,noheader")
+_SHARED = ("{mode}: one CUDA {what} at a time, so the notebook's kernel, rank 0 and the Triton server, which all "
+           "want GPU {i}, collide (the second cannot create its CUDA context). Fix: `sudo nvidia-smi -i {i} -c "
+           "DEFAULT`, or run one process per GPU (CUDA_VISIBLE_DEVICES)")
+_MODE_LINE = {
+    "Exclusive_Process": _SHARED.replace("{what}", "process"),
+    "Exclusive_Thread": _SHARED.replace("{what}", "context"),
+    "Prohibited": "{mode}: no CUDA process may use it. Fix: `sudo nvidia-smi -i {i} -c DEFAULT`, or hide it "
+                  "(CUDA_VISIBLE_DEVICES without {i})",
+}
+
+
+def compute_modes(text: str) -> list[tuple[int, str]]:
+    """``(GPU index, compute mode)`` for each ``INDEX, MODE`` line of nvidia-smi's answer to
+    :data:`COMPUTE_MODE_QUERY`; other lines (errors, ``[N/A]`` indices) are left out."""
+    found = []
+    for line in str(text).splitlines():
+        index, sep, mode = line.partition(",")
+        if sep and index.strip().isdigit() and mode.strip():
+            found.append((int(index), mode.strip()))
+    return found
+
+
+def compute_mode_lines(returncode: int | None, out: str) -> list[str]:
+    """The doctor's lines on the GPUs' compute modes from nvidia-smi's exit code and output
+    (``returncode`` None: no nvidia-smi): one per GPU, and for a GPU that several of the course's
+    processes cannot share, that line names the GPU and the fix."""
+    if returncode is None:
+        return [f"{_INDENT}nvidia-smi: absent, so the GPUs' compute modes are unknown"]
+    modes = compute_modes(out) if returncode == 0 else []
+    if not modes:
+        return [f"{_INDENT}nvidia-smi {' '.join(COMPUTE_MODE_QUERY)} failed (exit {returncode}): "
+                f"{_first_line(out) or 'no GPU listed'}"]
+    return [f"{_INDENT}GPU {i}: " + _MODE_LINE.get(mode, "{mode}").format(mode=mode, i=i) for i, mode in modes]
+
+
+def _compute_modes() -> list[str]:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return compute_mode_lines(None, "")
+    return compute_mode_lines(*_run([smi, *COMPUTE_MODE_QUERY]))
+
+
 def _serving() -> list[str]:
     """Unit 4's real server (PyTriton's Triton Inference Server) and Triton's load generator perf_analyzer."""
     server = serving.why_not()
@@ -223,6 +268,7 @@ def doctor() -> str:
         ("Triton", _triton()),
         ("C++ compiler for torch.compile on CPU", _compiler()),
         ("GPUs and links", _links(m)),
+        ("GPU compute modes (the course runs several processes on GPU 0)", _compute_modes()),
         ("Serving (Unit 4)", _serving()),
     ]
     skips = skipped(m)

@@ -244,10 +244,14 @@ def rank_device(environ: Mapping[str, str] | None = None, *, gpu_count: int | No
 class DataParallelPlan:
     """How a data-parallel run is laid out on this machine: a :class:`~teraflops.launch.placement.Placement`
     (ranks, backend, each rank's device and environment) and the preset whose sizes the ranks use
-    (the CPU preset's for CPU ranks on a GPU machine)."""
+    (the CPU preset's for CPU ranks on a GPU machine), and ``local_device``: where one process of this
+    machine computes (the notebook's own kernel: recomputation's sweep, single-process measurements),
+    ``"cuda"`` wherever a GPU preset finds a GPU, even when the ranks are CPU ranks (one GPU: too few for
+    NCCL ranks, not too few for one process); ``"cpu"`` otherwise."""
 
     placement: Placement
     preset: Preset
+    local_device: str = "cpu"
 
     @property
     def ranks(self) -> int:
@@ -273,8 +277,9 @@ def data_parallel_plan(p: Preset | None = None, ranks_cpu: int | None = None, *,
     Raises:
         PlacementError: the ranks cannot be placed (too few, not a multiple of the nodes).
     """
-    p = p or preset()
+    p, machine = p or preset(), detect() if machine is None else machine
     cpu = p if p.device == "cpu" else PRESETS["cpu"]
     where = place(None, cpu_ranks=ranks_cpu or cpu.dp.ranks_cpu, min_ranks=min_ranks, cluster=cluster,
                   gpus=p.device == "cuda", machine=machine)
-    return DataParallelPlan(where, p if where.on_gpus else cpu)
+    local = "cuda" if p.device == "cuda" and machine.gpu_count else "cpu"
+    return DataParallelPlan(where, p if where.on_gpus else cpu, local)

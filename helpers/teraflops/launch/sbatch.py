@@ -9,7 +9,7 @@ ranks; the agents meet in a c10d rendezvous (``--rdzv-backend c10d --rdzv-endpoi
 in those docs' multi-node usage, HOST is the node on which the C10d rendezvous backend is hosted,
 any node of the job), here the first node of the allocation (``scontrol show hostnames
 "$SLURM_JOB_NODELIST" | head -n1``, scontrol(1)), each agent listening on its own node's address
-(``--local-addr``, resolved from the node's host name), where its rendezvous stores listen, and
+(``--local-addr``, the node's own address: :data:`ADDRESS_RULE`), where its rendezvous stores listen, and
 nowhere else (``$TERAFLOPS_LISTEN_ADDRS``, :mod:`teraflops.launch.loopback`: the torchrun command is
 ``python -m teraflops.launch.loopback torch.distributed.run``).
 ``srun --kill-on-bad-exit=1`` ends every task once one fails, so a dead rank ends the job and frees
@@ -55,6 +55,24 @@ _VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SELF_PER_NODE = {"TERAFLOPS_NODE": "$SLURM_NODEID", "NCCL_HOSTID": "$SLURMD_NODENAME"}  # what Slurm says per task
 EMULATED_ENV = "TERAFLOPS_EMULATED_NODES"  # "1" in sbatch's environment on emulated nodes (SlurmBatchJob)
 _IF_EMULATED = f'if [ "${{{EMULATED_ENV}:-}}" = 1 ]; then'
+# The node's own address, for --local-addr and its stores (run inside the srun step's single quotes, so
+# none here). Not ``getent hosts $(hostname)``: Debian's and Ubuntu's installers name the host
+# ``127.0.1.1`` in /etc/hosts, and files come before DNS (nsswitch.conf), so that answers loopback and
+# no other node reaches the agent. The first IPv4 address that is not loopback, from the resolver
+# (``getent ahostsv4``: every IPv4 address it gives the name, each hosts-file line naming it), else from
+# the interfaces (``hostname -I``: a Debian host whose file names it 127.0.1.1 alone); with none, the
+# host name, and one line on stderr saying so.
+ADDRESS_RULE = (
+    "addr=",
+    'for a in $(getent ahostsv4 "$(hostname)" 2>/dev/null | cut -d" " -f1) $(hostname -I 2>/dev/null); do',
+    '  case "$a" in 127.*|*:*) ;; *) addr=$a; break ;; esac',
+    "done",
+    'if [ -z "$addr" ]; then',
+    '  addr=$(hostname)',
+    '  echo "teraflops: $addr has no address but loopback (getent ahostsv4, hostname -I), so --local-addr is its'
+    ' name, which other nodes may not reach. Hint: give the host its network address in /etc/hosts or DNS" >&2',
+    "fi",
+)
 
 
 class BatchJobError(CourseError, ValueError):
@@ -210,7 +228,7 @@ class BatchJob:
                   "# --kill-on-bad-exit: a task that fails ends the others, so the job ends and frees its nodes.",
                   "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c '"]
         step = self._node_lines(real=True) + self._node_lines(real=False)
-        step += ['addr=$(getent hosts "$(hostname)"); addr=${addr%% *}',
+        step += [*ADDRESS_RULE,
                  f'export {LISTEN_ENV}="$addr"',  # its stores listen on the node's own address only
                  "exec " + " \\\n    ".join(self.torchrun_lines()) + "'"]
         lines += ["  " + s for s in step]

@@ -102,6 +102,10 @@ def measure(cfg, batches=(4, 8, 16, 32), repeats: int = 5, device="cpu") -> list
     """With and without recomputation, for each batch (sequences of ``cfg.seq_len`` tokens) of
     ``cfg``'s GPT (a :class:`~teraflops.sizing.TrainConfig`; same seed, same data): one row each.
 
+    ``device``: where this one process runs the sweep: a data-parallel plan's ``local_device``
+    (:class:`~teraflops.launch.placement.DataParallelPlan`), the GPU wherever there is one. Not
+    ``plan.preset.device``: on one GPU the ranks are CPU ranks, so the plan's preset is the CPU's.
+
     Returns:
         Rows ``batch``, ``recompute`` (bool), ``oom`` (bool), ``peak_bytes`` (:func:`peak_bytes`), ``flops``
         (one step, ``FlopCounterMode``), ``step_s`` (the fastest of ``repeats`` steps, the two settings
