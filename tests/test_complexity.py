@@ -2,11 +2,9 @@
 commands (``course/``) or the grading (``grading/``) grows past what one reads at a sitting: radon's cyclomatic complexity (McCabe, "A Complexity Measure",
 IEEE TSE 1976: decision points + 1; radon also counts each ``and``/``or``, comprehension and ``except``)
 of every function, method and class stays within rank C, at most 20, which is what
-``radon cc -s -n D helpers/teraflops/launch helpers/teraflops/nodes`` printing nothing means.
-
-A few judges of ``grading/`` and one step of ``course/`` are still above it (:data:`TO_SPLIT`): each is
-held at its present complexity, so it can only shrink, and leaves the list once split into named stages
-as the other judges are (``grading/unit06.py``'s, say).
+``radon cc -s -n D helpers/teraflops/launch helpers/teraflops/nodes helpers/teraflops/course
+helpers/teraflops/grading`` printing nothing means. A function that grows past it is split into named
+stages, as the judges of ``grading/`` are (``grading/unit02.py``'s ``_judge_zero1``, say).
 """
 
 from pathlib import Path
@@ -18,12 +16,6 @@ radon = pytest.importorskip("radon.complexity", reason="radon is not installed (
 
 ROOT = Path(__file__).resolve().parents[1] / "helpers" / "teraflops"
 PACKAGES = ("launch", "nodes", "course", "grading")
-# above LIMIT today, each held at its present complexity until it is split into named stages
-TO_SPLIT = {
-    "grading/unit02.py:_judge_zero1": 46, "grading/unit02.py:_judge_sharded": 26, "grading/unit02.py:_judge_ddp": 26,
-    "grading/unit05.py:_judge_ring": 29, "grading/unit01.py:_check_backward": 28,
-    "grading/unit03.py:_submit_and_check": 23,
-}
 LIMIT = 20  # radon's rank C (11-20); D starts at 21 (radon.complexity.cc_rank)
 
 
@@ -39,21 +31,12 @@ def test_no_function_of_launch_nodes_course_or_grading_is_above_rank_c():
         for path in sorted((ROOT / package).rglob("*.py")):
             for block in _blocks(path.read_text()):
                 found += 1
-                key = f"{path.relative_to(ROOT).as_posix()}:{block.fullname}"
-                if block.complexity > TO_SPLIT.get(key, LIMIT):
+                if block.complexity > LIMIT:
                     too_complex.append(f"{path.relative_to(ROOT.parent)}:{block.lineno} {block.fullname} "
                                        f"({block.complexity})")
     assert found > 300  # the packages were read
-    assert not too_complex, (f"above cyclomatic complexity {LIMIT} (or above its ceiling in TO_SPLIT); split them "
-                             "into named steps:\n  " + "\n  ".join(too_complex))
-
-
-def test_every_function_still_to_split_is_there_and_above_the_limit():
-    """An entry of TO_SPLIT whose function was split (or renamed) leaves the list."""
-    seen = {f"{path.relative_to(ROOT).as_posix()}:{b.fullname}": b.complexity
-            for package in PACKAGES for path in (ROOT / package).rglob("*.py") for b in _blocks(path.read_text())}
-    stale = [k for k in TO_SPLIT if seen.get(k, 0) <= LIMIT]
-    assert not stale, f"split or gone, remove from TO_SPLIT: {stale}"
+    assert not too_complex, (f"above cyclomatic complexity {LIMIT}; split them into named steps:\n  "
+                             + "\n  ".join(too_complex))
 
 
 def test_the_measure_sees_a_function_that_is_too_complex():

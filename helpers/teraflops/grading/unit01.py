@@ -344,37 +344,56 @@ def _check_backward(fn, dtype, device, tol, triton_only=False) -> None:
     for seed, (shape, causal) in enumerate(_FA2_CASES):
         q, k, v, do, o = _forward_checked(fn, shape, causal, dtype, device, tol, seed)
         what = f"shape {shape}{', causal' if causal else ''}"
-        ops = count_ops(lambda: o.backward(do, retain_graph=True))
-        if triton_only:
-            torch_math = sorted(op for op in ops if op in {"mm", "bmm", "matmul", "exp", "addmm", "baddbmm"})
-            if torch_math:
-                fail(f"the backward math ran in PyTorch ({', '.join(torch_math)}), not in your Triton kernels")
-        grads = [t.grad for t in (q, k, v)]
-        if any(g is None for g in grads):
-            fail(f"backward returned no gradient for {', '.join(n for n, g in zip('qkv', grads) if g is None)}: "
-                 "return (dQ, dK, dV, None), one per input of forward")
-        for name, g, t in zip(("dQ", "dK", "dV"), grads, (q, k, v)):
-            expect_tensor(f"{name} ({what})", g, tuple(t.shape), dtype)
-        want = _dense64(q, k, v, do, causal)[2:]
-        errs = [max_error(g, w.to(g.device)) for g, w in zip(grads, want)]
-        if all(e <= tol for e in errs):
+        grads = _backward_gradients(o, (q, k, v), do, what, dtype, triton_only)
+        _gradients_match(grads, (q, k, v, do), causal, what, tol)
+
+
+def _backward_gradients(o, inputs, do, what: str, dtype, triton_only: bool) -> list[torch.Tensor]:
+    """Run the learner's backward from ``o``; its dQ, dK, dV, checked to exist with the inputs' shapes and
+    dtype (``triton_only``: and computed without PyTorch's matrix products or exponentials)."""
+    ops = count_ops(lambda: o.backward(do, retain_graph=True))
+    if triton_only:
+        torch_math = sorted(op for op in ops if op in {"mm", "bmm", "matmul", "exp", "addmm", "baddbmm"})
+        if torch_math:
+            fail(f"the backward math ran in PyTorch ({', '.join(torch_math)}), not in your Triton kernels")
+    grads = [t.grad for t in inputs]
+    if any(g is None for g in grads):
+        fail(f"backward returned no gradient for {', '.join(n for n, g in zip('qkv', grads) if g is None)}: "
+             "return (dQ, dK, dV, None), one per input of forward")
+    for name, g, t in zip(("dQ", "dK", "dV"), grads, inputs):
+        expect_tensor(f"{name} ({what})", g, tuple(t.shape), dtype)
+    return grads
+
+
+def _gradients_match(grads, inputs, causal: bool, what: str, tol: float) -> None:
+    """dQ, dK, dV within ``tol`` of the fp64 reference on ``inputs = (q, k, v, do)``; else the worst one,
+    with the mistake that explains it."""
+    want = _dense64(*inputs, causal)[2:]
+    errs = [max_error(g, w.to(g.device)) for g, w in zip(grads, want)]
+    if all(e <= tol for e in errs):
+        return
+    worst = max(range(3), key=lambda i: errs[i] if not math.isnan(errs[i]) else math.inf)
+    head = f"{('dQ', 'dK', 'dV')[worst]} is {errs[worst]:.2e} from the reference ({what}, tolerance {tol:g})"
+    if any(math.isnan(e) for e in errs):
+        fail(f"{head}: NaN or inf. Hint: rows with L = −inf (no key seen) must give P = 0, not exp(−inf + inf)")
+    _gradient_mistake(head, grads, errs, inputs, causal, tol)
+    fail(f"{head}. Hint: " + reveal(
+        "recompute P per tile from L, then dV, dP, D, dS, dQ and dK in that order",
+        "P = exp(S − L); dV += Pᵀ dO; dP = dO Vᵀ; D = rowsum(dO ∘ O); dS = P ∘ (dP − D); "
+        "dQ += dS K · scale; dK += dSᵀ Q · scale"))
+
+
+def _gradient_mistake(head: str, grads, errs: list[float], inputs, causal: bool, tol: float) -> None:
+    """Fail with the hint of the first of :data:`_GRAD_MISTAKES` that reproduces the gradients (the
+    forgotten scale also when dV is right and dQ or dK matches it)."""
+    for knobs, hint in _GRAD_MISTAKES:
+        if "diagonal" in knobs and not causal:
             continue
-        worst = max(range(3), key=lambda i: errs[i] if not math.isnan(errs[i]) else math.inf)
-        head = f"{('dQ', 'dK', 'dV')[worst]} is {errs[worst]:.2e} from the reference ({what}, tolerance {tol:g})"
-        if any(math.isnan(e) for e in errs):
-            fail(f"{head}: NaN or inf. Hint: rows with L = −inf (no key seen) must give P = 0, not exp(−inf + inf)")
-        for knobs, hint in _GRAD_MISTAKES:
-            if "diagonal" in knobs and not causal:
-                continue
-            mistaken = _dense64(q, k, v, do, causal, **knobs)[2:]
-            if all(_near(g, w, tol) for g, w in zip(grads, mistaken)) or (
-                    "scale_in_ds" in knobs and errs[2] <= tol
-                    and any(_near(grads[i], mistaken[i], tol) for i in (0, 1))):
-                fail(f"{head}. Hint: {hint}")
-        fail(f"{head}. Hint: " + reveal(
-            "recompute P per tile from L, then dV, dP, D, dS, dQ and dK in that order",
-            "P = exp(S − L); dV += Pᵀ dO; dP = dO Vᵀ; D = rowsum(dO ∘ O); dS = P ∘ (dP − D); "
-            "dQ += dS K · scale; dK += dSᵀ Q · scale"))
+        mistaken = _dense64(*inputs, causal, **knobs)[2:]
+        if all(_near(g, w, tol) for g, w in zip(grads, mistaken)) or (
+                "scale_in_ds" in knobs and errs[2] <= tol
+                and any(_near(grads[i], mistaken[i], tol) for i in (0, 1))):
+            fail(f"{head}. Hint: {hint}")
 
 
 @exercise(5, "FlashAttention-2 forward in PyTorch")

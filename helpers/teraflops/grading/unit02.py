@@ -202,24 +202,46 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _judge_zero1(results: list[Zero1CheckResult], tol: float = ZERO1_TOL) -> None:
-    """Fail with the first problem the ranks' reports show (see :mod:`teraflops.workers.zero1_check`)."""
+    """Fail with the first problem the ranks' reports show (see :mod:`teraflops.workers.zero1_check`):
+    an error, then the parameters (finite, gradients cleared, moved, equal on every rank, AdamW's),
+    then the optimizer state each rank holds, then the traffic."""
     error = _rank_error(results)
     if error:
         fail(error)
     r0 = results[0]
-    n, psi, steps, hyper = r0.world_size, r0.psi, r0.steps, r0.hyper
     params = [torch.tensor(r.params, dtype=torch.float64) for r in results]
     ref, initial = (torch.tensor(t, dtype=torch.float64) for t in (r0.ref, r0.initial))
+    _zero1_parameters_finite(params)
+    _zero1_gradients_cleared(results)
+    _zero1_parameters_moved(params, initial, r0.steps)
+    _zero1_ranks_agree(params, initial, r0.psi, r0.world_size, tol)
+    opts = [o for r in results for o in r.optimizers]
+    _zero1_matches_adamw(r0, params[0], ref, opts, tol)
+    _zero1_state_sharded(results, opts)
+    _zero1_gradient_reduce_scattered(r0.comm, r0.steps, r0.psi)
+
+
+def _zero1_parameters_finite(params: list[torch.Tensor]) -> None:
     if not all(torch.isfinite(p).all() for p in params):
         fail("after step() the parameters hold NaN or inf. Hint: AdamW divides by √v + eps: "
              "check that every rank's shard gets its gradient before the AdamW step")
+
+
+def _zero1_gradients_cleared(results: list[Zero1CheckResult]) -> None:
     grad_left = max(r.grad_left for r in results)
     if grad_left > 0:
         fail(f"after zero_grad() the parameters still hold gradients (max |grad| {grad_left:.2e}), so the next "
              "backward() adds to them. Hint: set p.grad = None for every parameter in zero_grad()")
+
+
+def _zero1_parameters_moved(params: list[torch.Tensor], initial: torch.Tensor, steps: int) -> None:
     if max(_max_diff(p, initial) for p in params) == 0:
         fail(f"after {steps} calls of step() the parameters have not changed: the update stayed in your shard. "
              f"Hint: {_ALL_GATHER}")
+
+
+def _zero1_ranks_agree(params: list[torch.Tensor], initial: torch.Tensor, psi: int, n: int, tol: float) -> None:
+    """Every rank holds the same parameters; where they differ, say whether each rank moved only its shard."""
     spread, other = max((_max_diff(p, params[0]), r) for r, p in enumerate(params))
     if spread > tol:
         size = math.ceil(psi / n)
@@ -229,32 +251,59 @@ def _judge_zero1(results: list[Zero1CheckResult], tol: float = ZERO1_TOL) -> Non
         why = "each rank updated only its own shard" if only_own else "yet data parallelism keeps every replica identical"
         fail(f"after step() the ranks hold different parameters (max difference {spread:.2e} between rank 0 and "
              f"rank {other}): {why}. Hint: {_ALL_GATHER}")
-    opts = [o for r in results for o in r.optimizers]
-    err = _max_diff(params[0], ref)
+
+
+def _zero1_matches_adamw(r0: Zero1CheckResult, mine: torch.Tensor, ref: torch.Tensor, opts: list, tol: float) -> None:
+    """Rank 0's parameters against DDP + AdamW; off, the first mistake that explains it: another torch
+    optimizer, hyperparameters not passed on, the gradients summed or averaged twice."""
+    err = _max_diff(mine, ref)
     if err > tol:
-        lead = f"after {steps} steps your parameters differ from DDP + AdamW by up to {err:.2e} (tolerance {tol:.0e})"
-        kind = next((o.type for o in opts if o.torch and o.type != "AdamW"), None)
-        if kind:
-            extra = (": its weight_decay adds an L2 term to the gradient, AdamW decays the weights directly"
-                     if kind == "Adam" else "")
-            fail(f"{lead}; your shard's optimizer is torch.optim.{kind}{extra}. Hint: use torch.optim.AdamW")
-        for o in opts:
-            for k, want in hyper.items() if o.torch else ():
-                got = getattr(o, k, None)
-                if got is not None and (list(got) if isinstance(got, (list, tuple)) else got) != (
-                        list(want) if isinstance(want, (list, tuple)) else want):
-                    fail(f"{lead}: your AdamW has {k}={_fmt(got)}, but the check built your class with {k}={_fmt(want)}. "
-                         "Hint: pass lr, betas, eps and weight_decay on to the AdamW")
-        alt = {k: _max_diff(params[0], torch.tensor(v, dtype=torch.float64)) for k, v in r0.alt.items()}
-        if alt["sum"] <= tol:
-            fail(f"{lead}, and match DDP fed the sum of the gradients instead of their mean. Hint: "
-                 f"reduce_scatter_single sums over the {n} ranks: divide the shard's gradient by the world size")
-        if alt["double"] <= tol:
-            fail(f"{lead}, and match DDP with the gradients divided by the world size twice. Hint: "
-                 "reduce_scatter_single (SUM) then one division by the world size gives the mean")
+        lead = (f"after {r0.steps} steps your parameters differ from DDP + AdamW by up to {err:.2e} "
+                f"(tolerance {tol:.0e})")
+        _zero1_optimizer_is_adamw(lead, opts)
+        _zero1_hyperparameters_passed_on(lead, opts, r0.hyper)
+        _zero1_gradients_averaged_once(lead, mine, r0.alt, r0.world_size, tol)
         fail(f"{lead}. Hint: rank r owns elements [r·S, (r+1)·S) of the padded flat vector; it reduce-scatters "
              "the flat gradient (SUM), divides by the world size and steps AdamW (lr, betas, eps, weight_decay "
              "as given) on that shard only")
+
+
+def _zero1_optimizer_is_adamw(lead: str, opts: list) -> None:
+    kind = next((o.type for o in opts if o.torch and o.type != "AdamW"), None)
+    if kind:
+        extra = (": its weight_decay adds an L2 term to the gradient, AdamW decays the weights directly"
+                 if kind == "Adam" else "")
+        fail(f"{lead}; your shard's optimizer is torch.optim.{kind}{extra}. Hint: use torch.optim.AdamW")
+
+
+def _as_list(v):
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def _zero1_hyperparameters_passed_on(lead: str, opts: list, hyper: dict) -> None:
+    for o in opts:
+        for k, want in hyper.items() if o.torch else ():
+            got = getattr(o, k, None)
+            if got is not None and _as_list(got) != _as_list(want):
+                fail(f"{lead}: your AdamW has {k}={_fmt(got)}, but the check built your class with {k}={_fmt(want)}. "
+                     "Hint: pass lr, betas, eps and weight_decay on to the AdamW")
+
+
+def _zero1_gradients_averaged_once(lead: str, mine: torch.Tensor, alt: dict, n: int, tol: float) -> None:
+    """Rank 0's parameters against the wrong references: DDP fed the summed gradients, or the mean divided again."""
+    off = {k: _max_diff(mine, torch.tensor(v, dtype=torch.float64)) for k, v in alt.items()}
+    if off["sum"] <= tol:
+        fail(f"{lead}, and match DDP fed the sum of the gradients instead of their mean. Hint: "
+             f"reduce_scatter_single sums over the {n} ranks: divide the shard's gradient by the world size")
+    if off["double"] <= tol:
+        fail(f"{lead}, and match DDP with the gradients divided by the world size twice. Hint: "
+             "reduce_scatter_single (SUM) then one division by the world size gives the mean")
+
+
+def _zero1_state_sharded(results: list[Zero1CheckResult], opts: list) -> None:
+    """An optimizer the check can see, holding about 2·⌈Ψ/N⌉ state elements on each rank and 2Ψ over all of them."""
+    r0 = results[0]
+    n, psi = r0.world_size, r0.psi
     full, want = 2 * psi, 2 * math.ceil(psi / n)
     aligned = 2 * -(-math.ceil(psi / n) // 128) * 128  # shards padded to 128 elements, as DeepSpeed aligns them
     if not opts:
@@ -273,7 +322,9 @@ def _judge_zero1(results: list[Zero1CheckResult], tol: float = ZERO1_TOL) -> Non
         fail(f"the ranks' optimizers hold {sum(states):,} state elements in all, fewer than 2Ψ = {full:,}: some "
              "parameters are updated without AdamW state. Hint: every element of the flat vector belongs to "
              "exactly one rank's shard, and that rank's AdamW steps it")
-    comm = r0.comm
+
+
+def _zero1_gradient_reduce_scattered(comm: dict, steps: int, psi: int) -> None:
     scattered = sum(v for k, v in comm.items() if "reduce_scatter" in k or k == "reduce")
     if comm.get("all_reduce", 0) >= steps * psi and scattered < steps * psi:
         fail(f"your step() all-reduces the whole gradient ({comm['all_reduce'] // steps:,} elements a step), "
@@ -478,61 +529,87 @@ def _learner_class(cls, call: str) -> str:
 
 
 def _judge_sharded(results, tol: float | None = None) -> None:
-    """Fail with the first problem the ranks' reports show (see :mod:`teraflops.workers.sharded_check`)."""
+    """Fail with the first problem the ranks' reports show (see :mod:`teraflops.workers.sharded_check`):
+    an error, then for each optimizer case in turn its warnings, its groups, its parameters and where
+    its state is held."""
     tol = SHARDED_TOL if tol is None else tol
     error = _rank_error(results)
     if error:
         fail(error)
-    n = results[0].world_size
+    shapes = results[0].shapes
     for i, run0 in enumerate(results[0].runs):
         runs = [r.runs[i] for r in results]
-        case = run0.case
-        said = sorted({m for run in runs for m in run.warnings})
-        if said:
-            fail(f"your step() with torch.optim.{case} emitted a warning: {said[0]}. Hint: use the collectives "
-                 "torch recommends (dist.reduce_scatter_single, dist.all_gather_single), and nothing deprecated")
-        if run0.group_sizes != [2, len(results[0].shapes) - 2]:
-            fail(f"with torch.optim.{case} your optimizer's param_groups hold {run0.group_sizes} parameters, "
-                 f"expected [2, {len(results[0].shapes) - 2}] (the two groups the check gave). Hint: call "
-                 "super().__init__(params, defaults) and let add_param_group record every group, so that "
-                 "schedulers and zero_grad() see all of them")
-        params = [torch.tensor(run.params, dtype=torch.float64) for run in runs]
-        ref, initial = (torch.tensor(t, dtype=torch.float64) for t in (run0.ref, run0.initial))
-        if not all(torch.isfinite(p).all() for p in params):
-            fail(f"after step() with torch.optim.{case} the parameters hold NaN or inf")
-        if max(_max_diff(p, initial) for p in params) == 0:
-            fail(f"after the steps with torch.optim.{case} the parameters have not changed. Hint: step the wrapped "
-                 f"optimizer, then {_BROADCAST}")
-        spread, other = max((_max_diff(p, params[0]), r) for r, p in enumerate(params))
-        if spread > tol:
-            fail(f"after step() with torch.optim.{case} the ranks hold different parameters (max difference "
-                 f"{spread:.2e} between rank 0 and rank {other}): each rank updated only the parameters it owns. "
-                 f"Hint: {_BROADCAST}")
-        err = _max_diff(params[0], ref)
-        if err > tol:
-            lo, hi = run0.second
-            lead = (f"after the steps with torch.optim.{case} your parameters differ from DDP + the unsharded "
-                    f"torch.optim.{case} by up to {err:.2e} (tolerance {tol:.0e})")
-            if torch.equal(params[0][lo:hi], initial[lo:hi]):
-                fail(f"{lead}: the second parameter group never moved. Hint: override add_param_group to call "
-                     "super().add_param_group(group) and hand this rank's part of the group to the wrapped optimizer, "
-                     "so a group added after construction is stepped too")
-            if _max_diff(params[0][:lo], ref[:lo]) <= tol:
-                fail(f"{lead}, in the second parameter group. Hint: give the wrapped optimizer each group's own "
-                     "settings (its lr, weight_decay...) with the group's parameters, not only the defaults")
-            fail(f"{lead}. Hint: pass **kwargs on to optimizer_cls, and let the wrapped optimizer step exactly "
-                 "this rank's parameters with their gradients (DDP has already averaged them)")
-        held = [set(r.runs[i].stateful) for r in results]
-        for p in range(len(results[0].shapes)):
-            owners = [r for r in range(n) if p in held[r]]
-            if len(owners) > 1:
-                fail(f"with torch.optim.{case} the state of parameter {p} (shape {tuple(results[0].shapes[p])}) is "
-                     f"held on ranks {owners}: every rank keeps a full optimizer. Hint: assign each parameter to one "
-                     "rank and give the wrapped optimizer on each rank only the parameters that rank owns")
-            if not owners:
-                fail(f"with torch.optim.{case} no rank holds optimizer state for parameter {p} (shape "
-                     f"{tuple(results[0].shapes[p])}). Hint: keep the wrapped optimizer as an attribute, and make "
-                     "every parameter belong to exactly one rank's wrapped optimizer")
+        _sharded_no_warning(runs, run0.case)
+        _sharded_groups_recorded(run0, len(shapes))
+        _sharded_parameters(runs, tol)
+        _sharded_state_on_one_rank([set(run.stateful) for run in runs], results[0].world_size, shapes, run0.case)
+
+
+def _sharded_no_warning(runs, case: str) -> None:
+    said = sorted({m for run in runs for m in run.warnings})
+    if said:
+        fail(f"your step() with torch.optim.{case} emitted a warning: {said[0]}. Hint: use the collectives "
+             "torch recommends (dist.reduce_scatter_single, dist.all_gather_single), and nothing deprecated")
+
+
+def _sharded_groups_recorded(run0, parameters: int) -> None:
+    if run0.group_sizes != [2, parameters - 2]:
+        fail(f"with torch.optim.{run0.case} your optimizer's param_groups hold {run0.group_sizes} parameters, "
+             f"expected [2, {parameters - 2}] (the two groups the check gave). Hint: call "
+             "super().__init__(params, defaults) and let add_param_group record every group, so that "
+             "schedulers and zero_grad() see all of them")
+
+
+def _sharded_parameters(runs, tol: float) -> None:
+    """The parameters after the steps: finite, moved, the same on every rank, and those of DDP with the
+    unsharded optimizer."""
+    run0, case = runs[0], runs[0].case
+    params = [torch.tensor(run.params, dtype=torch.float64) for run in runs]
+    ref, initial = (torch.tensor(t, dtype=torch.float64) for t in (run0.ref, run0.initial))
+    if not all(torch.isfinite(p).all() for p in params):
+        fail(f"after step() with torch.optim.{case} the parameters hold NaN or inf")
+    if max(_max_diff(p, initial) for p in params) == 0:
+        fail(f"after the steps with torch.optim.{case} the parameters have not changed. Hint: step the wrapped "
+             f"optimizer, then {_BROADCAST}")
+    spread, other = max((_max_diff(p, params[0]), r) for r, p in enumerate(params))
+    if spread > tol:
+        fail(f"after step() with torch.optim.{case} the ranks hold different parameters (max difference "
+             f"{spread:.2e} between rank 0 and rank {other}): each rank updated only the parameters it owns. "
+             f"Hint: {_BROADCAST}")
+    _sharded_matches_reference(run0, params[0], ref, initial, tol)
+
+
+def _sharded_matches_reference(run0, mine: torch.Tensor, ref: torch.Tensor, initial: torch.Tensor, tol: float) -> None:
+    """Rank 0's parameters against DDP + the unsharded optimizer; off, whether the second group is to blame."""
+    err = _max_diff(mine, ref)
+    if err > tol:
+        case, (lo, hi) = run0.case, run0.second
+        lead = (f"after the steps with torch.optim.{case} your parameters differ from DDP + the unsharded "
+                f"torch.optim.{case} by up to {err:.2e} (tolerance {tol:.0e})")
+        if torch.equal(mine[lo:hi], initial[lo:hi]):
+            fail(f"{lead}: the second parameter group never moved. Hint: override add_param_group to call "
+                 "super().add_param_group(group) and hand this rank's part of the group to the wrapped optimizer, "
+                 "so a group added after construction is stepped too")
+        if _max_diff(mine[:lo], ref[:lo]) <= tol:
+            fail(f"{lead}, in the second parameter group. Hint: give the wrapped optimizer each group's own "
+                 "settings (its lr, weight_decay...) with the group's parameters, not only the defaults")
+        fail(f"{lead}. Hint: pass **kwargs on to optimizer_cls, and let the wrapped optimizer step exactly "
+             "this rank's parameters with their gradients (DDP has already averaged them)")
+
+
+def _sharded_state_on_one_rank(held: list[set], n: int, shapes, case: str) -> None:
+    """``held``: per rank, the indices of the parameters it holds optimizer state for; each on exactly one of the
+    ``n`` ranks."""
+    for p in range(len(shapes)):
+        owners = [r for r in range(n) if p in held[r]]
+        if len(owners) > 1:
+            fail(f"with torch.optim.{case} the state of parameter {p} (shape {tuple(shapes[p])}) is "
+                 f"held on ranks {owners}: every rank keeps a full optimizer. Hint: assign each parameter to one "
+                 "rank and give the wrapped optimizer on each rank only the parameters that rank owns")
+        if not owners:
+            fail(f"with torch.optim.{case} no rank holds optimizer state for parameter {p} (shape "
+                 f"{tuple(shapes[p])}). Hint: keep the wrapped optimizer as an attribute, and make "
+                 "every parameter belong to exactly one rank's wrapped optimizer")
 
 
 @exercise(7, "a sharded optimizer")
@@ -578,7 +655,9 @@ BUCKET_SIZES_MB = (1.0, 0.004)  # the bucketed check: all of TiedLM's 1,320 grad
 
 
 def _judge_ddp(results, tol: float = DDP_TOL) -> None:
-    """Fail with the first problem the ranks' reports show (see :mod:`teraflops.workers.ddp_check`)."""
+    """Fail with the first problem the ranks' reports show (see :mod:`teraflops.workers.ddp_check`): an
+    error, then for each bucket size in turn the broadcast at wrap time, the handles waited on, the
+    overlap with backward, the calls a step and the parameters."""
     error = _rank_error(results, _DDP_HINTS)
     if error:
         fail(error)
@@ -586,59 +665,88 @@ def _judge_ddp(results, tol: float = DDP_TOL) -> None:
     for i, run0 in enumerate(results[0].runs):
         runs = [r.runs[i] for r in results]
         how = "per parameter" if run0.bucket_mb is None else f"with bucket_size_mb={run0.bucket_mb}"
-        initial = torch.tensor(run0.initial, dtype=torch.float64)
-        for r, run in enumerate(runs):
-            if not torch.equal(torch.tensor(run.wrapped, dtype=torch.float64), initial):
-                fail(f"right after wrapping, rank {r}'s parameters differ from rank 0's (every rank's model starts "
-                     "from its own random seed). Hint: in __init__, broadcast every parameter from rank 0 "
-                     "(dist.broadcast(p.data, src=0)) so all replicas start equal")
-        unwaited = max(run.unwaited for run in runs)
-        if unwaited:
-            fail(f"{how}, finish_gradient_synchronization() returned with {unwaited} asynchronous all-reduce(s) not "
-                 f"waited on, so step() may read gradients still being summed. Hint: {_WAIT}")
-        during, after = run0.backward_calls, run0.finish_calls
-        if not any(during):
-            where = ("after backward(), in finish_gradient_synchronization()" if any(after)
-                     else "nowhere")
-            fail(f"{how}, your wrapper all-reduced {sum(after)} gradients {where}: no communication overlaps the "
-                 "backward pass. Hint: launch each all-reduce from a hook, "
-                 "p.register_post_accumulate_grad_hook(hook), with async_op=True")
-        per_step, params = during[0] + after[0], len(sizes)
-        if run0.bucket_mb is None and per_step != params:
-            why = (" (the tied embedding/output weight is one parameter: one hook, one all-reduce)"
-                   if per_step > params else ": some gradients were never averaged")
-            fail(f"per parameter, your wrapper made {per_step} all-reduce calls a step for {params} parameters{why}. "
-                 "Hint: register one hook on each parameter of module.parameters() that requires a gradient")
-        if run0.bucket_mb is not None:
-            cap = int(run0.bucket_mb * 1e6 / 4)  # fp32 elements a bucket holds (MB = 1e6 bytes)
-            fewest = math.ceil(sum(sizes) / cap)
-            if per_step >= params and params > fewest:
-                fail(f"{how}, your wrapper made {per_step} all-reduce calls a step for {params} parameters: one per "
-                     f"parameter, not per bucket. Hint: group the parameters into buckets of at most "
-                     f"{run0.bucket_mb} MB and all-reduce a bucket (one flat tensor) once its last gradient is ready")
-            if per_step < fewest or run0.largest > max(cap, max(sizes)):
-                fail(f"{how}, your wrapper's largest all-reduce held {run0.largest:,} elements ({per_step} calls a "
-                     f"step): a bucket may hold at most {cap:,} fp32 elements (or one larger parameter). Hint: start "
-                     "a new bucket when the next parameter would overflow the current one")
-        params_t = [torch.tensor(run.params, dtype=torch.float64) for run in runs]
-        spread, other = max((_max_diff(p, params_t[0]), r) for r, p in enumerate(params_t))
-        if spread > tol:
-            fail(f"{how}, after {len(during)} steps the ranks hold different parameters (max difference {spread:.2e} "
-                 f"between rank 0 and rank {other}). Hint: every gradient must be all-reduced and waited on before "
-                 "step()")
-        ref, single, summed = (torch.tensor(t, dtype=torch.float64) for t in (run0.ref, run0.single, run0.summed))
-        err = _max_diff(params_t[0], ref)
-        if err > tol:
-            lead = (f"{how}, after {len(during)} steps your parameters differ from DistributedDataParallel's by up to "
-                    f"{err:.2e} (tolerance {tol:.0e})")
-            if _max_diff(params_t[0], summed) <= 1e-4:
-                fail(f"{lead}, and match DDP fed the sum of the gradients. Hint: dist.all_reduce sums over the {n} "
-                     "ranks: divide each gradient by the world size")
-            fail(f"{lead}. Hint: {_WAIT}; each gradient exactly once (a tied weight is one parameter)")
-        err = _max_diff(params_t[0], single)
-        if err > tol:
-            fail(f"{how}, your parameters match DDP's but differ from one process on the global batch by {err:.2e} "
-                 f"(tolerance {tol:.0e})")
+        _ddp_replicas_start_equal(runs)
+        _ddp_all_reduces_waited(runs, how)
+        _ddp_overlaps_backward(run0, how)
+        _ddp_calls_per_step(run0, sizes, how)
+        _ddp_parameters(runs, n, how, tol)
+
+
+def _ddp_replicas_start_equal(runs) -> None:
+    initial = torch.tensor(runs[0].initial, dtype=torch.float64)
+    for r, run in enumerate(runs):
+        if not torch.equal(torch.tensor(run.wrapped, dtype=torch.float64), initial):
+            fail(f"right after wrapping, rank {r}'s parameters differ from rank 0's (every rank's model starts "
+                 "from its own random seed). Hint: in __init__, broadcast every parameter from rank 0 "
+                 "(dist.broadcast(p.data, src=0)) so all replicas start equal")
+
+
+def _ddp_all_reduces_waited(runs, how: str) -> None:
+    unwaited = max(run.unwaited for run in runs)
+    if unwaited:
+        fail(f"{how}, finish_gradient_synchronization() returned with {unwaited} asynchronous all-reduce(s) not "
+             f"waited on, so step() may read gradients still being summed. Hint: {_WAIT}")
+
+
+def _ddp_overlaps_backward(run0, how: str) -> None:
+    during, after = run0.backward_calls, run0.finish_calls
+    if not any(during):
+        where = ("after backward(), in finish_gradient_synchronization()" if any(after)
+                 else "nowhere")
+        fail(f"{how}, your wrapper all-reduced {sum(after)} gradients {where}: no communication overlaps the "
+             "backward pass. Hint: launch each all-reduce from a hook, "
+             "p.register_post_accumulate_grad_hook(hook), with async_op=True")
+
+
+def _ddp_calls_per_step(run0, sizes: list[int], how: str) -> None:
+    """All-reduce calls a step: one per parameter, or per bucket, none larger than a bucket."""
+    per_step, params = run0.backward_calls[0] + run0.finish_calls[0], len(sizes)
+    if run0.bucket_mb is None and per_step != params:
+        why = (" (the tied embedding/output weight is one parameter: one hook, one all-reduce)"
+               if per_step > params else ": some gradients were never averaged")
+        fail(f"per parameter, your wrapper made {per_step} all-reduce calls a step for {params} parameters{why}. "
+             "Hint: register one hook on each parameter of module.parameters() that requires a gradient")
+    if run0.bucket_mb is not None:
+        _ddp_buckets(run0, sizes, per_step, how)
+
+
+def _ddp_buckets(run0, sizes: list[int], per_step: int, how: str) -> None:
+    params = len(sizes)
+    cap = int(run0.bucket_mb * 1e6 / 4)  # fp32 elements a bucket holds (MB = 1e6 bytes)
+    fewest = math.ceil(sum(sizes) / cap)
+    if per_step >= params and params > fewest:
+        fail(f"{how}, your wrapper made {per_step} all-reduce calls a step for {params} parameters: one per "
+             f"parameter, not per bucket. Hint: group the parameters into buckets of at most "
+             f"{run0.bucket_mb} MB and all-reduce a bucket (one flat tensor) once its last gradient is ready")
+    if per_step < fewest or run0.largest > max(cap, max(sizes)):
+        fail(f"{how}, your wrapper's largest all-reduce held {run0.largest:,} elements ({per_step} calls a "
+             f"step): a bucket may hold at most {cap:,} fp32 elements (or one larger parameter). Hint: start "
+             "a new bucket when the next parameter would overflow the current one")
+
+
+def _ddp_parameters(runs, n: int, how: str, tol: float) -> None:
+    """The parameters after the steps: the same on every rank, DDP's (not DDP's on summed gradients), and
+    one process's on the global batch."""
+    run0, steps = runs[0], len(runs[0].backward_calls)
+    params_t = [torch.tensor(run.params, dtype=torch.float64) for run in runs]
+    spread, other = max((_max_diff(p, params_t[0]), r) for r, p in enumerate(params_t))
+    if spread > tol:
+        fail(f"{how}, after {steps} steps the ranks hold different parameters (max difference {spread:.2e} "
+             f"between rank 0 and rank {other}). Hint: every gradient must be all-reduced and waited on before "
+             "step()")
+    ref, single, summed = (torch.tensor(t, dtype=torch.float64) for t in (run0.ref, run0.single, run0.summed))
+    err = _max_diff(params_t[0], ref)
+    if err > tol:
+        lead = (f"{how}, after {steps} steps your parameters differ from DistributedDataParallel's by up to "
+                f"{err:.2e} (tolerance {tol:.0e})")
+        if _max_diff(params_t[0], summed) <= 1e-4:
+            fail(f"{lead}, and match DDP fed the sum of the gradients. Hint: dist.all_reduce sums over the {n} "
+                 "ranks: divide each gradient by the world size")
+        fail(f"{lead}. Hint: {_WAIT}; each gradient exactly once (a tied weight is one parameter)")
+    err = _max_diff(params_t[0], single)
+    if err > tol:
+        fail(f"{how}, your parameters match DDP's but differ from one process on the global batch by {err:.2e} "
+             f"(tolerance {tol:.0e})")
 
 
 def _ddp_check(cls, call: str, bucket_mb=None) -> None:

@@ -449,35 +449,53 @@ def _ring_error(results) -> str | None:
 
 def _judge_ring(results) -> None:
     """Fail with the first problem the ranks' reports of one world size show (see
-    :mod:`teraflops.workers.ring_check`)."""
+    :mod:`teraflops.workers.ring_check`): an error, a collective called, wrong elements, too much sent."""
     error = _ring_error(results)
     n = results[0].world_size
     if error:
         fail(f"on {n} ranks, {error}")
+    _ring_no_collective(results, n)
+    _ring_sums_right(results, n)
+    _ring_sends_2n_minus_2_chunks(results, n)
+
+
+def _ring_no_collective(results, n: int) -> None:
     calls = max(c.collectives for r in results for c in r.cases)
     if calls:
         fail(f"on {n} ranks your function called a collective ({calls} call(s) a run): the exercise builds the "
              "all-reduce from messages. Hint: use only dist.send/dist.recv or dist.isend/dist.irecv")
+
+
+def _ring_sums_right(results, n: int) -> None:
+    """Every size summed exactly; else the largest wrong size is judged: its chunks all hold elements,
+    so the pattern shows."""
     wrong = [i for i, case in enumerate(results[0].cases) if any(r.cases[i].wrong for r in results)]
-    if wrong:  # judged on the largest wrong size: its chunks all hold elements, so the pattern shows
+    if wrong:
         i = max(wrong, key=lambda j: results[0].cases[j].elements)
-        case = results[0].cases[i]
         bad = [r.cases[i] for r in results if r.cases[i].wrong]
         if bad:
-            even = [c.elements for c in results[0].cases if c.elements % n == 0 and c.elements >= n]
-            uneven_only = all(not r.cases[j].wrong for r in results for j, c in enumerate(results[0].cases)
-                              if c.elements in even)
-            lead = (f"on {n} ranks, a tensor of {case.elements} elements came back with {bad[0].wrong} wrong "
-                    f"element(s) on {len(bad)} rank(s), in chunk(s) {bad[0].chunks} of {n}")
-            if uneven_only and case.elements % n:
-                fail(f"{lead}; sizes that {n} divides come back right. Hint: {_RING_HINTS['size']}")
-            if all(len(c.chunks) == min(n, case.elements) - 1 and c.partial for c in bad) and len(bad) == n:
-                fail(f"{lead}: each rank holds the full sum of one chunk only. Hint: after the reduce-scatter, run "
-                     f"the all-gather's n − 1 steps, passing the finished chunks round the ring")
-            if all(c.partial for c in bad):
-                fail(f"{lead}, holding sums of some ranks' contributions, not all: the chunks the ring passes on "
-                     f"are off. Hint: {_RING_STEPS}")
-            fail(f"{lead}. Hint: {_RING_STEPS}; copy (not add) in the all-gather")
+            _ring_wrong_pattern(results, n, results[0].cases[i], bad)
+
+
+def _ring_wrong_pattern(results, n: int, case, bad: list) -> None:
+    """Name what the wrong elements of ``case`` (``bad``: the cases of the ranks that got some wrong) point to."""
+    even = [c.elements for c in results[0].cases if c.elements % n == 0 and c.elements >= n]
+    uneven_only = all(not r.cases[j].wrong for r in results for j, c in enumerate(results[0].cases)
+                      if c.elements in even)
+    lead = (f"on {n} ranks, a tensor of {case.elements} elements came back with {bad[0].wrong} wrong "
+            f"element(s) on {len(bad)} rank(s), in chunk(s) {bad[0].chunks} of {n}")
+    if uneven_only and case.elements % n:
+        fail(f"{lead}; sizes that {n} divides come back right. Hint: {_RING_HINTS['size']}")
+    if all(len(c.chunks) == min(n, case.elements) - 1 and c.partial for c in bad) and len(bad) == n:
+        fail(f"{lead}: each rank holds the full sum of one chunk only. Hint: after the reduce-scatter, run "
+             f"the all-gather's n − 1 steps, passing the finished chunks round the ring")
+    if all(c.partial for c in bad):
+        fail(f"{lead}, holding sums of some ranks' contributions, not all: the chunks the ring passes on "
+             f"are off. Hint: {_RING_STEPS}")
+    fail(f"{lead}. Hint: {_RING_STEPS}; copy (not add) in the all-gather")
+
+
+def _ring_sends_2n_minus_2_chunks(results, n: int) -> None:
     for i, case in enumerate(results[0].cases):
         bound = 2 * (n - 1) * -(-case.elements // n)  # 2(n−1) chunks of at most ⌈S/n⌉ elements
         sent = max(r.cases[i].sent for r in results)
