@@ -18,17 +18,14 @@ waited on when ``finish_gradient_synchronization()`` returns are counted (``lear
 from __future__ import annotations
 
 import copy
-import os
-import sys
-from contextlib import suppress
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
+from teraflops.launch.rank import init_worker, read_spec, report_progress, write_result
 from teraflops.parallelization.hand_ddp import DdpCheckResult, DdpCheckSpec, DdpRun, lm_loss, tied_lm, token_batch
-from teraflops.workers.learner_code import CommLog, define, flat, rank_error
+from teraflops.workers.learner_code import CommLog, LearnerCalls, define, flat, rank_error, run_and_exit
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,28 +34,17 @@ def main(argv: list[str] | None = None) -> None:
     n = w.world_size
     ddp_group = dist.new_group()  # torch's DDP stays apart from the learner's collectives (default group)
     comm = CommLog()
-    comm.install()
-    error, runs = None, []
-
-    def learner(where, fn, *args, **kwargs):
-        nonlocal error
-        comm.active = True
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - anything the learner's code raised is reported
-            error = rank_error(where, e)
-        finally:
-            comm.active = False
+    learner, runs = LearnerCalls(comm), []
 
     cls = learner("class definition", define, a.source, a.name)
     mine_init, rank0_init = tied_lm(w.rank).to(w.device), tied_lm(0).to(w.device)
     for bucket in (a.bucket_mb or (None,)):
-        if error:
+        if learner.error:
             break
         model = copy.deepcopy(mine_init)
         args = {} if bucket is None else {"bucket_size_mb": bucket}
         wrapper = learner(f"{a.name}(module{'' if bucket is None else f', bucket_size_mb={bucket}'})", cls, model, **args)
-        if error:
+        if learner.error:
             break
         wrapped = flat(model.parameters())
         opt = torch.optim.SGD(model.parameters(), lr=a.lr)
@@ -73,14 +59,14 @@ def main(argv: list[str] | None = None) -> None:
             opt.zero_grad()
             before = len(comm.log)
             loss = learner("forward", wrapper, x)
-            if error:
+            if learner.error:
                 break
             learner("backward() (your hooks)", lm_loss(loss, y).backward)
             middle = len(comm.log)
-            if error:
+            if learner.error:
                 break
             learner("finish_gradient_synchronization()", wrapper.finish_gradient_synchronization)
-            if error:
+            if learner.error:
                 break
             unwaited += comm.unwaited()
             comm.works.clear()
@@ -95,13 +81,13 @@ def main(argv: list[str] | None = None) -> None:
                     (scale * lm_loss(r(x), y)).backward()
                     ro.step()
             except Exception as e:  # noqa: BLE001 - another rank's learner code failed and left the group
-                error = rank_error("the DDP reference", e, secondary=True)
+                learner.error = rank_error("the DDP reference", e, secondary=True)
                 break
             xs, ys = zip(*(token_batch(step, r) for r in range(n)))
             single_opt.zero_grad()
             lm_loss(single(torch.cat(xs).to(w.device)), torch.cat(ys).to(w.device)).backward()
             single_opt.step()
-        if error:
+        if learner.error:
             break
         first = w.rank == 0
         runs.append(DdpRun(
@@ -111,15 +97,10 @@ def main(argv: list[str] | None = None) -> None:
             summed=flat(refs[1].module.parameters()) if first else None,
             initial=flat(rank0_init.parameters()) if first else None))
         report_progress(len(runs), len(a.bucket_mb or (None,)))
-    write_result(DdpCheckResult(**w.identity(), error=error, runs=runs,
+    write_result(DdpCheckResult(**w.identity(), error=learner.error, runs=runs,
                                 sizes=[p.numel() for p in mine_init.parameters()]))
-    if not error:
-        with suppress(Exception):  # a rank whose learner code failed has left: no barrier with it
-            finish()
+    learner.leave_group()
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(main)

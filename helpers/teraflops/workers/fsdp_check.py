@@ -16,17 +16,14 @@ a layer keeps as attributes at least as large as its full weight are counted.
 from __future__ import annotations
 
 import copy
-import os
-import sys
-from contextlib import suppress
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
+from teraflops.launch.rank import init_worker, read_spec, report_progress, write_result
 from teraflops.parallelization.hand_fsdp import FsdpCheckResult, FsdpCheckSpec, FsdpRun, fsdp_batch, plain_mlp
-from teraflops.workers.learner_code import CommLog, define, flat, rank_error
+from teraflops.workers.learner_code import CommLog, LearnerCalls, define, flat, run_and_exit
 
 _GATHERS = ("all_gather_single", "all_gather_into_tensor", "all_gather")
 _SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
@@ -42,32 +39,21 @@ def main(argv: list[str] | None = None) -> None:
     w = init_worker(a.timeout_s)
     n = w.world_size
     comm = CommLog()
-    comm.install()
-    error, runs = None, []
-
-    def learner(where, fn, *args, **kwargs):
-        nonlocal error
-        comm.active = True
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - anything the learner's code raised is reported
-            error = rank_error(where, e)
-        finally:
-            comm.active = False
+    learner, runs = LearnerCalls(comm), []
 
     cls = learner("class definition", define, a.source, a.name)
     base = plain_mlp()
     for dtype in a.dtypes:
-        if error:
+        if learner.error:
             break
         compute = None if dtype == "float32" else getattr(torch, dtype)
         model = copy.deepcopy(base).to(w.device)
         linears = [i for i, m in enumerate(model) if isinstance(m, nn.Linear)]
         for i in linears:
             model[i] = learner(f"{a.name}(linear, compute_dtype={compute})", cls, model[i], compute_dtype=compute)
-            if error:
+            if learner.error:
                 break
-        if error:
+        if learner.error:
             break
         opt = torch.optim.SGD(model.parameters(), lr=a.lr)
         singles = [copy.deepcopy(base) for _ in range(2)]
@@ -78,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             opt.zero_grad()
             start = len(comm.log)
             out = learner("forward", model, x.to(w.device))
-            if error:
+            if learner.error:
                 break
             middle = len(comm.log)
             if step == 0:
@@ -87,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.numel() >= full[i]
                            and t.untyped_storage().nbytes() > 0)
             learner("backward (your autograd.Function or hooks)", F.mse_loss(out.float(), y.to(w.device)).backward)
-            if error:
+            if learner.error:
                 break
             if step == 0:
                 fwd, bwd = comm.log[start:middle], comm.log[middle:]
@@ -99,15 +85,15 @@ def main(argv: list[str] | None = None) -> None:
                 o.zero_grad()
                 (scale * F.mse_loss(m(torch.cat(xs)), torch.cat(ys))).backward()
                 o.step()
-        if error:
+        if learner.error:
             break
         full_params = []
         for i in linears:
             got = learner("full_parameters()", model[i].full_parameters)
-            if error:
+            if learner.error:
                 break
             full_params += [t.detach().float().cpu() for t in got]
-        if error:
+        if learner.error:
             break
         first = w.rank == 0
         runs.append(FsdpRun(dtype=dtype, params=flat(full_params), held=sum(p.numel() for p in model.parameters()),
@@ -115,14 +101,10 @@ def main(argv: list[str] | None = None) -> None:
                             kept=kept, single=flat(singles[0].parameters()) if first else None,
                             summed=flat(singles[1].parameters()) if first else None, **counts))
         report_progress(len(runs), len(a.dtypes))
-    write_result(FsdpCheckResult(**w.identity(), error=error, runs=runs, sizes=[p.numel() for p in base.parameters()]))
-    if not error:
-        with suppress(Exception):  # a rank whose learner code failed has left: no barrier with it
-            finish()
+    write_result(FsdpCheckResult(**w.identity(), error=learner.error, runs=runs,
+                                 sizes=[p.numel() for p in base.parameters()]))
+    learner.leave_group()
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(main)

@@ -1,10 +1,14 @@
 """What the rank programs of Unit 2's and Unit 5's by-hand checks share: running the learner's code.
 
-Not a rank program itself (no ``main``): :mod:`teraflops.workers.sharded_check`,
-:mod:`teraflops.workers.ddp_check` and :mod:`teraflops.workers.ring_check` import it.
+Not a rank program itself (no ``main``): :mod:`teraflops.workers.zero1_check`,
+:mod:`teraflops.workers.sharded_check`, :mod:`teraflops.workers.ddp_check`,
+:mod:`teraflops.workers.fsdp_check` and :mod:`teraflops.workers.ring_check` import it.
 
 * :func:`define` runs the learner's class or function block (its source, shipped by the check) in a
   namespace holding only ``torch``, ``dist`` (``torch.distributed``), ``math``, ``nn`` and ``F``.
+* :class:`LearnerCalls` calls into that code: counted while it runs, an exception kept as the rank's
+  error instead of ending the rank; :meth:`LearnerCalls.leave_group` after the result is written, and
+  :func:`run_and_exit` around ``main``, end every such rank program the same way.
 * :class:`CommLog` wraps ``torch.distributed``'s collectives and point-to-point calls while the
   learner's code runs: calls and elements per name, whether each call was asynchronous, and each
   asynchronous handle (:class:`WatchedWork`) so a check can see whether it was waited on.
@@ -16,14 +20,18 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
+import sys
 import time
+from contextlib import suppress
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from teraflops.launch.rank import finish
 from teraflops.parallelization.zero import RankError
 
 CALLS = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_gather_single",
@@ -45,6 +53,45 @@ def rank_error(where: str, e: BaseException, secondary: bool = False) -> RankErr
     lines = [re.sub(r"^(\[[^\]]*\]:?\s*)+", "", ln.strip()) for ln in str(e).strip().splitlines() if ln.strip()]
     return RankError(where=where, type=type(e).__name__, message=lines[0][:400] if lines else "", time=time.time(),
                      secondary=secondary)
+
+
+class LearnerCalls:
+    """Calls into the learner's code. While one runs, ``comm`` (a :class:`CommLog`, installed here) counts
+    its collectives; an exception it raises becomes :attr:`error` (:func:`rank_error`, ``where`` naming
+    the call) and the call returns None, so the rank still writes its result. A rank program stops at
+    the first error (``if learner.error: break``)."""
+
+    def __init__(self, comm):
+        comm.install()
+        self.comm = comm
+        self.error: RankError | None = None
+
+    def __call__(self, where: str, fn, *args, **kwargs):
+        self.comm.active = True
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - anything the learner's code raised is reported
+            self.error = rank_error(where, e)
+        finally:
+            self.comm.active = False
+
+    def leave_group(self) -> None:
+        """After the result is written: leave the process group with the other ranks
+        (:func:`~teraflops.launch.rank.finish`), unless this rank saw an error: a rank whose learner code
+        failed has left, so there is no barrier with it."""
+        if not self.error:
+            with suppress(Exception):
+                finish()
+
+
+def run_and_exit(main) -> None:
+    """Run a rank program's ``main``, then exit at once: the result is written and the group is gone, so
+    the interpreter's teardown of torch's modules (~1.5 s on 2 busy cores, spent after every check) is
+    skipped."""
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class WatchedWork:

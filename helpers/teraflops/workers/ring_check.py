@@ -14,18 +14,15 @@ slowest rank's mean (an all-reduce of the times with MAX).
 from __future__ import annotations
 
 import itertools
-import os
-import sys
 import time
-from contextlib import suppress
 
 import torch
 import torch.distributed as dist
 
 from teraflops.hardware.ring import RingCase, RingCheckResult, RingCheckSpec
-from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
+from teraflops.launch.rank import init_worker, read_spec, report_progress, write_result
 from teraflops.workers.common import sync_device
-from teraflops.workers.learner_code import CommLog, define, rank_error
+from teraflops.workers.learner_code import CommLog, LearnerCalls, define, rank_error, run_and_exit
 
 _P2P = ("send", "isend", "batch_isend_irecv")
 _COLLECTIVE = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_gather_single",
@@ -50,27 +47,16 @@ def main(argv: list[str] | None = None) -> None:
     w = init_worker(a.timeout_s)
     n = w.world_size
     comm = CommLog()
-    comm.install()
-    error, cases = None, []
-
-    def learner(where, fn, *args):
-        nonlocal error
-        comm.active = True
-        try:
-            return fn(*args)
-        except Exception as e:  # noqa: BLE001 - anything the learner's code raised is reported
-            error = rank_error(where, e)
-        finally:
-            comm.active = False
+    learner, cases = LearnerCalls(comm), []
 
     fn = learner("function definition", define, a.source, a.name)
     for elements in a.elements:
-        if error:
+        if learner.error:
             break
         mine, want = data(elements, w.rank).to(w.device), data(elements, w.rank).to(w.device)
         before = len(comm.log)
         out = learner(f"{a.name}(tensor of {elements} elements)", fn, mine)
-        if error:
+        if learner.error:
             break
         got = (out if isinstance(out, torch.Tensor) and out.shape == mine.shape else mine).cpu()
         dist.all_reduce(want)
@@ -86,13 +72,13 @@ def main(argv: list[str] | None = None) -> None:
                               collectives=sum(name in _COLLECTIVE for name, _ in calls)))
     timed, ring_s, torch_s = [], [], []
     ready = False
-    if not error:  # time only a ring right on every rank (the decision must be the same on all of them)
+    if not learner.error:  # time only a ring right on every rank (the decision must be the same on all of them)
         try:
             flag = torch.tensor([float(sum(c.wrong for c in cases))], device=w.device)
             dist.all_reduce(flag)
             ready = flag.item() == 0
         except Exception as e:  # noqa: BLE001 - another rank's learner code failed and left the group
-            error = rank_error("the timing", e, secondary=True)
+            learner.error = rank_error("the timing", e, secondary=True)
     if ready:
         for elements in a.timing:
             x = torch.ones(elements, device=w.device)
@@ -111,14 +97,10 @@ def main(argv: list[str] | None = None) -> None:
             ring_s.append(float(slowest[0]))
             torch_s.append(float(slowest[1]))
             report_progress(len(timed), len(a.timing))
-    write_result(RingCheckResult(**w.identity(), error=error, cases=cases, timed=timed, ring_s=ring_s, torch_s=torch_s))
-    if not error:
-        with suppress(Exception):  # a rank whose learner code failed has left: no barrier with it
-            finish()
+    write_result(RingCheckResult(**w.identity(), error=learner.error, cases=cases, timed=timed, ring_s=ring_s,
+                                 torch_s=torch_s))
+    learner.leave_group()
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(main)

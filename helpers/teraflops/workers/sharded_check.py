@@ -18,19 +18,17 @@ and broadcasts. Warnings raised while the learner's ``step()`` runs are recorded
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import warnings
-from contextlib import suppress
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
+from teraflops.launch.rank import init_worker, read_spec, report_progress, write_result
 from teraflops.parallelization.sharded_optimizer import ShardedCheckResult, ShardedCheckSpec, ShardedRun
-from teraflops.workers.learner_code import CommLog, define, flat, mlp, mlp_batch, optimizers_in, rank_error
+from teraflops.workers.learner_code import (CommLog, LearnerCalls, define, flat, mlp, mlp_batch, optimizers_in,
+                                           rank_error, run_and_exit)
 
 
 def _groups(model: nn.Module, case) -> tuple[list[dict], dict]:
@@ -57,22 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     ddp_group = dist.new_group()  # DDP's all-reduces stay apart from the learner's (default group)
     base = mlp(a.mlp).to(w.device)
     comm = CommLog()
-    comm.install()
-    error, runs = None, []
-
-    def learner(where, fn, *args, **kwargs):
-        nonlocal error
-        comm.active = True
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - anything the learner's code raised is reported
-            error = rank_error(where, e)
-        finally:
-            comm.active = False
+    learner, runs = LearnerCalls(comm), []
 
     cls = learner("class definition", define, a.source, a.name)
     for case in a.cases:
-        if error:
+        if learner.error:
             break
         mine = nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=ddp_group)
         ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=ddp_group)
@@ -80,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         first, second = _groups(mine.module, case)
         if case.added:
             opt = learner(f"{a.name}(params, torch.optim.{case.name}, ...)", cls, first, optimizer_cls, **case.kwargs)
-            if not error:
+            if not learner.error:
                 learner("add_param_group(...)", opt.add_param_group, second)
         else:
             opt = learner(f"{a.name}(params, torch.optim.{case.name}, ...)", cls, first + [second], optimizer_cls,
@@ -89,26 +76,26 @@ def main(argv: list[str] | None = None) -> None:
         ref_opt = optimizer_cls(rfirst + [rsecond], **case.kwargs)
         caught = []
         for step in range(a.steps):
-            if error:
+            if learner.error:
                 break
             x, y = mlp_batch(a.mlp, a.batch, step, w.rank, w.device)
             learner("zero_grad()", opt.zero_grad)
-            if error:
+            if learner.error:
                 break
             F.mse_loss(mine(x), y).backward()
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 learner("step()", opt.step)
             caught += [f"{type(m.message).__name__}: {m.message}" for m in seen]
-            if error:
+            if learner.error:
                 break
             try:
                 ref_opt.zero_grad()
                 F.mse_loss(ref(x), y).backward()
                 ref_opt.step()
             except Exception as e:  # noqa: BLE001 - another rank's learner code failed and left the group
-                error = rank_error("the DDP reference", e, secondary=True)
-        if error:
+                learner.error = rank_error("the DDP reference", e, secondary=True)
+        if learner.error:
             break
         n_first = sum(p.numel() for p in first[0]["params"])
         groups = getattr(opt, "param_groups", [])
@@ -120,16 +107,10 @@ def main(argv: list[str] | None = None) -> None:
             ref=flat(ref.module.parameters()) if w.rank == 0 else None,
             initial=flat(base.parameters()) if w.rank == 0 else None))
         report_progress(len(runs), len(a.cases))
-    write_result(ShardedCheckResult(**w.identity(), error=error, runs=runs,
+    write_result(ShardedCheckResult(**w.identity(), error=learner.error, runs=runs,
                                     shapes=[list(p.shape) for p in base.parameters()], comm=comm.calls))
-    if not error:
-        with suppress(Exception):  # a rank whose learner code failed has left: no barrier with it
-            finish()
+    learner.leave_group()
 
 
 if __name__ == "__main__":
-    main()
-    # The result is written and the group is gone: skip the interpreter's teardown of torch's modules.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(main)

@@ -4,8 +4,8 @@
 :func:`teraflops.grading.unit02.zero1_optimizer` through :func:`~teraflops.launch.launcher.launch`.
 
 The spec's ``source`` is the learner's class block; it runs in a namespace with only ``torch``,
-``dist`` (``torch.distributed``), ``math``, ``nn`` and ``F``. Every rank builds the same small MLP
-of the spec's ``mlp`` sizes (Ψ = ``spec.psi`` parameters, 517 with the check's
+``dist`` (``torch.distributed``), ``math``, ``nn`` and ``F`` (:func:`teraflops.workers.learner_code.define`).
+Every rank builds the same small MLP (:func:`~teraflops.workers.learner_code.mlp`) of the spec's ``mlp`` sizes (Ψ = ``spec.psi`` parameters, 517 with the check's
 :data:`~teraflops.parallelization.zero.ZERO1_MLP`: not divisible by any world size from 2 to 10, so
 the flat vector needs padding) and trains four copies of it for the spec's ``steps`` steps on the
 same rank-specific batches of ``batch`` rows, every optimizer with the spec's ``hyper`` (``HYPER``):
@@ -32,12 +32,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
-import os
-import re
-import sys
-import time
-from contextlib import suppress
 from dataclasses import asdict
 
 import torch
@@ -46,8 +40,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from teraflops.launch.faults import fault_point
-from teraflops.launch.rank import finish, init_worker, read_spec, report_progress, write_result
-from teraflops.parallelization.zero import OptimizerInfo, RankError, Zero1CheckResult, Zero1CheckSpec
+from teraflops.launch.rank import init_worker, read_spec, report_progress, write_result
+from teraflops.parallelization.zero import OptimizerInfo, Zero1CheckResult, Zero1CheckSpec
+from teraflops.workers.learner_code import (LearnerCalls, define, flat, mlp, mlp_batch, optimizers_in, rank_error,
+                                           run_and_exit)
 
 _COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_gather_single",
                 "all_gather_into_tensor", "all_gather",
@@ -55,25 +51,9 @@ _COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", 
 
 
 def make_model(spec: Zero1CheckSpec) -> nn.Module:
-    """The model every rank trains: Linear, GELU, LayerNorm, Linear of ``spec.mlp`` features (6
-    parameter tensors, ``spec.psi`` elements), initialised from seed 0."""
-    inputs, hidden, outputs = spec.mlp
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(inputs, hidden), nn.GELU(), nn.LayerNorm(hidden), nn.Linear(hidden, outputs))
-
-
-def batch(spec: Zero1CheckSpec, step: int, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s batch at ``step``, ``spec.batch`` rows: different on every rank, so gradients
-    must be averaged."""
-    inputs, _, outputs = spec.mlp
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(spec.batch, inputs, generator=g)
-    y = torch.sin(x[:, :outputs] * (rank + 1)) + 0.1 * torch.randn(spec.batch, outputs, generator=g)
-    return x.to(device), y.to(device)
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float().cpu()
+    """The model every rank trains: :func:`~teraflops.workers.learner_code.mlp` of ``spec.mlp`` features
+    (6 parameter tensors, ``spec.psi`` elements), initialised from seed 0."""
+    return mlp(spec.mlp)
 
 
 class _CommLog:
@@ -106,31 +86,6 @@ class _CommLog:
         return counted
 
 
-def _optimizers(obj) -> list[torch.optim.Optimizer]:
-    """``torch.optim.Optimizer`` instances among ``obj`` and its attributes (and in lists, tuples and
-    dicts among them)."""
-    found, seen = [], set()
-
-    def visit(x, depth):
-        if id(x) in seen or depth < 0:
-            return
-        seen.add(id(x))
-        if isinstance(x, torch.optim.Optimizer):
-            found.append(x)
-        if isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v, depth - 1)
-        elif isinstance(x, dict):
-            for v in x.values():
-                visit(v, depth - 1)
-        elif x is obj and hasattr(x, "__dict__"):
-            for v in vars(x).values():
-                visit(v, depth - 1)
-
-    visit(obj, 2)
-    return found
-
-
 def _describe(opt: torch.optim.Optimizer, names) -> OptimizerInfo:
     """Type (``torch``: one of torch.optim's own), first group's hyperparameters among ``names``,
     elements owned, and elements of state tensors with dim > 0 (AdamW's ``step`` is a 0-dim tensor:
@@ -141,13 +96,6 @@ def _describe(opt: torch.optim.Optimizer, names) -> OptimizerInfo:
     hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k in names}
     return OptimizerInfo(type=type(opt).__name__, torch=type(opt).__module__.startswith("torch.optim"), state=state,
                          owned=owned, **hyper)
-
-
-def _error(where: str, e: BaseException, secondary: bool = False) -> RankError:
-    # torch's C++ checks start with log prefixes: "[rank0]:[F1129 21:31:24.98 ProcessGroupGloo.cpp:1537] Check failed"
-    lines = [re.sub(r"^(\[[^\]]*\]:?\s*)+", "", ln.strip()) for ln in str(e).strip().splitlines() if ln.strip()]
-    return RankError(where=where, type=type(e).__name__, message=lines[0][:400] if lines else "", time=time.time(),
-                     secondary=secondary)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,41 +111,27 @@ def main(argv: list[str] | None = None) -> None:
         m = nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=ref_group)
         refs[key] = (m, torch.optim.AdamW(m.parameters(), **hyper), scale)
     comm = _CommLog()
-    comm.install()
-    result = {**w.identity(), "psi": sum(p.numel() for p in base.parameters()), "hyper": hyper, "steps": a.steps, "error": None,
+    learner = LearnerCalls(comm)
+    result = {**w.identity(), "psi": sum(p.numel() for p in base.parameters()), "hyper": hyper, "steps": a.steps,
               "params": None, "grad_left": 0.0, "optimizers": [], "comm": comm.elements}
     if w.rank == 0:
-        result["initial"] = flat(base).tolist()
+        result["initial"] = flat(base.parameters())
 
-    def learner(where, fn, *args, **kwargs):
-        comm.active = True
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - anything the learner's code raised is reported
-            result["error"] = _error(where, e)
-        finally:
-            comm.active = False
-
-    def define():
-        namespace = {"torch": torch, "dist": dist, "math": math, "nn": nn, "F": F, "__name__": "zero1_learner"}
-        exec(compile(a.source, f"<{a.name}>", "exec"), namespace)
-        return namespace[a.name]
-
-    cls = learner("class definition", define)
-    opt = None if result["error"] else learner(f"{a.name}(params, ...)", cls, model.parameters(), **hyper)
+    cls = learner("class definition", define, a.source, a.name)
+    opt = None if learner.error else learner(f"{a.name}(params, ...)", cls, model.parameters(), **hyper)
     for step in range(a.steps):
-        if result["error"]:
+        if learner.error:
             break
         fault_point(step)
-        x, y = batch(a, step, w.rank, w.device)
+        x, y = mlp_batch(a.mlp, a.batch, step, w.rank, w.device)
         learner("zero_grad()", opt.zero_grad)
-        if result["error"]:
+        if learner.error:
             break
         result["grad_left"] = max([result["grad_left"]] + [p.grad.abs().max().item() for p in model.parameters()
                                                            if p.grad is not None])
         F.mse_loss(model(x), y).backward()
         learner("step()", opt.step)
-        if result["error"]:
+        if learner.error:
             break
         try:
             for m, ref_opt, scale in refs.values():
@@ -205,25 +139,18 @@ def main(argv: list[str] | None = None) -> None:
                 (scale * F.mse_loss(m(x), y)).backward()
                 ref_opt.step()
         except Exception as e:  # noqa: BLE001 - another rank's learner code failed and left the group
-            result["error"] = _error("the DDP reference", e, secondary=True)
+            learner.error = rank_error("the DDP reference", e, secondary=True)
             break
         report_progress(step + 1, a.steps)
-    if not result["error"]:
-        result["params"] = flat(model).tolist()
-        result["optimizers"] = [_describe(o, hyper) for o in _optimizers(opt)]
+    if not learner.error:
+        result["params"] = flat(model.parameters())
+        result["optimizers"] = [_describe(o, hyper) for o in optimizers_in(opt)]
         if w.rank == 0:
-            result["ref"] = flat(refs["ref"][0].module).tolist()
-            result["alt"] = {k: flat(refs[k][0].module).tolist() for k in ("sum", "double")}
-    write_result(Zero1CheckResult(**result))
-    if not result["error"]:
-        with suppress(Exception):  # a rank whose learner code failed has left: no barrier with it
-            finish()
+            result["ref"] = flat(refs["ref"][0].module.parameters())
+            result["alt"] = {k: flat(refs[k][0].module.parameters()) for k in ("sum", "double")}
+    write_result(Zero1CheckResult(**result, error=learner.error))
+    learner.leave_group()
 
 
 if __name__ == "__main__":
-    main()
-    # The result is written and the group is gone: skip the interpreter's teardown of torch's modules
-    # (~1.5 s on 2 busy cores, spent after every check).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(main)
