@@ -24,7 +24,7 @@ def test_run_unit_2_reports_memory_and_communication_by_stage(lecture_out):
     # bytes held and sent are counted, not timed: exact at any load
     memory = [h[f"zero{s}_bytes_per_rank"] for s in range(4)]
     comm = [h[f"zero{s}_comm_per_step"] for s in range(4)]
-    assert memory[0] > memory[1] >= memory[2] > memory[3] > 0  # each stage holds less ...
+    assert memory[0] > memory[1] > memory[2] >= memory[3] > 0  # each stage holds less at its peak ...
     assert comm[3] > 1.4 * comm[2] and abs(comm[0] - comm[2]) <= 0.1 * comm[0]  # ... stage 3 sends 1.5x
     assert h["staleness_speedup"] > 0 and h["overlap_speedup"] > 0  # ratios of times: units, not verdicts
     assert [s.name for s in result.stories] == [s.name for s in STORIES[2]]

@@ -30,6 +30,50 @@ def test_comm_bytes_per_step_counts_the_paper_way():
         zero.comm_bytes_per_step({}, 2, 0)
 
 
+def recorded_runs(psi=1000, world=2, bucket=100):
+    """Four stages as DeepSpeed's fp32 runs hold them on 2 ranks, counted by hand from the paper and the
+    worker's sampling: gradients Ψ/Nd after backward from stage 1, at the peak Ψ (stage 1) or a
+    partition plus a bucket (stage 2); the fp32 master partition Ψ/Nd inside the optimizer from stage 1."""
+    shard = psi // world
+    held = {0: (psi, psi, 2 * psi), 1: (psi, shard, 2 * shard + shard), 2: (psi, shard, 3 * shard),
+            3: (shard, shard, 3 * shard)}
+    peak = {0: psi, 1: psi, 2: shard + bucket, 3: shard}
+    return [zero.StageRun(stage=s, psi=psi, world_size=world, backend="gloo",
+                          held=[dict(zip(zero.CATEGORIES, held[s]))] * world, comms=[{}] * world, logged_steps=1,
+                          losses=[[1.0]] * world, step_s=[[0.1]] * world, grads_peak=[peak[s]] * world,
+                          master_elements=[shard if s else 0] * world) for s in range(4)]
+
+
+def test_held_table_parts_stages_1_and_2_at_the_peak_and_shows_the_master_copy():
+    import re
+
+    rows = {}
+    for line in zero.held_table(recorded_runs()).splitlines()[2:]:
+        stage, state, *cols = re.split(r"\s{2,}", line.strip())
+        rows[stage[0], state.strip()] = cols[:3]  # measured, calculator, ratio
+    # stage 1 still holds all Ψ gradients at the peak (the paper's count), stage 2 its partition + a bucket
+    assert rows["1", "grads at peak"] == ["1,000", "1,000", "1"] and rows["2", "grads at peak"][0] == "600"
+    assert rows["1", "grads"][0] == rows["2", "grads"][0] == "500"  # after backward they read the same
+    assert rows["0", "of which fp32 master"] == ["0", "0", "—"]  # torch's AdamW alone keeps none
+    assert rows["1", "of which fp32 master"] == ["500", "500", "1"]  # Ψ/Nd, inside the optimizer's 1,500
+
+
+def test_stacked_bars_are_each_stages_peak_with_the_master_copy_hatched():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = recorded_runs()
+    fig, ax = plt.subplots()
+    heights = zero.stack_states(ax, runs, [0] * 4)
+    assert heights == pytest.approx([r.peak_bytes(0) / 1e6 for r in runs])
+    assert [round(h * 1e6) for h in heights] == [4 * 4000, 4 * 3500, 4 * 3100, 4 * 2500]  # params + peak grads + optimizer
+    labels = [c.get_label() for c in ax.containers]
+    assert labels[-1] == "optimizer: fp32 master copy (DeepSpeed)" and ax.containers[-1][0].get_height() == 0
+    assert ax.containers[-1][1].get_height() * 1e6 == pytest.approx(4 * 500) and ax.containers[-1][1].get_hatch() == "//"
+    plt.close(fig)
+
+
 @pytest.fixture(scope="module")
 def runs_and_leftovers(zero_tiny_runs):
     """The four stages' runs and the DeepSpeed shared-memory files they left in /dev/shm (conftest)."""

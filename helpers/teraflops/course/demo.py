@@ -184,27 +184,23 @@ def _zero() -> DemoResult:
     peak = {r.stage: max(r.peak_bytes(k) for k in range(world)) for r in runs}
     fig, (ax,) = _figure()
     x = list(range(len(runs)))
-    bottom = [0.0] * len(runs)
-    for cat, color in zip(("params", "grads", "optimizer"), ("tab:blue", "tab:orange", "tab:green")):
-        worst = [max(range(world), key=r.peak_bytes) for r in runs]
-        mb = [(max(r.held[k]["grads"], r.grads_peak[k]) if cat == "grads" else r.held[k][cat]) * 4 / 1e6
-              for r, k in zip(runs, worst)]
-        ax.bar(x, mb, bottom=bottom, color=color, label={"grads": "gradients (peak in backward)"}.get(cat, cat))
-        bottom = [a + m for a, m in zip(bottom, mb)]
+    zero.stack_states(ax, runs, [max(range(world), key=r.peak_bytes) for r in runs])
     for i, r in enumerate(runs):
         ax.annotate(f"{peak[r.stage] / 1e6:.2f} MB", (i, peak[r.stage] / 1e6), ha="center", va="bottom",
                     xytext=(0, 4), textcoords="offset points")
     ax.set_xticks(x, [f"stage {r.stage}\n{zero.STAGE_NAMES[r.stage]}" for r in runs])
-    ax.set_ylim(0, max(peak.values()) / 1e6 * 1.25)
+    ax.set_ylim(0, max(peak.values()) / 1e6 * 1.5)  # room for the two-row legend above the tallest bar
     ax.set_ylabel("MB per rank (measured)")
-    ax.legend(loc="upper right", ncols=3)
+    ax.legend(loc="upper right", ncols=2)
     ax.set_title(TITLES["zero"])
     ax.set_xlabel(f"{world} ranks ({runs[0].backend}), Ψ = {runs[0].psi:,} parameters, fp32; the rank with the most")
     fig.tight_layout()
     verdict = (f"per rank, model states at their peak fall from {_mb(peak[0])} (stage 0) to {_mb(peak[1])} "
                f"(1: optimizer states sharded), {_mb(peak[2])} (2: + gradients) and {_mb(peak[3])} "
                f"(3: + parameters) on {world} ranks, the stage-3 bytes sent per step "
-               f"{runs[-1].comm_bytes / runs[0].comm_bytes:.2g}× stage 0's")
+               f"{runs[-1].comm_bytes / runs[0].comm_bytes:.2g}× stage 0's"
+               + (f"; the hatched top of the optimizer bars is DeepSpeed's fp32 master copy of the weights "
+                  f"({_mb(runs[1].master() * 4)} per rank at stage 1), kept even in fp32" if runs[1].master() else ""))
     numbers = {"peak_bytes": {str(k): v for k, v in peak.items()}, "world_size": world, "psi": runs[0].psi,
                "comm_bytes": {str(r.stage): r.comm_bytes for r in runs}}
     return DemoResult("zero", TITLES["zero"], verdict, numbers, story_holds("zero", numbers), figure=fig)

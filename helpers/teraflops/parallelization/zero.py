@@ -64,7 +64,9 @@ class ZeroStageResult:
     category, ``comms`` DeepSpeed's comms log ``{op: {msg_size_bytes: [count, latencies, algbws,
     busbws]}}`` of the ``logged_steps`` steps after the first, ``losses`` (nats) and ``step_s`` (s)
     per step; ``grads_peak``: the most gradient elements live at once during the first backward pass
-    (sampled after each parameter's gradient is accumulated; ``held["grads"]`` is after it)."""
+    (sampled after each parameter's gradient is accumulated; ``held["grads"]`` is after it);
+    ``master_elements``: the fp32 master partition's elements, part of ``held["optimizer"]`` (0 where
+    there is none apart from the parameters)."""
 
     stage: int
     psi: int
@@ -76,6 +78,7 @@ class ZeroStageResult:
     optimizer_type: str
     master_copy: bool
     grads_peak: int = 0
+    master_elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,8 @@ class StageRun:
             (stage 3 on a GPU uses an fp32 parameter shard itself as the master).
         grads_peak: per rank, the most gradient elements live at once during the backward pass
             (stage 1 holds all Ψ until the end of backward, stage 2 its partition plus a bucket).
+        master_elements: per rank, the elements of DeepSpeed's fp32 master partition, counted inside
+            ``held[rank]["optimizer"]`` (the optimizer bar's share that is a copy of the weights).
     """
 
     stage: int
@@ -228,14 +233,22 @@ class StageRun:
     step_s: list
     master_copy: bool = True
     grads_peak: list = ()
+    master_elements: list = ()
+
+    def grads_at_peak(self, rank: int = 0) -> int:
+        """Gradient elements of ``rank`` at the backward pass's peak (at least those held after it)."""
+        return max(self.held[rank]["grads"], self.grads_peak[rank] if self.grads_peak else 0)
+
+    def master(self, rank: int = 0) -> int:
+        """Elements of ``rank``'s fp32 master partition inside its optimizer states (0: none apart)."""
+        return self.master_elements[rank] if self.master_elements else 0
 
     def peak_bytes(self, rank: int = 0, bytes_per_element: int = 4) -> int:
         """Model-state bytes of ``rank`` at the peak of the backward pass: parameters, gradients at
         their peak (:attr:`grads_peak`, at least those held after backward) and optimizer states,
         measured (fp32 runs: 4 bytes per element)."""
         h = self.held[rank]
-        grads = max(h["grads"], self.grads_peak[rank] if self.grads_peak else 0)
-        return (h["params"] + grads + h["optimizer"]) * bytes_per_element
+        return (h["params"] + self.grads_at_peak(rank) + h["optimizer"]) * bytes_per_element
 
     @property
     def global_losses(self) -> list[float]:
@@ -304,20 +317,35 @@ def stage_runs(spec: ZeroSpec, ranks: list[ZeroResult]) -> list[StageRun]:
                              held=[r.held for r in per_rank], comms=[r.comms for r in per_rank],
                              logged_steps=first.logged_steps, losses=[r.losses for r in per_rank],
                              step_s=[r.step_s for r in per_rank], master_copy=first.master_copy,
-                             grads_peak=[r.grads_peak for r in per_rank]))
+                             grads_peak=[r.grads_peak for r in per_rank],
+                             master_elements=[r.master_elements for r in per_rank]))
     return runs
 
 
 def held_table(runs: list[StageRun]) -> str:
-    """Elements held per rank (rank 0; the other ranks are checked equal) against the calculator."""
+    """Elements held per rank (rank 0; the other ranks are checked equal) against the calculator.
+
+    Two rows beside the paper's three states say what after-backward counts hide: the gradients at
+    the backward pass's peak (where stages 1 and 2 part: stage 1 still holds all Ψ, stage 2 its
+    partition and one ``reduce_bucket_size`` bucket) and, inside the optimizer states, DeepSpeed's fp32
+    master partition (Ψ/Nd from stage 1; the calculator's K = 12 counts it, K = 8 where there is none)."""
     rows = []
+
+    def row(run, name, per_rank, want):
+        got = per_rank(0)
+        same = all(per_rank(k) == got for k in range(run.world_size))
+        rows.append([f"{run.stage} {STAGE_NAMES[run.stage]}", name, got, want, got / want if want else "—",
+                     "yes" if same else "NO"])
+
     for run in runs:
         calc = run.calculator()
         for cat in CATEGORIES:
-            got = run.held[0][cat]
-            same = all(h[cat] == got for h in run.held)
-            want = getattr(calc, f"{cat}_elements")
-            rows.append([f"{run.stage} {STAGE_NAMES[run.stage]}", cat, got, want, got / want, "yes" if same else "NO"])
+            row(run, cat, lambda k, cat=cat: run.held[k][cat], getattr(calc, f"{cat}_elements"))
+            if cat == "grads" and run.grads_peak:
+                row(run, "grads at peak", run.grads_at_peak, run.psi if run.stage < 2 else calc.grads_elements)
+        if run.master_elements:
+            row(run, "  of which fp32 master", run.master,
+                run.psi / run.world_size if run.stage > 0 and run.master_copy else 0)
     return table(rows, ["stage", "state", "measured (fp32 elements)", "calculator", "ratio", "same on all ranks"])
 
 
@@ -365,22 +393,40 @@ def max_loss_difference(runs: list[StageRun]) -> float:
     return max(abs(a - b) for run in runs[1:] for a, b in zip(run.global_losses, ref)) if len(runs) > 1 else 0.0
 
 
+def stack_states(ax, runs: list[StageRun], ranks: list[int]) -> list[float]:
+    """Stacked bars of model-state MB per rank (fp32), one per run, each of its rank in ``ranks``:
+    parameters, gradients at the backward pass's peak, AdamW's moments, and DeepSpeed's fp32 master
+    partition hatched on top of the optimizer states it belongs to. Returns the bars' heights (MB)."""
+    parts = (("params", "parameters", "tab:blue", "", lambda r, k: r.held[k]["params"]),
+             ("grads", "gradients (peak in backward)", "tab:orange", "", lambda r, k: r.grads_at_peak(k)),
+             ("moments", "optimizer: AdamW m, v", "tab:green", "", lambda r, k: r.held[k]["optimizer"] - r.master(k)),
+             ("master", "optimizer: fp32 master copy (DeepSpeed)", "tab:green", "//", lambda r, k: r.master(k)))
+    x = list(range(len(runs)))
+    bottom = [0.0] * len(runs)
+    for name, label, color, hatch, elements in parts:
+        mb = [elements(r, k) * 4 / 1e6 for r, k in zip(runs, ranks)]
+        if name == "master" and not any(mb):
+            continue  # no stage kept a master copy apart from the weights
+        ax.bar(x, mb, bottom=bottom, color=color, hatch=hatch, edgecolor="white" if hatch else None,
+               label=label)
+        bottom = [b + m for b, m in zip(bottom, mb)]
+    return bottom
+
+
 def plot_tradeoff(runs: list[StageRun]):
-    """Two panels: model-state bytes per rank by stage (measured, stacked) and bytes communicated per
+    """Two panels: model-state bytes per rank by stage (measured, stacked: :func:`stack_states`, gradients
+    at their peak, the fp32 master copy hatched inside the optimizer states) and bytes communicated per
     step by stage (measured bars, the paper's 2Ψ/3Ψ as markers). Returns the Figure."""
     import matplotlib.pyplot as plt
 
     fig, (mem, com) = plt.subplots(1, 2, figsize=(11, 3.8))
     x = list(range(len(runs)))
     labels = [f"stage {r.stage}\n{STAGE_NAMES[r.stage]}" for r in runs]
-    bottom = [0.0] * len(runs)
-    for cat, color in zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green")):
-        mb = [r.held[0][cat] * 4 / 1e6 for r in runs]
-        mem.bar(x, mb, bottom=bottom, color=color, label=cat)
-        bottom = [b + m for b, m in zip(bottom, mb)]
+    heights = stack_states(mem, runs, [0] * len(runs))
+    mem.set_ylim(0, max(heights) * 1.5)  # the four-entry legend sits above the bars
     mem.set_xticks(x, labels)
     mem.set_ylabel("model states per rank (MB, measured)")
-    mem.legend(fontsize="small")
+    mem.legend(fontsize="small", loc="upper right")
     mem.set_title("memory falls with each stage", fontsize="medium")
     com.bar(x, [r.comm_bytes / 1e6 for r in runs], color="tab:purple", label="measured (comms logger)")
     com.scatter(x, [comm_volume(r.psi, r.stage, 4) / 1e6 for r in runs], color="black", marker="_", s=600,

@@ -142,13 +142,14 @@ def run_stage(stage: int, spec: ZeroSpec, world: int, rank: int, step0: int) -> 
     held["params"], param_spans = _elements(params), _spans(params)
     # a master partition that *is* the parameter shard (stage 3 in fp32) is not counted twice
     held["optimizer"] = _elements(_optimizer_states(engine), exclude=param_spans)
-    master_copy = _elements(_master_partitions(engine), exclude=param_spans) > 0
+    master_elements = _elements(_master_partitions(engine), exclude=param_spans)
     comms = {op: {int(size): v for size, v in sizes.items()}  # DeepSpeed's raw format, see teraflops.parallelization.zero
              for op, sizes in ds_comm.comms_logger.comms_dict.items()}
     ds_comm.comms_logger.comms_dict.clear()
     result = ZeroStageResult(stage=stage, psi=psi, held=held, comms=comms, logged_steps=steps - 1, losses=losses,
-                             step_s=step_s, optimizer_type=type(engine.optimizer).__name__, master_copy=master_copy,
-                             grads_peak=grads_peak[0])
+                             step_s=step_s, optimizer_type=type(engine.optimizer).__name__,
+                             master_copy=master_elements > 0, grads_peak=grads_peak[0],
+                             master_elements=master_elements)
     engine.destroy()
     del engine, model, optimizer
     release_device_memory(device)  # four stages in one process: a T4 has no room for the last one's cached blocks
