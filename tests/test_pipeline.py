@@ -185,3 +185,41 @@ def test_the_gpu_presets_pipeline_on_cpu_ranks_takes_cpu_sizes_and_a_timeout_fro
     rate = 1e13 if on_gpus else 1e10 / 4
     want = gpu_fit.launch_timeout(2, 2 * 12 * gpu_fit.train_step_flops(cfg), rate)
     assert seen["timeout"] == pytest.approx(want) and seen["timeout"] > gpu_fit.LAUNCH_START_S
+
+
+# ---- the sweep over stages: rows of several p in one table
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_the_stage_tables_formula_column_is_the_bubble_fraction(p):
+    rows = [row for m in (1, 4, 8) for row in pp.bubble_rows(ideal_results(p, m))]
+    for row in rows:
+        assert row["theory"] == pp.bubble_fraction(p, row["m"]) == (p - 1) / (row["m"] + p - 1)
+        assert row["bubble"] == pytest.approx(row["theory"])  # a perfect schedule's recorded timings
+    text = pp.stage_table(rows)
+    for m in (1, 4, 8):
+        assert f"{(p - 1) / (m + p - 1):.0%}" in text
+    assert "points off" in text and "+0" in text
+
+
+def test_the_stage_sweep_reuses_a_known_stage_count_and_launches_the_others(monkeypatch):
+    launched = []
+
+    def fake_run(cfg, stages, *, micro_batches, **kwargs):
+        launched.append((stages, tuple(micro_batches)))
+        return [row for m in micro_batches for row in pp.bubble_rows(ideal_results(stages, m))]
+
+    monkeypatch.setattr(pp, "run", fake_run)
+    known = [row for m in (1, 4, 8, 16) for row in pp.bubble_rows(ideal_results(2, m))]
+    rows = pp.stage_sweep(pp_config(PRESETS["tiny"]), (2, 4), micro_batches=(1, 4, 8), known=known)
+    assert launched == [(4, (1, 4, 8))]
+    assert [(r["p"], r["m"]) for r in rows] == [(2, 1), (2, 4), (2, 8), (4, 1), (4, 4), (4, 8)]
+
+
+def test_a_refused_row_in_the_stage_table_keeps_its_formula():
+    run = pp.ScheduleResult(schedule="1f1b", micro_batches=1, refused="Number of microbatches (1) must be greater",
+                            busy_s=[], span_s=[], events=[], peak_in_flight=0, saved_bytes=1, loss_diff=None)
+    results = [pp.PipelineResult(rank=s, world_size=4, backend="gloo", device="cpu", stage=s, runs=(run,))
+               for s in range(4)]
+    text = pp.stage_table(pp.bubble_rows(results))
+    assert "refused" in text and "75%" in text

@@ -170,3 +170,105 @@ def test_model_parallel_sizes_follow_the_ranks_device_and_the_link():
         6 * gpu_fit.gpt_params(big.vocab, big.d_model, big.layers, big.heads, big.seq_len) * big.micro_batch
         * big.seq_len / 1e12 + gpu_fit.tp_step_bytes(big) / rate))
     assert gpu_fit.launch_timeout(10, 1e9, 1e12) < t  # no link, less to wait for
+
+
+# ---- the degree sweep: rows built from recorded runs, then one live 4-rank run
+
+
+def _recorded_run(cfg, tp_degree, *, rate=None, nodes=1, step_s=0.5, comm_s=0.1, small_s=0.002, per_call=None):
+    """A launch as the ranks would hand it back: each rank's counted step (``per_call`` bytes per collective;
+    by default Megatron's 4 per block of the block's activations) and its times."""
+    if per_call is None:
+        per_call = [] if tp_degree == 1 else [cfg.micro_batch * cfg.seq_len * cfg.d_model * 4] * (4 * cfg.layers)
+    results = [tp.TensorParallelResult(rank=r, world_size=tp_degree, backend="gloo", device="cpu", params=1000,
+                                       config=cfg, runs=(tp.ModeResult("tp", [step_s] * 3, [comm_s] * 3, sum(per_call),
+                                                                       len(per_call)),),
+                                       max_abs_diff=0.0, loss_diff=0.0, layer_calls=[], layer_bytes=[], other_calls=0,
+                                       small_allreduce_s=[] if tp_degree == 1 else [small_s] * 5)
+               for r in range(tp_degree)]
+    link = "loopback" if rate is None else f"{rate / 1e6:g} MB/s"
+    return tp.TensorParallelRun(results, tp.mode_rows(results, nodes=nodes, link=link), nodes, link, rate)
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_a_degree_rows_bytes_and_calls_are_megatrons_exactly(degree):
+    row = tp.degree_row(_recorded_run(CFG, degree))
+    tokens = CFG.micro_batch * CFG.seq_len
+    want = 0 if degree == 1 else CFG.layers * 4 * tokens * CFG.d_model * 4  # 2 + 2 all-reduces of b·s·h fp32 per block
+    assert row["formula_bytes"] == want == row["bytes_per_step"] and row["tokens"] == tokens
+    assert row["formula_calls"] == row["calls_per_step"] == (0 if degree == 1 else 4 * CFG.layers)
+    assert row["wire_bytes"] == pytest.approx(want * (2 * (degree - 1) / degree))  # a ring's bytes over each link
+    assert row["predicted_comm_ms"] is None and row["predicted_share"] is None  # loopback: no rate to price
+    assert row["alpha_s"] == (None if degree == 1 else pytest.approx(0.002 / (2 * (degree - 1))))
+
+
+def test_separate_q_k_v_would_show_as_bytes_beside_the_formula_not_equal_to_it():
+    per_block = [CFG.micro_batch * CFG.seq_len * CFG.d_model * 4] * 6  # backward all-reduces q, k and v's inputs apart
+    row = tp.degree_row(_recorded_run(CFG, 2, per_call=per_block * CFG.layers))
+    assert row["bytes_per_step"] == 1.5 * row["formula_bytes"] and row["calls_per_step"] == 6 * CFG.layers
+
+
+def test_across_a_link_the_prediction_is_the_ring_at_the_links_rate_with_the_measured_alpha():
+    rate, small = 50e6, 0.006
+    row = tp.degree_row(_recorded_run(CFG, 4, rate=rate, nodes=2, step_s=0.5, comm_s=0.3, small_s=small))
+    alpha = small / (2 * 3)
+    one = 2 * 3 / 4 * CFG.micro_batch * CFG.seq_len * CFG.d_model * 4 / rate + 2 * 3 * alpha  # Patarasuk & Yuan
+    assert row["alpha_s"] == pytest.approx(alpha)
+    assert row["predicted_comm_ms"] == pytest.approx(4 * CFG.layers * one * 1e3)
+    compute_ms = 500 - 300
+    assert row["predicted_share"] == pytest.approx(row["predicted_comm_ms"] / (row["predicted_comm_ms"] + compute_ms))
+    assert tp.predicted_comm_seconds(CFG, 1, rate) == 0
+
+
+def test_the_degree_table_orders_loopback_first_and_prints_both_models():
+    rows = tp.degree_rows([_recorded_run(CFG, 4, rate=50e6, nodes=2), _recorded_run(CFG, 2), _recorded_run(CFG, 1)])
+    assert [(r["nodes"], r["tp"]) for r in rows] == [(1, 1), (1, 2), (2, 4)]
+    text = tp.degree_table(rows)
+    assert "2 nodes, 50 MB/s" in text and "α-β ms" in text and "Megatron" in text and "–" in text
+
+
+def test_the_sweep_reuses_known_runs_and_launches_only_the_rest(monkeypatch):
+    launched = []
+
+    def fake_run(cfg, degree, *, cluster=None, **kwargs):
+        launched.append((degree, cluster is not None))
+        return _recorded_run(cfg, degree, rate=None if cluster is None else 50e6, nodes=1 if cluster is None else 2)
+
+    class FakeCluster:
+        def __init__(self, nodes, link):
+            self.nodes, self.link = nodes, link
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(tp, "run", fake_run)
+    monkeypatch.setattr(tp, "Cluster", FakeCluster)
+    monkeypatch.setattr(tp, "unavailable", lambda: None)
+    known = [_recorded_run(CFG, 2), _recorded_run(CFG, 2, rate=50e6, nodes=2), None]
+    got = tp.degree_sweep(CFG, (1, 2, 4), 50e6, known=known, steps=1, warmup=0)
+    assert launched == [(1, False), (4, False), (4, True)] and got["unavailable"] is None
+    assert [(r["nodes"], r["tp"]) for r in got["rows"]] == [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4)]
+    launched.clear()
+    monkeypatch.setattr(tp, "unavailable", lambda: "needs root")
+    got = tp.degree_sweep(CFG, (1, 2), 50e6, steps=1, warmup=0)
+    assert launched == [(1, False), (2, False)] and "needs root" in got["unavailable"]
+    with pytest.raises(tp.TensorParallelError, match="divides the 4 heads"):
+        tp.degree_sweep(CFG, (1, 3))
+
+
+@pytest.mark.slow
+def test_four_rank_tp_inside_a_node_counts_megatrons_bytes_exactly():
+    """The sweep's live degree 4 at a tiny size: counts and bytes, not speed."""
+    got = tp.degree_sweep(CFG, (4,), steps=1, warmup=0)
+    (row,) = got["rows"]
+    (run,) = got["runs"]
+    assert row["tp"] == 4 and row["nodes"] == 1 and got["unavailable"] is None
+    assert row["bytes_per_step"] == row["formula_bytes"] == 4 * CFG.layers * CFG.micro_batch * CFG.seq_len * CFG.d_model * 4
+    assert row["calls_per_step"] == row["formula_calls"] == 4 * CFG.layers
+    for r in run.results:
+        assert r.max_abs_diff < 1e-5 and r.other_calls == 0 and len(r.small_allreduce_s) > 0
+        assert r.runs[0].bytes_per_step == row["formula_bytes"]  # every rank hands over the same bytes
+    assert row["alpha_s"] > 0 and row["predicted_comm_ms"] is None

@@ -291,7 +291,8 @@ class ModelParallelSizes:
         steps, warmup: timed and untimed steps per mode.
         pp_stages: pipeline ranks; ``pp_layers``: blocks of the pipeline's GPT (``gpt`` otherwise);
             ``pp_micro_batches``: the micro-batch counts of the bubble sweep; ``pp_micro_batch``:
-            sequences per micro-batch.
+            sequences per micro-batch; ``pp_stage_sweep``: the stage counts of the bubble's sweep over
+            depth (each at most ``pp_layers``: one block per stage at the most).
         recompute_batches: batches (sequences) of the recomputation sweep on ``gpt``.
     """
 
@@ -305,6 +306,7 @@ class ModelParallelSizes:
     pp_micro_batches: tuple[int, ...]
     pp_micro_batch: int
     recompute_batches: tuple[int, ...]
+    pp_stage_sweep: tuple[int, ...] = (2, 4)
 
 
 @dataclass(frozen=True, kw_only=True)

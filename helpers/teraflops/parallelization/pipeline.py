@@ -26,7 +26,8 @@ embeddings, the last the head and the loss), and each hand-over of activations o
 between ranks (gloo, ~1 ms on loopback) sits on the critical path. Activation memory per
 stage = the most micro-batches in flight (forward done, backward not yet; from those events) × the
 bytes autograd saves for one micro-batch on that stage (counted with ``saved_tensors_hooks``, each
-storage once). Units: seconds (ms in tables), bytes (MiB in tables), fractions.
+storage once). :func:`stage_sweep` and :func:`stage_table` put several stage counts in one table, the
+bubble measured beside the formula. Units: seconds (ms in tables), bytes (MiB in tables), fractions.
 """
 
 from __future__ import annotations
@@ -221,3 +222,32 @@ def plot_timeline(row: dict):
     ax.invert_yaxis()
     fig.tight_layout()
     return fig
+
+
+def stage_sweep(cfg: TrainConfig, stages=(2, 4), *, micro_batches=(1, 4, 8), known=(), **kwargs) -> list[dict]:
+    """:func:`run` at each stage count in ``stages`` (one launch each) over ``micro_batches``; rows of
+    :func:`bubble_rows` for every ``p``, by schedule, ``p`` and ``m``. Rows in ``known`` (an earlier
+    :func:`run`'s) stand for their ``p`` (those of ``micro_batches``), which is then not launched again.
+    Keywords go to :func:`run` (``schedules``, ``steps``, ``warmup``, ``timeout``)."""
+    rows = [r for r in known if r["m"] in micro_batches]
+    have = {r["p"] for r in rows}
+    for p in stages:
+        if p not in have:
+            rows += run(cfg, p, micro_batches=micro_batches, **kwargs)
+    order = {s: i for i, s in enumerate(SCHEDULES)}
+    return sorted(rows, key=lambda r: (order.get(r["schedule"], len(order)), r["p"], r["m"]))
+
+
+def stage_table(rows: list[dict]) -> str:
+    """Rows of several stage counts (:func:`stage_sweep`) as one table: per schedule, ``p`` and ``m``, the
+    measured bubble beside ``(p−1)/(m+p−1)`` (:func:`bubble_fraction`) and the difference in points, and
+    the step's span."""
+    out = []
+    for r in rows:
+        theory = bubble_fraction(r["p"], r["m"])
+        if r["refused"]:
+            out.append((r["schedule"], r["p"], r["m"], "refused", f"{theory:.0%}", "", "", r["refused"][:50]))
+            continue
+        out.append((r["schedule"], r["p"], r["m"], f"{r['bubble']:.0%}", f"{theory:.0%}",
+                    f"{(r['bubble'] - theory) * 100:+.0f}", r["step_ms"], ""))
+    return table(out, ["schedule", "p", "m", "bubble", "(p-1)/(m+p-1)", "points off", "step ms", "note"])

@@ -33,13 +33,21 @@ collectives split from the rest (compute). ``modes=("tp", "dp")`` also trains th
 parallel in the same launch (the global batch split over the ranks; gradients all-reduced in one
 flat buffer after the backward, not overlapped, so its communication is timed alone).
 
+:func:`degree_sweep` runs TP at several degrees inside one node and across two emulated nodes
+(``tp/2`` ranks per node) and sets each launch beside the models (:func:`degree_row`): the bytes
+counted against :func:`formula_per_step` (exact: ``4·L·b·s·h·4`` at any degree ≥ 2, 0 at 1; the
+payload does not shrink with the degree, what each rank's link carries grows as ``2(n−1)/n``), and
+on a shaped link the communication seconds against the alpha-beta model
+(:func:`predicted_comm_seconds`: the link's configured rate, and ``α`` measured in the same launch
+as one-float all-reduces, :func:`alpha_seconds`).
+
 Units: bytes (GB = 1e9; KiB/MiB in tables), seconds (ms in tables); shares are fractions of a step.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -47,7 +55,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from teraflops.errors import CourseError
 from teraflops.ceilings import measure_peak_flops
 from teraflops.gpu_fit import gpt_params, launch_timeout, link_config, rank_config, tp_step_bytes, train_step_flops
-from teraflops.comm_cost import FABRICS, ring_allreduce_seconds, scaled_rate
+from teraflops.comm_cost import FABRICS, bus_factor, ring_allreduce_seconds, scaled_rate
 from teraflops.launch import launcher
 from teraflops.launch.placement import place
 from teraflops.launch.rank import RankIdentity
@@ -180,7 +188,9 @@ class TensorParallelResult(RankIdentity):
     per mode), and, with ``"tp"``: ``max_abs_diff`` and ``loss_diff`` of the sharded model's logits
     and loss against the unsharded reference on the same batch, ``layer_calls`` and ``layer_bytes``
     (per block, ``"forward/all_reduce"``-style keys: calls and bytes ``CommDebugMode`` saw in that
-    block), ``other_calls`` (collectives outside the blocks)."""
+    block), ``other_calls`` (collectives outside the blocks); ``small_allreduce_s``: seconds of each
+    all-reduce of one float, each after a barrier (the latency a message pays whatever its size: the
+    ring's per-step ``α`` is it over ``2(n−1)``, :func:`alpha_seconds`; empty on one rank)."""
 
     params: int
     config: TrainConfig
@@ -190,17 +200,20 @@ class TensorParallelResult(RankIdentity):
     layer_calls: list[dict[str, int]]
     layer_bytes: list[dict[str, int]]
     other_calls: int
+    small_allreduce_s: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class TensorParallelRun:
     """What :func:`run` measured: ``results`` (by rank), ``rows`` (:func:`mode_rows`), ``nodes`` (1, or
-    the cluster's), ``link`` (its description, or ``"loopback"``). ``str()``: :func:`mode_table`."""
+    the cluster's), ``link`` (its description, or ``"loopback"``), ``rate`` (the link's bytes/s; None on
+    loopback). ``str()``: :func:`mode_table`."""
 
     results: list
     rows: list
     nodes: int
     link: str
+    rate: float | None = None
 
     def __str__(self) -> str:
         return mode_table(self.rows)
@@ -272,7 +285,7 @@ def run(cfg: TrainConfig, tp: int = 2, *, modes=("tp",), steps: int = 4, warmup:
                               desc=f"tensor parallel x{tp}: " + ", ".join(modes))
     nodes = 1 if cluster is None else cluster.nodes
     link = "loopback" if cluster is None else cluster.links[0].describe()
-    return TensorParallelRun(results, mode_rows(results, nodes=nodes, link=link), nodes, link)
+    return TensorParallelRun(results, mode_rows(results, nodes=nodes, link=link), nodes, link, rate)
 
 
 def layer_counts(result: TensorParallelResult) -> list[dict]:
@@ -327,16 +340,6 @@ def count_table(result: TensorParallelResult) -> str:
                          ", ".join(f"{n} {c}" for c, n in want[phase]["calls"].items()), fmt_bytes(nbytes[phase]),
                          fmt_bytes(want[phase]["bytes"]), nbytes[phase] / want[phase]["bytes"]))
     return table(rows, ["layer", "phase", "counted", "Megatron", "bytes counted", "formula", "ratio"])
-
-
-def degree_sweep(cfg: TrainConfig, degrees=(1, 2, 4), **kwargs) -> list[dict]:
-    """:func:`run` of ``cfg`` at each TP degree on one node (loopback); rows of :func:`mode_rows` with
-    ``max_abs_diff`` (logits against the reference) added. Keywords go to :func:`run`."""
-    rows = []
-    for tp in degrees:
-        got = run(cfg, tp, **kwargs)
-        rows += [{**row, "max_abs_diff": got.results[0].max_abs_diff} for row in got.rows]
-    return rows
 
 
 def link_comparison(cfg: TrainConfig, rate: float | None = None, *, steps: int = 3, warmup: int = 1,
@@ -415,3 +418,115 @@ def predict_tp_step(hidden: int, layers: int, tokens: int, tp: int, bandwidth: f
     one = ring_allreduce_seconds(tokens * hidden * dtype_bytes, tp, bandwidth, alpha)
     comm = 4 * layers * one
     return {"compute_s": compute, "comm_s": comm, "comm_share": comm / (compute + comm)}
+
+
+# ---- the degree sweep: TP 1, 2, 4 inside a node and across the link, bytes and seconds against the models
+
+
+def formula_per_step(cfg: TrainConfig, tp: int, dtype_bytes: int = 4) -> dict:
+    """What Megatron-LM TP of degree ``tp`` hands to its collectives in one step of ``cfg`` (every block,
+    both phases: :func:`megatron_per_layer` of ``micro_batch · seq_len`` tokens and ``d_model``):
+    ``{"bytes", "calls", "per_call": [bytes of each call]}``; nothing at ``tp = 1`` (one rank holds whole
+    matrices, no partial sums to add)."""
+    if tp == 1:
+        return {"bytes": 0, "calls": 0, "per_call": []}
+    per_call = []
+    for phase in megatron_per_layer(cfg.micro_batch * cfg.seq_len, cfg.d_model, dtype_bytes).values():
+        n = sum(phase["calls"].values())
+        per_call += [phase["bytes"] // n] * n
+    per_call *= cfg.layers
+    return {"bytes": sum(per_call), "calls": len(per_call), "per_call": per_call}
+
+
+def alpha_seconds(results: list) -> float | None:
+    """The ring's per-step latency ``α`` measured on these ranks and this link: the slowest rank's median
+    time of a one-float all-reduce (``small_allreduce_s``; its bytes take no time at any rate here) over
+    the ``2(n−1)`` steps of a ring (:func:`teraflops.comm_cost.ring_allreduce_seconds`). None on one rank."""
+    n = len(results)
+    if n < 2 or not all(r.small_allreduce_s for r in results):
+        return None
+    return max(statistics.median(r.small_allreduce_s) for r in results) / (2 * (n - 1))
+
+
+def predicted_comm_seconds(cfg: TrainConfig, tp: int, rate: float, alpha: float = 0.0) -> float:
+    """Seconds one TP step's all-reduces take by the alpha-beta model: each call of :func:`formula_per_step`
+    a ring all-reduce of its bytes over ``tp`` ranks at ``rate`` bytes/s per direction, ``α`` per ring
+    step (:func:`teraflops.comm_cost.ring_allreduce_seconds`), one after the other (each is the next
+    layer's input). 0 at ``tp = 1``."""
+    calls = formula_per_step(cfg, tp)["per_call"]
+    return sum(ring_allreduce_seconds(b, tp, rate, alpha) for b in calls)
+
+
+def degree_row(got: TensorParallelRun) -> dict:
+    """One row of the degree table from one launch's ``"tp"`` mode: :func:`mode_rows`' ``tp``, ``nodes``,
+    ``link``, ``step_ms``, ``comm_ms``, ``compute_ms``, ``comm_share``, ``bytes_per_step`` and
+    ``calls_per_step`` (counted by ``CommDebugMode``), and beside them ``tokens``, ``formula_bytes`` and
+    ``formula_calls`` (:func:`formula_per_step`), ``wire_bytes`` (what a ring all-reduce moves over each
+    rank's link: the bytes × ``2(n−1)/n``, nccl-tests' bus factor), ``alpha_s`` (:func:`alpha_seconds`),
+    ``rate`` and, on a shaped link, ``predicted_comm_ms`` (:func:`predicted_comm_seconds` at the link's
+    rate and the measured ``α``) and ``predicted_share`` (of the predicted communication plus the
+    measured compute); both None on loopback, which has no rate to price."""
+    row = {**next(r for r in got.rows if r["mode"] == "tp")}
+    cfg, tp = got.results[0].config, len(got.results)
+    want = formula_per_step(cfg, tp)
+    alpha = alpha_seconds(got.results)
+    row.update(tp=tp, rate=got.rate, tokens=cfg.micro_batch * cfg.seq_len, formula_bytes=want["bytes"],
+               formula_calls=want["calls"], alpha_s=alpha,
+               wire_bytes=row["bytes_per_step"] * bus_factor("all_reduce", tp) if tp > 1 else 0,
+               predicted_comm_ms=None, predicted_share=None)
+    if got.rate is not None:
+        predicted = predicted_comm_seconds(cfg, tp, got.rate, alpha or 0.0) * 1e3
+        row.update(predicted_comm_ms=predicted, predicted_share=predicted / (predicted + max(row["compute_ms"], 0.0)))
+    return row
+
+
+def degree_rows(runs) -> list[dict]:
+    """:func:`degree_row` of each launch, inside a node first, then by degree."""
+    return sorted((degree_row(g) for g in runs), key=lambda r: (r["nodes"], r["tp"]))
+
+
+def degree_table(rows: list[dict]) -> str:
+    """The degree sweep as a table: per degree and link, bytes all-reduced per step counted and by
+    Megatron's formula, calls, bytes over each rank's link, step and communication time measured
+    and by the alpha-beta model, and their shares of the step."""
+    def ms(v):
+        return "–" if v is None else f"{v:.3g}"
+
+    out = [(r["tp"], "loopback" if r["nodes"] == 1 else f"{r['nodes']} nodes, {r['rate'] / 1e6:.3g} MB/s",
+            fmt_bytes(r["bytes_per_step"]), fmt_bytes(r["formula_bytes"]), f"{r['calls_per_step']} / {r['formula_calls']}",
+            fmt_bytes(r["wire_bytes"]), r["step_ms"], r["comm_ms"], ms(r["predicted_comm_ms"]), f"{r['comm_share']:.0%}",
+            "–" if r["predicted_share"] is None else f"{r['predicted_share']:.0%}") for r in rows]
+    return table(out, ["TP", "link", "all-reduced/step", "Megatron", "calls / formula", "over each link", "step ms",
+                       "comm ms", "α-β ms", "comm share", "α-β share"])
+
+
+def degree_sweep(cfg: TrainConfig, degrees=(1, 2, 4), rate: float | None = None, *, known=(), steps: int = 3,
+                 warmup: int = 1, timeout: float | None = None) -> dict:
+    """Megatron TP of ``cfg`` at each degree inside one node (loopback) and, with ``rate``, each degree
+    >= 2 across two emulated nodes joined by links of ``rate`` bytes/s (one cluster for all of them:
+    ``tp/2`` ranks per node, so a ring of ``tp`` ranks crosses the link twice, once each way).
+
+    Args:
+        degrees: TP degrees (each divides the heads: :func:`check_degree`).
+        known: :class:`TensorParallelRun` s already made (e.g. :func:`link_comparison`'s ``inside`` and
+            ``across``); a degree and node count they cover is not launched again.
+        steps, warmup, timeout: per launch (:func:`run`).
+
+    Returns:
+        ``{"rows": degree_rows, "runs": [TensorParallelRun], "unavailable": None or one line}``; where
+        emulated nodes cannot be made here, the one-node rows only and ``unavailable`` says why.
+    """
+    for tp in degrees:
+        check_degree(cfg, tp)
+    runs = [g for g in known if g is not None]
+    have = {(len(g.results), g.nodes) for g in runs}
+    for tp in degrees:
+        if (tp, 1) not in have:
+            runs.append(run(cfg, tp, steps=steps, warmup=warmup, timeout=timeout))
+    across = [tp for tp in degrees if tp >= 2 and (tp, 2) not in have] if rate is not None else []
+    why = unavailable() if across else None
+    if across and why is None:
+        with Cluster(2, Link(rate=rate)) as cluster:
+            runs += [run(cfg, tp, steps=steps, warmup=warmup, cluster=cluster, timeout=timeout) for tp in across]
+    return {"rows": degree_rows(runs), "runs": runs,
+            "unavailable": None if why is None else f"emulated nodes unavailable here ({why}): the one-node rows only"}

@@ -21,7 +21,8 @@ turns step by step against drift in the load. Its communication is measured by *
 handed to its collectives, in its order, as many times as there were timed steps, each repeat after
 an untimed barrier. So a rank's wait for a slower one (the load of a shared machine, not the link)
 is not counted as communication, and nothing depends on when an asynchronous collective is waited
-for. Compute is the step time minus that. TP has no communication to overlap (each all-reduce's
+for. Compute is the step time minus that. Last, :func:`small_allreduces` times all-reduces of one
+float: the latency of the ranks and link, the ``α`` of the alpha-beta prediction. TP has no communication to overlap (each all-reduce's
 result is the next layer's input), so the split is the one a step really has; DP's all-reduce here
 follows the backward (DDP's bucket overlap could hide part of it; not used).
 """
@@ -44,6 +45,7 @@ from teraflops.parallelization.tensor_parallel import (ModeResult, TensorParalle
     shard_gpt)
 from teraflops.workers.common import build_model, flat_grads, make_data, rank_batch, set_grads, sync_device
 
+SMALL_REPEATS = 20  # one-float all-reduces timed for the latency (their median is read)
 # the collectives CommDebugMode counts: functional (native and Python) and c10d ops
 COLLECTIVES = set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | set(c10d_collective_ops)
 
@@ -100,6 +102,20 @@ def replay(sizes: list[int], repeats: int, device) -> list[float]:
         start = time.perf_counter()
         for buf in bufs:
             dist.all_reduce(buf)
+        sync_device(device)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def small_allreduces(repeats: int, device) -> list[float]:
+    """Seconds of each of ``repeats`` all-reduces of one float, each after an untimed barrier: the
+    latency a collective pays on these ranks and this link whatever its size (the ``α`` side of the
+    alpha-beta model; its 4 bytes take microseconds at any rate the course's links have)."""
+    buf, out = torch.zeros(1, device=device), []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buf)
         sync_device(device)
         out.append(time.perf_counter() - start)
     return out
@@ -252,9 +268,10 @@ def main(argv: list[str] | None = None) -> None:
             report_progress(i * len(runs) + j + 1, total)
     calls, nbytes, other = per_block(counted.records, cfg.layers) if counted else ([], [], 0)
     results = tuple(tp.result(counted) if m == "tp" else runs[m].result() for m in spec.modes)
+    small = small_allreduces(SMALL_REPEATS, w.device) if w.world_size > 1 else []
     write_result(TensorParallelResult(**w.identity(), params=build_model(cfg).num_params(), config=cfg,
                                       runs=results, max_abs_diff=diff, loss_diff=loss_diff, layer_calls=calls,
-                                      layer_bytes=nbytes, other_calls=other))
+                                      layer_bytes=nbytes, other_calls=other, small_allreduce_s=small))
     finish()
 
 
