@@ -214,6 +214,9 @@ def test_the_stage_sweep_reuses_a_known_stage_count_and_launches_the_others(monk
     rows = pp.stage_sweep(pp_config(PRESETS["tiny"]), (2, 4), micro_batches=(1, 4, 8), known=known)
     assert launched == [(4, (1, 4, 8))]
     assert [(r["p"], r["m"]) for r in rows] == [(2, 1), (2, 4), (2, 8), (4, 1), (4, 4), (4, 8)]
+    launched.clear()
+    rows = pp.stage_sweep(pp_config(PRESETS["tiny"]), (4,), micro_batches=(4,), known=known)  # p = 2 is not asked for
+    assert launched == [(4, (4,))] and {r["p"] for r in rows} == {4}
 
 
 def test_a_refused_row_in_the_stage_table_keeps_its_formula():

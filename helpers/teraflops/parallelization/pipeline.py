@@ -227,9 +227,9 @@ def plot_timeline(row: dict):
 def stage_sweep(cfg: TrainConfig, stages=(2, 4), *, micro_batches=(1, 4, 8), known=(), **kwargs) -> list[dict]:
     """:func:`run` at each stage count in ``stages`` (one launch each) over ``micro_batches``; rows of
     :func:`bubble_rows` for every ``p``, by schedule, ``p`` and ``m``. Rows in ``known`` (an earlier
-    :func:`run`'s) stand for their ``p`` (those of ``micro_batches``), which is then not launched again.
-    Keywords go to :func:`run` (``schedules``, ``steps``, ``warmup``, ``timeout``)."""
-    rows = [r for r in known if r["m"] in micro_batches]
+    :func:`run`'s) stand for their ``p`` if it is one of ``stages`` (those of ``micro_batches``), which is
+    then not launched again. Keywords go to :func:`run` (``schedules``, ``steps``, ``warmup``, ``timeout``)."""
+    rows = [r for r in known if r["m"] in micro_batches and r["p"] in stages]
     have = {r["p"] for r in rows}
     for p in stages:
         if p not in have:
