@@ -33,6 +33,15 @@ the download must fit under backward alone (about 4/6 of the math), and without 
 upload and CPU Adam sit on the critical path. Both grow with Ψ, so the ratio depends only on tokens per GPU, Nd
 and the two rates. Not modelled: CPU Adam time, GPU collectives, activations, gradient accumulation.
 
+**NVMe, for real** (:func:`run_nvme_offload`): ZeRO-Infinity's third tier run by DeepSpeed on this machine,
+the optimizer states and the parameters swapped to a folder on disk by its ``async_io`` op, next to the
+same run offloading to CPU memory. What DeepSpeed reads and writes per step is derived from its source in
+:func:`nvme_step_bytes` and measured from the rank's ``/proc/self/io`` (:func:`parse_proc_io`); the step time
+is set against those bytes over the disk's measured bandwidth (:func:`disk_bandwidth`). DeepSpeed's
+parameter swapper needs a pinned buffer per swapped parameter in flight: :func:`swap_buffers` sizes them
+from the model, so that "Not enough buffers" (a ``buffer_count`` below the parameters live at once)
+cannot happen.
+
 Units: bytes (GB = 1e9), seconds, bytes/s per direction, FLOP/s.
 """
 
@@ -40,7 +49,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from teraflops import ceilings
 from teraflops.datasheets import PUBLISHED_LINKS, NoDatasheetError, published_peak
@@ -48,7 +62,9 @@ from teraflops.errors import CourseError
 from teraflops.hardware.comm_budget import train_flops
 from teraflops.machine import detect
 from teraflops.parallelization.model_states import deepspeed_estimators, memory_capacities, model_states
-from teraflops.sizing import preset
+from teraflops.launch.launcher import launch
+from teraflops.launch.rank import RankIdentity
+from teraflops.sizing import TrainConfig, dp_config, preset
 from teraflops.tables import GB, fmt, fmt_bytes, table
 
 OFFLOAD_MODES = ("none", "optimizer", "params")
@@ -284,3 +300,435 @@ def deepspeed_offload_table(rows: list[dict]) -> str:
                   for r in rows],
                  ["stage", "offload", "DS GPU (GB)", "ours GPU (GB)", "ratio", "DS CPU/node (GB)", "ours CPU/node (GB)",
                   "ratio", "DeepSpeed computes"])
+
+
+# ---- NVMe, for real: DeepSpeed's swapping derived, sized and measured -----------------------------
+
+MIN_AIO_BYTES = 1 << 20
+"""DeepSpeed's smallest tensor it swaps (``MIN_AIO_BYTES`` in ``deepspeed/runtime/swap_tensor/utils.py``; the
+swappers use ``max(MIN_AIO_BYTES, aio block_size)``): a smaller parameter partition, gradient or optimizer
+sub-group stays in CPU memory (``swappable_tensor`` / ``is_swappable_tensor``)."""
+AIO_ALIGNED_BYTES = 1024
+"""DeepSpeed's I/O alignment (``AIO_ALIGNED_BYTES`` × the aio ``intra_op_parallelism``, 1 here): each swapped
+tensor is read and written rounded up to a multiple of it (``_io_aligned_numel``)."""
+AIO_BLOCK_SIZE = 1 << 20  # the aio config's block_size: DeepSpeed's default, which keeps min_aio_bytes at 1 MiB
+ADAM_STATES = 2  # torch AdamW's exp_avg and exp_avg_sq (its 'step' is a 0-d tensor: never swapped)
+OFFLOAD_DEVICES = ("nvme", "cpu")
+WORKER = "teraflops.workers.nvme_offload"
+
+
+def _numels(param_numels) -> list[int]:
+    numels = list(param_numels) if not isinstance(param_numels, (str, bytes)) else None
+    if not numels or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 for n in numels):
+        raise OffloadError(f"param_numels must be a non-empty list of integers >= 1, got {param_numels!r}. "
+                           "Hint: [p.numel() for p in model.parameters()]")
+    return [int(n) for n in numels]
+
+
+def _ceil_to(nbytes: int, align: int) -> int:
+    return -(-nbytes // align) * align
+
+
+def sub_groups(partitions: list[int], sub_group_size: int) -> list[list[int]]:
+    """DeepSpeed's optimizer sub-groups (``DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups``): all the
+    partitions in one group when ``sub_group_size`` covers them, else consecutive runs closed as soon as they
+    reach ``sub_group_size`` elements (the last one with what is left)."""
+    if sub_group_size >= sum(partitions):
+        return [list(partitions)]
+    groups, run = [], []
+    for i, n in enumerate(partitions):
+        run.append(n)
+        if sum(run) >= sub_group_size or i == len(partitions) - 1:
+            groups.append(run)
+            run = []
+    return groups
+
+
+@dataclass(frozen=True)
+class NvmeStepBytes:
+    """Bytes one rank reads from and writes to NVMe per training step (after the first), by what DeepSpeed
+    swaps (:func:`nvme_step_bytes`): ``parts`` maps ``"params"``, ``"grads"``, ``"optimizer"`` to (read, write);
+    ``swapped_params``/``kept_params``: parameter tensors whose partition is on NVMe / stays in CPU memory."""
+
+    read: int
+    write: int
+    parts: dict[str, tuple[int, int]]
+    swapped_params: int
+    kept_params: int
+
+
+def nvme_step_bytes(param_numels, nd: int = 1, *, param_bytes: int = 4, master_bytes: int = 4,
+                    states: int = ADAM_STATES, min_aio_bytes: int = MIN_AIO_BYTES, align: int = AIO_ALIGNED_BYTES,
+                    sub_group_size: int = 10**9) -> NvmeStepBytes:
+    """What ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on NVMe moves per step, one rank of ``nd``.
+
+    ZeRO-Infinity (Rajbhandari et al., SC 2021, arXiv:2104.07857, §5 "Bandwidth Requirements" and §6.1
+    "Infinity Offload Engine") keeps the parameters and the optimizer states on NVMe and counts per
+    iteration the parameters read for the forward and again for the backward, the gradients written, and
+    the fp32 states read and written by the CPU optimizer step. DeepSpeed 0.19.8 does, per parameter
+    partition (each parameter padded to ``nd`` equal partitions, ``ceil(numel / nd)`` elements):
+
+    * **params** (``partitioned_param_swapper.py``, ``AsyncPartitionedParameterSwapper``): ``swap_in`` when a
+      module's forward and again its backward fetch it (``partition_parameters.py``, ``_ensure_availability_of_partitioned_params``;
+      a released partition is dropped, not written: it "exists in nvme"), and one write of the updated
+      values after the step (``swap_out_partitioned_params``, from ``stage3.py``
+      ``_partitioned_params_swap_out``): read 2 × P, write 1 × P, P = ``param_bytes`` × partition.
+    * **grads** (``optimizer_utils.py``, ``_swap_out_gradients``): each parameter's fp32 gradient partition,
+      its whole multiples of ``align`` bytes (``_adjust_for_misaligned_lengths``), written at the end of the
+      backward and read back for the step (``partitioned_optimizer_swapper.py``, ``_swap_in_gradients``).
+    * **optimizer** (``swap_in_optimizer_state`` / ``swap_out_optimizer_state``): per optimizer sub-group
+      (:func:`sub_groups`), the fp32 master partition and the optimizer's ``states`` tensors of the same
+      size, read before the sub-group's step and written after it; the gradients are not written back.
+
+    Two rules of DeepSpeed make the bytes differ from Ψ × bytes per element: a tensor smaller than
+    ``min_aio_bytes`` (:data:`MIN_AIO_BYTES`) is never swapped but kept in CPU memory, and every swapped
+    tensor moves rounded up to ``align`` bytes (:data:`AIO_ALIGNED_BYTES`). ``min_aio_bytes=0, align=1``
+    gives the paper's count, every byte of every tensor: read ``(2·param_bytes + 4 + 12)Ψ/Nd``, write
+    ``(param_bytes + 4 + 12)Ψ/Nd`` with mixed-precision Adam.
+
+    Raises:
+        OffloadError: ``param_numels`` not integers >= 1, or ``nd``, ``param_bytes``, ``master_bytes``, ``align``,
+            ``sub_group_size`` not integers >= 1, or ``states``, ``min_aio_bytes`` not integers >= 0.
+    """
+    numels = _numels(param_numels)
+    for name, x in (("nd", nd), ("param_bytes", param_bytes), ("master_bytes", master_bytes), ("align", align),
+                    ("sub_group_size", sub_group_size)):
+        _integer(name, x, "see nvme_step_bytes's docstring")
+    for name, x in (("states", states), ("min_aio_bytes", min_aio_bytes)):
+        _integer(name, x, "see nvme_step_bytes's docstring", low=0)
+    parts = [-(-n // nd) for n in numels]
+    swapped = [k for k in parts if k * param_bytes >= min_aio_bytes]
+    p = sum(_ceil_to(k * param_bytes, align) for k in swapped)
+    g = o = 0
+    for group in sub_groups(parts, sub_group_size):
+        if sum(group) * master_bytes < min_aio_bytes:
+            continue  # the whole sub-group stays in CPU memory, its gradients too
+        o += (1 + states) * _ceil_to(sum(group) * master_bytes, align)
+        g += sum(b for b in (k * master_bytes // align * align for k in group) if b >= min_aio_bytes)
+    return NvmeStepBytes(read=2 * p + g + o, write=p + g + o, parts={"params": (2 * p, p), "grads": (g, g),
+                         "optimizer": (o, o)}, swapped_params=len(swapped), kept_params=len(parts) - len(swapped))
+
+
+@dataclass(frozen=True)
+class SwapBuffers:
+    """``offload_param``'s ``buffer_count`` and ``buffer_size`` (elements of the parameters' dtype)."""
+
+    buffer_count: int
+    buffer_size: int
+
+
+def swap_buffers(param_numels, nd: int = 1, *, param_bytes: int = 4, min_aio_bytes: int = MIN_AIO_BYTES,
+                 align: int = AIO_ALIGNED_BYTES) -> SwapBuffers:
+    """Pinned parameter buffers that cannot run out: one per swapped parameter, each the largest swapped partition.
+
+    DeepSpeed's parameter swapper owns ``buffer_count`` pinned buffers of ``buffer_size`` elements; every
+    parameter partition read from NVMe takes one until it is released, and a fetch that finds too few
+    raises "Not enough buffers" (``AsyncPartitionedParameterSwapper.swap_in``; DeepSpeed issue #3062: a model
+    with more layers than ``buffer_count``, at step 2, when the step's writes and the next forward's reads
+    overlap). Which parameters are live at once depends on prefetching, reuse distance and the step; the
+    count of swapped parameters bounds them all, so ``buffer_count`` is that and ``buffer_size`` the largest
+    swapped partition (elements, rounded up to ``align`` bytes). The pinned memory this takes is at most
+    count × largest; a large model would instead size the count to a layer's parameters plus prefetch.
+    """
+    numels = _numels(param_numels)
+    parts = [-(-n // _integer("nd", nd, "data-parallel ranks")) for n in numels]
+    swapped = [k for k in parts if k * param_bytes >= min_aio_bytes]
+    largest = max(swapped, default=max(parts))
+    return SwapBuffers(max(1, len(swapped)), _ceil_to(largest * param_bytes, align) // param_bytes)
+
+
+def buffers_short(buffers: SwapBuffers, param_numels, nd: int = 1, *, param_bytes: int = 4,
+                  min_aio_bytes: int = MIN_AIO_BYTES) -> str | None:
+    """Why ``buffers`` could run out for this model (one line), None if :func:`swap_buffers` would accept them."""
+    need = swap_buffers(param_numels, nd, param_bytes=param_bytes, min_aio_bytes=min_aio_bytes)
+    if buffers.buffer_size < need.buffer_size:
+        return (f"buffer_size {buffers.buffer_size} < the largest swapped partition, {need.buffer_size} elements: "
+                f"DeepSpeed asserts 'More elements than buffer size'")
+    if buffers.buffer_count < need.buffer_count:
+        return (f"buffer_count {buffers.buffer_count} < {need.buffer_count} swapped parameters: a step that has "
+                f"them all in flight raises 'Not enough buffers' (DeepSpeed #3062)")
+    return None
+
+
+def offload_config(device: str, micro_batch: int, nvme_path: str | None, buffers: SwapBuffers | None,
+                   *, states: int = ADAM_STATES) -> dict:
+    """DeepSpeed config (https://www.deepspeed.ai/docs/config-json/) of a fp32 ZeRO-3 run with the parameters
+    and the optimizer offloaded to ``device`` (``"nvme"``: swapped to files in ``nvme_path``, parameter
+    ``buffers`` from :func:`swap_buffers`; ``"cpu"``: kept in CPU memory). Every parameter is partitioned and
+    released after use, nothing prefetched (so each is fetched once for the forward and once for the backward),
+    the optimizer's swapping not pipelined (its reads and writes sit in the step), torch's AdamW kept
+    (``zero_force_ds_cpu_optimizer`` off: no ``cpu_adam`` op to compile)."""
+    if device not in OFFLOAD_DEVICES:
+        raise OffloadError(f"device must be one of {OFFLOAD_DEVICES}, got {device!r}. Hint: 'nvme' is ZeRO-Infinity's disk tier")
+    param, opt = {"device": device}, {"device": device}
+    if device == "nvme":
+        if not nvme_path or buffers is None:
+            raise OffloadError("device 'nvme' needs nvme_path and buffers. Hint: swap_buffers(param_numels)")
+        param.update(nvme_path=nvme_path, buffer_count=buffers.buffer_count, buffer_size=buffers.buffer_size)
+        # the swap-in of a sub-group takes its master, its states and its gradient at once
+        opt.update(nvme_path=nvme_path, buffer_count=states + 2, pipeline_read=False, pipeline_write=False)
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "aio": {"block_size": AIO_BLOCK_SIZE, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                "overlap_events": True},
+        "zero_optimization": {
+            "stage": 3, "offload_param": param, "offload_optimizer": opt,
+            "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
+            "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
+        },
+    }
+
+
+def parse_proc_io(text: str) -> dict[str, int]:
+    """``/proc/<pid>/io`` as ``{field: int}`` (``rchar``, ``wchar``, ``syscr``, ``syscw``, ``read_bytes``,
+    ``write_bytes``, ``cancelled_write_bytes``). ``read_bytes``/``write_bytes`` count what the process made
+    the block layer fetch and send (proc(5)): DeepSpeed's ``O_DIRECT`` reads and writes land there, page-cache
+    hits do not; ``rchar``/``wchar`` count ``read``/``write`` calls, which libaio's ``io_submit`` is not.
+
+    Raises:
+        OffloadError: a line that is not ``name: integer``, or no ``read_bytes``/``write_bytes``.
+    """
+    out = {}
+    for line in filter(str.strip, text.splitlines()):
+        name, _, value = line.partition(":")
+        if not value.strip().isdigit():
+            raise OffloadError(f"not a /proc/<pid>/io line: {line!r}. Hint: the file has 'name: integer' lines")
+        out[name.strip()] = int(value)
+    if not {"read_bytes", "write_bytes"} <= out.keys():
+        raise OffloadError("no read_bytes/write_bytes in /proc/<pid>/io: the kernel lacks task I/O accounting "
+                           "(CONFIG_TASK_IO_ACCOUNTING). Hint: a stock Linux kernel has it")
+    return out
+
+
+def proc_io(pid: int | str = "self") -> dict[str, int]:
+    """:func:`parse_proc_io` of ``/proc/<pid>/io`` now (the whole process: all its threads, live and ended)."""
+    return parse_proc_io(Path(f"/proc/{pid}/io").read_text())
+
+
+def io_delta(before: dict[str, int], after: dict[str, int]) -> tuple[int, int]:
+    """``(read_bytes, write_bytes)`` between two :func:`proc_io` readings."""
+    return after["read_bytes"] - before["read_bytes"], after["write_bytes"] - before["write_bytes"]
+
+
+@dataclass(frozen=True)
+class DiskBandwidth:
+    """Sequential ``O_DIRECT`` bandwidth of the disk under ``folder`` (bytes/s), one pass of ``nbytes`` each way
+    in ``block``-byte requests, and the process's ``/proc/self/io`` bytes over each pass (a check that the
+    kernel accounts direct I/O: they should equal ``nbytes``)."""
+
+    folder: str
+    nbytes: int
+    block: int
+    write: float
+    read: float
+    accounted_write: int
+    accounted_read: int
+
+
+def disk_bandwidth(folder, nbytes: int = 64 << 20, block: int = 1 << 20) -> DiskBandwidth:
+    """Write ``nbytes`` to a file in ``folder`` and read it back, both ``O_DIRECT`` (no page cache, as
+    DeepSpeed's ``async_io`` opens its swap files: ``csrc/aio/common/deepspeed_aio_utils.cpp``), one request
+    of ``block`` bytes at a time from a page-aligned buffer; the write is timed up to its ``fsync``. One
+    synchronous request in flight is a floor: DeepSpeed keeps ``queue_depth`` (8) in flight.
+
+    Raises:
+        OffloadError: ``nbytes``/``block`` not positive multiples of 4096 with ``block`` <= ``nbytes``;
+            OSError: the filesystem refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some overlay setups).
+    """
+    import mmap
+
+    for name, x in (("nbytes", nbytes), ("block", block)):
+        if _integer(name, x, "bytes, a multiple of 4096 (O_DIRECT's alignment)") % 4096:
+            raise OffloadError(f"{name} must be a multiple of 4096, got {x}. Hint: 64 << 20 is 64 MiB")
+    if block > nbytes:
+        raise OffloadError(f"block ({block}) must be at most nbytes ({nbytes}). Hint: block=1 << 20")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f".bandwidth-{os.getpid()}.bin"
+    buf = mmap.mmap(-1, block)  # anonymous maps are page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(block))
+    try:
+        fd, io0, start = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT), proc_io(), time.perf_counter()
+        try:
+            for offset in range(0, nbytes, block):
+                os.pwritev(fd, [buf], offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        write_s, io1 = time.perf_counter() - start, proc_io()
+        fd, start = os.open(path, os.O_RDONLY | os.O_DIRECT), time.perf_counter()
+        try:
+            for offset in range(0, nbytes, block):
+                os.preadv(fd, [buf], offset)
+        finally:
+            os.close(fd)
+        read_s, io2 = time.perf_counter() - start, proc_io()
+    finally:
+        path.unlink(missing_ok=True)
+        buf.close()
+    return DiskBandwidth(str(folder), nbytes, block, nbytes / write_s, nbytes / read_s,
+                         io_delta(io0, io1)[1], io_delta(io1, io2)[0])
+
+
+def nvme_folder() -> Path:
+    """Where the swap files go: ``$TERAFLOPS_NVME`` (on a GPU box, a folder on its NVMe drive), else
+    ``nvme/`` under :func:`teraflops.caches.cache_dir` (this machine's disk)."""
+    from teraflops.caches import cache_dir
+
+    return Path(os.environ.get("TERAFLOPS_NVME") or cache_dir() / "nvme")
+
+
+@dataclass(frozen=True)
+class OffloadPass:
+    """One offload setting :mod:`teraflops.workers.nvme_offload` runs: ``device`` and its DeepSpeed ``config``."""
+
+    device: str
+    config: dict[str, object]
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    """What :mod:`teraflops.workers.nvme_offload` runs: ``model`` trained ``steps`` steps under each pass in
+    turn (the same seed and batches), ``timeout_s`` seconds a collective may wait."""
+
+    model: TrainConfig
+    steps: int
+    passes: tuple[OffloadPass, ...]
+    timeout_s: float = 120
+
+
+@dataclass(frozen=True)
+class OffloadPassResult:
+    """One pass on one rank: per step, ``read_bytes``/``write_bytes`` (``/proc/self/io`` around it),
+    ``step_s`` and ``losses``; ``param_numels`` (the model's, in order), ``nvme_params`` (parameters DeepSpeed
+    placed on NVMe), ``swap_file_bytes`` (the swap folder's files after the last step)."""
+
+    device: str
+    read_bytes: list[int]
+    write_bytes: list[int]
+    step_s: list[float]
+    losses: list[float]
+    param_numels: list[int]
+    nvme_params: int
+    swap_file_bytes: int
+
+
+@dataclass(frozen=True)
+class OffloadResult(RankIdentity):
+    """One rank's passes, in the spec's order."""
+
+    passes: tuple[OffloadPassResult, ...]
+
+
+@dataclass(frozen=True)
+class OffloadRun:
+    """One pass of :func:`run_nvme_offload`, rank 0's, steps after the first: ``read``/``write`` bytes per
+    step (mean), ``step_s`` (median), the ``model`` (:func:`nvme_step_bytes`; DeepSpeed's rules) and
+    ``paper`` (every byte of every tensor), the ``disk`` bandwidth, ``buffers`` used; ``result`` as returned."""
+
+    device: str
+    nd: int
+    read: float
+    write: float
+    step_s: float
+    model: NvmeStepBytes
+    paper: NvmeStepBytes
+    disk: DiskBandwidth
+    buffers: SwapBuffers
+    result: OffloadPassResult = field(repr=False)
+
+    @property
+    def io_floor_s(self) -> float:
+        """Seconds the measured bytes take at the disk's measured bandwidth, reads and writes in turn."""
+        return self.read / self.disk.read + self.write / self.disk.write
+
+
+def gpt_numels(cfg: TrainConfig) -> list[int]:
+    """Elements of each parameter of ``cfg``'s :class:`teraflops.models.GPT`, in ``parameters()`` order (built on
+    the meta device: no memory)."""
+    import torch
+
+    from teraflops.models import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len)
+    return [p.numel() for p in model.parameters()]
+
+
+def nvme_spec(cfg: TrainConfig, steps: int, folder: Path, devices=OFFLOAD_DEVICES, nd: int = 1) -> OffloadSpec:
+    """The :class:`OffloadSpec` of ``cfg`` on ``nd`` ranks: one pass per ``devices``, NVMe swap files in
+    ``folder``, parameter buffers from :func:`swap_buffers`."""
+    buffers = swap_buffers(gpt_numels(cfg), nd)
+    return OffloadSpec(cfg, steps, tuple(OffloadPass(d, offload_config(d, cfg.micro_batch, str(folder), buffers))
+                                         for d in devices))
+
+
+def run_nvme_offload(cfg: TrainConfig | None = None, steps: int | None = None, devices=OFFLOAD_DEVICES,
+                     folder=None, timeout: float = 900) -> list[OffloadRun]:
+    """Train the course GPT (default :func:`teraflops.sizing.dp_config` of the preset: Unit 2 §3's and Unit 5 §2's
+    model) under ZeRO-3 with parameters and optimizer offloaded to each of ``devices`` in turn, one rank
+    started by the DeepSpeed launcher, and measure it (the module docstring).
+
+    ``steps`` (default the preset's ``zero.steps``, at least 3: the first is warm-up and creates the optimizer
+    states); ``folder`` for the swap files (default :func:`nvme_folder`; a fresh subfolder, removed after).
+    Builds DeepSpeed's ``async_io`` op first (:func:`teraflops.launch.ops.prepare_aio_op`, once per machine)
+    and measures the disk's bandwidth in the same folder.
+
+    Raises:
+        AioUnavailable: no libaio (one line with the fix). OpBuildFailed: the op did not compile.
+        LaunchFailed: the run failed or passed ``timeout`` s.
+    """
+    from teraflops.launch.ops import prepare_aio_op
+
+    p = preset()
+    cfg = cfg or dp_config(p)
+    steps = max(3, steps or p.zero.steps)
+    prepare_aio_op()
+    root = Path(folder or nvme_folder())
+    run_dir = root / f"run-{os.getpid()}-{time.time_ns()}"
+    run_dir.mkdir(parents=True)
+    try:
+        disk = disk_bandwidth(run_dir)
+        spec = nvme_spec(cfg, steps, run_dir, devices)
+        ranks = launch(WORKER, 1, spec=spec, result=OffloadResult, launcher="deepspeed", timeout=timeout,
+                       desc="ZeRO-3 offload to " + " and ".join(devices))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return [_summary(r, disk, ranks[0].world_size) for r in ranks[0].passes]
+
+
+def _summary(r: OffloadPassResult, disk: DiskBandwidth, nd: int) -> OffloadRun:
+    later = slice(1, None)  # the first step creates the optimizer states and writes them the first time
+    model = nvme_step_bytes(r.param_numels, nd)
+    return OffloadRun(r.device, nd, statistics.fmean(r.read_bytes[later]), statistics.fmean(r.write_bytes[later]),
+                      statistics.median(r.step_s[later]), model,
+                      nvme_step_bytes(r.param_numels, nd, min_aio_bytes=0, align=1), disk,
+                      swap_buffers(r.param_numels, nd), r)
+
+
+def _ratio(measured: float, model: float) -> str:
+    return f"{measured / model:.3f}" if model else ("-" if measured == 0 else "inf")
+
+
+def offload_run_table(runs: list[OffloadRun]) -> str:
+    """:func:`run_nvme_offload`'s passes as a table (MB = 1e6 bytes per step): measured against DeepSpeed's
+    rules (:func:`nvme_step_bytes`) and the paper's count, the step time against the I/O floor (the measured
+    bytes at the disk's measured bandwidth), under a line with the disk's bandwidth. The CPU pass's model is
+    0: nothing goes to disk."""
+    if not runs:
+        raise OffloadError("offload_run_table got no runs. Hint: offload_run_table(run_nvme_offload())")
+    d, MB = runs[0].disk, 1e6
+    head = (f"# disk {d.folder}: O_DIRECT sequential write {d.write / MB:.0f} MB/s, read {d.read / MB:.0f} MB/s "
+            f"({d.nbytes >> 20} MiB in {d.block >> 20} MiB requests)")
+    rows = []
+    for r in runs:
+        model = r.model if r.device == "nvme" else NvmeStepBytes(0, 0, {}, 0, 0)
+        rows.append((r.device, r.read / MB, model.read / MB, _ratio(r.read, model.read), r.write / MB,
+                     model.write / MB, _ratio(r.write, model.write),
+                     (r.paper.read if r.device == "nvme" else 0) / MB, r.step_s, r.io_floor_s))
+    return head + "\n" + table(rows, ["offload", "read/step (MB)", "model", "ratio", "write/step (MB)", "model",
+                                      "ratio", "paper read (MB)", "step (s)", "I/O floor (s)"])
