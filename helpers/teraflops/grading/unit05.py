@@ -472,9 +472,8 @@ def _ring_sums_right(results, n: int) -> None:
     wrong = [i for i, case in enumerate(results[0].cases) if any(r.cases[i].wrong for r in results)]
     if wrong:
         i = max(wrong, key=lambda j: results[0].cases[j].elements)
-        bad = [r.cases[i] for r in results if r.cases[i].wrong]
-        if bad:
-            _ring_wrong_pattern(results, n, results[0].cases[i], bad)
+        bad = [r.cases[i] for r in results if r.cases[i].wrong]  # not empty: some rank got size i wrong
+        _ring_wrong_pattern(results, n, results[0].cases[i], bad)
 
 
 def _ring_wrong_pattern(results, n: int, case, bad: list) -> None:
