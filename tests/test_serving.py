@@ -135,6 +135,24 @@ def test_closed_loop_clients_fill_the_batch_and_batch_one_serves_one_over_latenc
         batching.simulate_clients(lat, 0, 16, 0.0)
 
 
+def test_the_overhead_per_execution_is_a_busy_unbatched_servers_time_beyond_the_models():
+    lat = BatchLatency((1, 2, 4), (0.020, 0.022, 0.026))
+    single = LoadPoint("decode_single", 16, None, 40.0, 320, 400, 400, 400, 0, 0, 0, 1.0, 1, 1)
+    assert loadgen.execution_overhead(single, lat) == pytest.approx(1 / 40 - 0.020)  # 25 ms per execution, 20 of work
+    faster = LoadPoint("decode_single", 16, None, 55.0, 440, 300, 300, 300, 0, 0, 0, 1.0, 1, 1)
+    assert loadgen.execution_overhead(faster, lat) == 0.0  # noise read faster than the model: no negative cost
+    with_it = lat.plus(loadgen.execution_overhead(single, lat))
+    assert with_it.seconds == pytest.approx((0.025, 0.027, 0.031)) and "per call" in with_it.label
+    # with the overhead the model predicts the busy unbatched server it was calibrated on
+    assert batching.simulate_clients(with_it, 16, 1, 0.0, 5.0).throughput_rps == pytest.approx(40, rel=0.02)
+    for wrong in (_point(16, 240, 80), LoadPoint("decode_single", 1, None, 40.0, 320, 25, 25, 25, 0, 0, 0, 1.0, 1, 1),
+                  LoadPoint("decode_single", None, 40.0, 39.0, 312, 25, 25, 25, 0, 0, 0, 1.0, 1, 1)):
+        with pytest.raises(serving.ServingError, match="needs a closed-loop point of decode_single with >= 2"):
+            loadgen.execution_overhead(wrong, lat)
+    with pytest.raises(batching.BatchingError, match="overhead_s must be seconds"):
+        lat.plus(-0.001)
+
+
 # ----------------------------------------------------------------------------------------- real servers
 
 def _members(folder) -> list[psutil.Process]:

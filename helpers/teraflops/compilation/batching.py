@@ -107,6 +107,14 @@ class BatchLatency:
         (b0, t0), (b1, t1) = (self.batch_sizes[i - 1], self.seconds[i - 1]), (self.batch_sizes[i], self.seconds[i])
         return t0 + (t1 - t0) * (b - b0) / (b1 - b0)
 
+    def plus(self, overhead_s: float, what: str = "per call") -> "BatchLatency":
+        """The same latencies with ``overhead_s`` seconds (>= 0) added to every call: a server's fixed cost
+        per execution (request handling, the hand-off to the model's process) on top of the model's work."""
+        if isinstance(overhead_s, bool) or not isinstance(overhead_s, (int, float)) or not 0 <= overhead_s < 60:
+            raise BatchingError(f"overhead_s must be seconds in [0, 60); got {overhead_s!r}")
+        return BatchLatency(self.batch_sizes, tuple(t + overhead_s for t in self.seconds), self.spread,
+                            f"{self.label} + {format_seconds(overhead_s)} {what}".strip(" +"))
+
     def rows(self) -> list[tuple]:
         """``(batch, seconds per call, requests/s at that batch, seconds per request)`` per measured size."""
         return [(b, t, b / t, t / b) for b, t in zip(self.batch_sizes, self.seconds)]

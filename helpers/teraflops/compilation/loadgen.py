@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from teraflops.compilation.serving import ServingError
+from teraflops.compilation.serving import SINGLE, ServingError
 from teraflops.tables import table
 
 FIX = 'pip install -e ".[serving]" (its tritonclient[all]==2.51.0 ships perf_analyzer) and apt-get install libb64-0d'
@@ -209,6 +209,28 @@ def knee(points: list[LoadPoint], slack: float = 0.1) -> LoadPoint:
         raise ServingError("knee() needs measured points")
     best = max(p.throughput_rps for p in points)
     return min((p for p in points if p.throughput_rps >= (1 - slack) * best), key=lambda p: p.p99_ms)
+
+
+def execution_overhead(point: LoadPoint, latency) -> float:
+    """Seconds the server adds to each execution beyond the model's own work, from one closed-loop point of
+    the model served without batching (``decode_single``, ``concurrency >= 2``).
+
+    With two or more clients in a closed loop the server is never idle and runs one request per execution,
+    so each execution lasts ``1 / throughput``; the model's work in it is ``latency(1)``, timed inside the
+    server process (:attr:`teraflops.compilation.serving.Server.latency`). The difference is what Triton
+    spends per execution around the model: reading the request, handing it to the Python backend's
+    process over shared memory and back, writing the response. Clamped at 0 (a noisy point can read
+    faster than the in-process time). Calibrated on this one point, it is then a fixed cost per
+    execution in the queueing model (:meth:`~teraflops.compilation.batching.BatchLatency.plus`).
+
+    Raises:
+        ServingError: the point is not a closed loop of ``decode_single`` with at least 2 clients.
+    """
+    if point.model != SINGLE or point.concurrency is None or point.concurrency < 2 or not point.throughput_rps > 0:
+        raise ServingError(f"execution_overhead() needs a closed-loop point of {SINGLE} with >= 2 clients and a "
+                           f"throughput; got {point.model} at concurrency {point.concurrency}, "
+                           f"{point.throughput_rps} req/s. Hint: loadgen.sweep(server, serving.SINGLE, concurrencies=(16,))")
+    return max(0.0, 1.0 / point.throughput_rps - latency(1))
 
 
 def rate_knee(points: list[LoadPoint], keep_up: float = 0.9) -> LoadPoint | None:

@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,22 +66,10 @@ def why_not() -> str:
     return ""
 
 
-@contextlib.contextmanager
 def _quiet():
     """The exporter and the quantizer log at WARNING for things that do not concern this model
     (torchvision ops it skips registering, a suggestion to pre-process): silence them here."""
-    names = ("torch.onnx", "torch.onnx._internal.exporter._registration", "root", "onnxscript")
-    logs = [logging.getLogger(n if n != "root" else None) for n in names]
-    levels = [log.level for log in logs]
-    for log in logs:
-        log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for log, level in zip(logs, levels):
-            log.setLevel(level)
+    return quantization.quiet_logs("torch.onnx", "torch.onnx._internal.exporter._registration", "root", "onnxscript")
 
 
 def export(model: nn.Module, tokens: torch.Tensor, path) -> Path:

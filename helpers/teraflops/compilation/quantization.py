@@ -36,6 +36,7 @@ fp32 embeddings are a fifth of its weights.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -177,19 +178,28 @@ class Int8Embedding(nn.Module):
 
 # --- whole models ---------------------------------------------------------------------------------
 
-def _import_torchao():
-    """Import torchao quietly (its CUDA-only extensions log 'Failed to load' on a CPU machine)."""
-    logs = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+@contextlib.contextmanager
+def quiet_logs(*names: str):
+    """Loggers ``names`` (``"root"``: the root logger) at ERROR and Python warnings ignored inside the block,
+    as they were afterwards: the libraries this unit drives (torchao, the ONNX exporter and quantizer) log
+    at WARNING about things that do not concern the course's model."""
+    logs = [logging.getLogger(n if n != "root" else None) for n in names]
     levels = [log.level for log in logs]
     for log in logs:
         log.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import torchao.quantization as tq
+            yield
     finally:
         for log, level in zip(logs, levels):
             log.setLevel(level)
+
+
+def _import_torchao():
+    """Import torchao quietly (its CUDA-only extensions log 'Failed to load' on a CPU machine)."""
+    with quiet_logs("torchao", "torch.utils._pytree"):
+        import torchao.quantization as tq
     return tq
 
 
