@@ -73,6 +73,27 @@ _INTERPRETER_BLOCK_M = 128
 _INTERPRETER_BLOCK_N = 64
 
 
+# --- tile loads and stores, shared by every kernel below --------------------------------------
+#
+# Each kernel reads and writes tiles of one head's (N_CTX, HEAD_DIM) matrices, and the last tile of
+# a sequence whose length is not a multiple of the tile size runs past its end. These helpers hold
+# that end-of-sequence mask once. Triton inlines a @triton.jit function called from a kernel, so
+# they cost nothing at run time (and the interpreter runs them as ordinary Python).
+
+@triton.jit
+def load_rows(ptr, rows, offs_d, stride_n, stride_d, N_CTX):
+    """The tile ``ptr[rows, :]`` of one head's (N_CTX, HEAD_DIM) matrix; rows at or past ``N_CTX`` read as 0."""
+    return tl.load(ptr + rows[:, None] * stride_n + offs_d[None, :] * stride_d,
+                   mask=rows[:, None] < N_CTX, other=0.0)
+
+
+@triton.jit
+def store_rows(ptr, rows, offs_d, stride_n, stride_d, N_CTX, tile):
+    """Write ``tile`` to ``ptr[rows, :]`` in the pointer's dtype; rows at or past ``N_CTX`` are skipped."""
+    tl.store(ptr + rows[:, None] * stride_n + offs_d[None, :] * stride_d,
+             tile.to(ptr.dtype.element_ty), mask=rows[:, None] < N_CTX)
+
+
 @triton.jit
 def flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
                      stride_kn, stride_kd, stride_vn, stride_vd,
@@ -147,44 +168,36 @@ def _flash_fwd_kernel(Q, K, V, O, LSE, sm_scale,
     row_ok = offs_m < N_CTX
 
     # the query tile: loaded once, kept on chip for the whole loop
-    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None], other=0.0)
+    q = load_rows(q_base, offs_m, offs_d, stride_qn, stride_qd, N_CTX)
 
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
+    # Key tiles [0, split) need no mask; tiles [split, end) are masked.
     if CAUSAL:
-        # key tiles strictly left of the diagonal: every key <= every query row of the tile
-        diag = start_m * BLOCK_M
-        acc, l_i, m_i = flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
-                                         stride_kn, stride_kd, stride_vn, stride_vd,
-                                         0, diag, offs_m, offs_n, offs_d, N_CTX, qk_scale,
-                                         BLOCK_N, False, False, INPUT_PRECISION)
-        # the diagonal tile(s): causal mask, and the end of the sequence; nothing after it
-        acc, l_i, m_i = flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
-                                         stride_kn, stride_kd, stride_vn, stride_vd,
-                                         diag, tl.minimum(diag + BLOCK_M, N_CTX),
-                                         offs_m, offs_n, offs_d, N_CTX, qk_scale,
-                                         BLOCK_N, True, True, INPUT_PRECISION)
+        # every key strictly left of the diagonal tile is <= every query row of this tile; the
+        # diagonal tile(s) take the causal mask (and the end of the sequence); nothing after them
+        split = start_m * BLOCK_M
+        end = tl.minimum(split + BLOCK_M, N_CTX)
     else:
-        n_full = (N_CTX // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
-                                         stride_kn, stride_kd, stride_vn, stride_vd,
-                                         0, n_full, offs_m, offs_n, offs_d, N_CTX, qk_scale,
-                                         BLOCK_N, False, False, INPUT_PRECISION)
-        # the last, partial key tile (an empty loop when N_CTX is a multiple of BLOCK_N)
-        acc, l_i, m_i = flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
-                                         stride_kn, stride_kd, stride_vn, stride_vd,
-                                         n_full, N_CTX, offs_m, offs_n, offs_d, N_CTX, qk_scale,
-                                         BLOCK_N, True, False, INPUT_PRECISION)
+        # only the last, partial key tile is masked (none when N_CTX is a multiple of BLOCK_N)
+        split = (N_CTX // BLOCK_N) * BLOCK_N
+        end = N_CTX
+    acc, l_i, m_i = flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
+                                     stride_kn, stride_kd, stride_vn, stride_vd,
+                                     0, split, offs_m, offs_n, offs_d, N_CTX, qk_scale,
+                                     BLOCK_N, False, False, INPUT_PRECISION)
+    acc, l_i, m_i = flash_fwd_tiles(acc, l_i, m_i, q, k_base, v_base,
+                                     stride_kn, stride_kd, stride_vn, stride_vd,
+                                     split, end, offs_m, offs_n, offs_d, N_CTX, qk_scale,
+                                     BLOCK_N, True, CAUSAL, INPUT_PRECISION)
 
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # ln(2): back to natural log
     tl.store(LSE + off_bh.to(tl.int64) * N_CTX + offs_m, lse, mask=row_ok)
-    tl.store(o_base + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
-             acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    store_rows(o_base, offs_m, offs_d, stride_on, stride_od, N_CTX, acc)
 
 
 # --- autotuning (compiled mode only) ---------------------------------------------------------
@@ -447,22 +460,51 @@ def flops(batch: int, heads: int, seq_len: int, head_dim: int, causal: bool = Fa
 # unmasked loops, at the cost of a few masked selects per tile.
 
 @triton.jit
+def head_offsets(off_bh, H, stride_b, stride_h, N_CTX):
+    """Where program axis 1's (batch, head) ``off_bh`` starts: in the (batch, H, N_CTX, HEAD_DIM)
+    tensors with strides ``stride_b``, ``stride_h``, and in the contiguous (batch · H, N_CTX) rows of
+    L and D. int64: batch · stride can pass 2**31 elements."""
+    base = (off_bh // H).to(tl.int64) * stride_b + (off_bh % H).to(tl.int64) * stride_h
+    return base, off_bh.to(tl.int64) * N_CTX
+
+
+# The dK/dV kernel holds a key tile and streams the query tiles past it; the dQ kernel holds a query
+# tile and streams the key tiles. Each kind of tile is loaded by one helper, used by both kernels.
+
+@triton.jit
+def load_key_tile(K, V, base, offs_n, offs_d, stride_n, stride_d, N_CTX):
+    """Rows ``offs_n`` of K and V of one head (0 past the end of the sequence)."""
+    k = load_rows(K + base, offs_n, offs_d, stride_n, stride_d, N_CTX)
+    v = load_rows(V + base, offs_n, offs_d, stride_n, stride_d, N_CTX)
+    return k, v
+
+
+@triton.jit
+def load_query_tile(Q, DO, LSE, DELTA, base, row_base, offs_m, offs_d, stride_n, stride_d, N_CTX):
+    """Rows ``offs_m`` of Q and dO of one head, with their log-sum-exp L and D = rowsum(dO ∘ O)
+    (0 past the end of the sequence)."""
+    q = load_rows(Q + base, offs_m, offs_d, stride_n, stride_d, N_CTX)
+    do = load_rows(DO + base, offs_m, offs_d, stride_n, stride_d, N_CTX)
+    row_ok = offs_m < N_CTX
+    lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
 def _flash_bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
                           stride_dob, stride_doh, stride_don, stride_dod, H, N_CTX,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """``DELTA[bh, i] = Σ_d dO[i, d] · O[i, d]`` (fp32, contiguous (batch · H, N_CTX))."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
-    off_b = (off_bh // H).to(tl.int64)
-    off_h = (off_bh % H).to(tl.int64)
+    o_base, row_base = head_offsets(off_bh, H, stride_ob, stride_oh, N_CTX)
+    do_base, _ = head_offsets(off_bh, H, stride_dob, stride_doh, N_CTX)  # dO has strides of its own
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m[:, None] < N_CTX
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
-                mask=row_ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don
-                 + offs_d[None, :] * stride_dod, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(DELTA + off_bh.to(tl.int64) * N_CTX + offs_m, tl.sum(o * do, 1), mask=offs_m < N_CTX)
+    o = load_rows(O + o_base, offs_m, offs_d, stride_on, stride_od, N_CTX).to(tl.float32)
+    do = load_rows(DO + do_base, offs_m, offs_d, stride_don, stride_dod, N_CTX).to(tl.float32)
+    tl.store(DELTA + row_base + offs_m, tl.sum(o * do, 1), mask=offs_m < N_CTX)
 
 
 @triton.jit
@@ -476,15 +518,11 @@ def _flash_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
     LSE and DELTA contiguous fp32 (batch · H, N_CTX). Grid ``(cdiv(N_CTX, BLOCK_N), batch · H)``.
     """
     start_n = tl.program_id(0) * BLOCK_N
-    off_bh = tl.program_id(1)
-    base = (off_bh // H).to(tl.int64) * stride_b + (off_bh % H).to(tl.int64) * stride_h
-    row_base = off_bh.to(tl.int64) * N_CTX
+    base, row_base = head_offsets(tl.program_id(1), H, stride_b, stride_h, N_CTX)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = offs_n < N_CTX
-    kv_off = offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
-    k = tl.load(K + base + kv_off, mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + base + kv_off, mask=col_ok[:, None], other=0.0)
+    k, v = load_key_tile(K, V, base, offs_n, offs_d, stride_n, stride_d, N_CTX)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     # query rows before start_n see none of these keys when causal
@@ -492,11 +530,8 @@ def _flash_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
     for start_m in range(lo, N_CTX, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N_CTX
-        q_off = offs_m[:, None] * stride_n + offs_d[None, :] * stride_d
-        q = tl.load(Q + base + q_off, mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + base + q_off, mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
+        q, do, lse, delta = load_query_tile(Q, DO, LSE, DELTA, base, row_base, offs_m, offs_d,
+                                            stride_n, stride_d, N_CTX)
         # mechanism: backward tile
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_N)
         keep = row_ok[:, None] & col_ok[None, :]
@@ -509,8 +544,8 @@ def _flash_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=INPUT_PRECISION)  # dK += dSᵀ Q
         # end mechanism
     dk = dk * sm_scale  # S = Q Kᵀ · scale: the scale comes back in dK (and dQ)
-    tl.store(DK + base + kv_off, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + base + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    store_rows(DK + base, offs_n, offs_d, stride_n, stride_d, N_CTX, dk)
+    store_rows(DV + base, offs_n, offs_d, stride_n, stride_d, N_CTX, dv)
 
 
 @triton.jit
@@ -523,25 +558,18 @@ def _flash_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
     Layouts as :func:`_flash_bwd_dkdv`. Grid ``(cdiv(N_CTX, BLOCK_M), batch · H)``.
     """
     start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
-    base = (off_bh // H).to(tl.int64) * stride_b + (off_bh % H).to(tl.int64) * stride_h
-    row_base = off_bh.to(tl.int64) * N_CTX
+    base, row_base = head_offsets(tl.program_id(1), H, stride_b, stride_h, N_CTX)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < N_CTX
-    q_off = offs_m[:, None] * stride_n + offs_d[None, :] * stride_d
-    q = tl.load(Q + base + q_off, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + base + q_off, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
+    q, do, lse, delta = load_query_tile(Q, DO, LSE, DELTA, base, row_base, offs_m, offs_d,
+                                        stride_n, stride_d, N_CTX)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     hi = tl.minimum(start_m + BLOCK_M, N_CTX) if CAUSAL else N_CTX  # later keys: masked for every row
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < N_CTX
-        kv_off = offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
-        k = tl.load(K + base + kv_off, mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + base + kv_off, mask=col_ok[:, None], other=0.0)
+        k, v = load_key_tile(K, V, base, offs_n, offs_d, stride_n, stride_d, N_CTX)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale
         keep = row_ok[:, None] & col_ok[None, :]
         if CAUSAL:
@@ -550,7 +578,7 @@ def _flash_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)  # dQ += dS K
-    tl.store(DQ + base + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    store_rows(DQ + base, offs_m, offs_d, stride_n, stride_d, N_CTX, dq * sm_scale)
 
 
 # (BLOCK_M, BLOCK_N, num_warps), best first. The backward keeps four tiles on chip per program (Q
