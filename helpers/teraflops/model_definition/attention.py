@@ -173,6 +173,19 @@ def release_cached_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
+def measured_or_oom(measure, impl: str, n: int, device: str) -> "AttentionResult":
+    """``measure()``'s :class:`AttentionResult`, or, when it ran out of memory, an ``oom=True`` data point
+    for ``impl`` at ``n`` (the sweep goes on). Any other error re-raises."""
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001 - only OOM is a data point; everything else re-raises
+        if not is_oom(e):
+            raise
+    # outside the except: the traceback no longer holds the failed call's tensors, so they can be freed
+    release_cached_memory(device)
+    return AttentionResult(impl, n, None, None, None, oom=True)
+
+
 def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: str,
                     impls=IMPLEMENTATIONS, min_run_time: float = 0.1, progress: bool = True) -> list[AttentionResult]:
     """Time and peak memory of each implementation at each sequence length.
@@ -191,22 +204,17 @@ def attention_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torc
         for impl in impls:
             fn = IMPL_FUNCS[impl]
             bar.set_postfix(N=n, impl=impl)
-            oom = False
-            try:
+
+            def measure(fn=fn, impl=impl):
                 fn(q, k, v)  # warm-up: first calls compile/autotune (and may allocate for that)
                 peak, out = peak_memory(lambda: fn(q, k, v), device)
                 err = (out.float() - ref.float()).abs().max().item()
                 del out
                 slow = impl == "triton" and triton_mode() == "interpreter"
                 t = benchmark(lambda: fn(q, k, v), min_run_time=0.0 if slow else min_run_time, warmup=0)
-                results.append(AttentionResult(impl, n, t.median, peak, err))
-            except Exception as e:  # noqa: BLE001 - only OOM is a data point; everything else re-raises
-                if not is_oom(e):
-                    raise
-                results.append(AttentionResult(impl, n, None, None, None, oom=True))
-                oom = True
-            if oom:  # outside the except: the traceback no longer holds the failed call's tensors
-                release_cached_memory(device)
+                return AttentionResult(impl, n, t.median, peak, err)
+
+            results.append(measured_or_oom(measure, impl, n, device))
             bar.update()
         del q, k, v, ref
         if device == "cuda":
@@ -270,8 +278,8 @@ def training_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torch
                 continue
             fn = TRAINING_FUNCS[impl]
             bar.set_postfix(N=n, impl=impl)
-            oom = False
-            try:
+
+            def measure(fn=fn, impl=impl):
                 slow = impl == "flash2-triton" and triton_mode() == "interpreter"
                 if not slow:
                     step(fn)  # warm-up: compiling, autotuning, the allocator's first blocks
@@ -279,14 +287,9 @@ def training_sweep(seq_lens, batch: int, heads: int, head_dim: int, dtype: torch
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, ref))
                 del grads
                 t = benchmark(lambda: step(fn), min_run_time=0.0 if slow else min_run_time, warmup=0)
-                results.append(AttentionResult(impl, n, t.median, peak, err))
-            except Exception as e:  # noqa: BLE001 - only OOM is a data point; everything else re-raises
-                if not is_oom(e):
-                    raise
-                results.append(AttentionResult(impl, n, None, None, None, oom=True))
-                oom = True
-            if oom:
-                release_cached_memory(device)
+                return AttentionResult(impl, n, t.median, peak, err)
+
+            results.append(measured_or_oom(measure, impl, n, device))
             bar.update()
         del q, k, v, do, ref
         if device == "cuda":
