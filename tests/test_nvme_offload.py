@@ -104,7 +104,7 @@ def test_the_nvme_config_carries_the_buffers_and_the_cpu_config_no_path():
     nvme = offload_config("nvme", 4, "/swap", b)["zero_optimization"]
     assert nvme["stage"] == 3
     assert nvme["offload_param"] == {"device": "nvme", "nvme_path": "/swap", "buffer_count": 3,
-                                     "buffer_size": ONE_MIB_FP32}
+                                     "buffer_size": ONE_MIB_FP32, "max_in_cpu": 0}  # else copied back to CPU memory
     assert nvme["offload_optimizer"]["buffer_count"] == 4  # master, exp_avg, exp_avg_sq and the gradient at once
     cpu = offload_config("cpu", 4, None, None)["zero_optimization"]
     assert cpu["offload_param"] == cpu["offload_optimizer"] == {"device": "cpu"}
@@ -175,3 +175,26 @@ def test_a_zero3_run_swaps_to_disk_and_trains(tmp_path):
     assert run.result.nvme_params == run.model.swapped_params == 2
     assert all(math.isfinite(x) for x in run.result.losses)
     assert not list(tmp_path.iterdir())  # the swap files are removed
+
+
+def test_warmup_skips_the_aio_op_in_one_line_with_the_fix(monkeypatch, tmp_path):
+    from teraflops.course import warmup
+
+    monkeypatch.setattr(ops, "_include_dirs", lambda: [tmp_path])
+    line = warmup.build_warm_aio(tmp_path / "warm")
+    assert line.startswith("skipped DeepSpeed's async_io op") and "apt-get install libaio-dev" in line
+    assert "\n" not in line
+
+
+def test_doctor_lists_the_missing_libaio_with_its_fix(monkeypatch, tmp_path):
+    from teraflops.compilation import loadgen, serving
+    from teraflops.course import doctor
+
+    for module in (serving, loadgen):  # their checks start processes
+        monkeypatch.setattr(module, "why_not", lambda: None)
+    monkeypatch.setattr(ops, "_include_dirs", lambda: [tmp_path])
+    lines = [s for s in doctor.skipped() if "NVMe offload" in s]
+    assert len(lines) == 1 and "apt-get install libaio-dev" in lines[0]
+    monkeypatch.setattr(ops, "_include_dirs", lambda: [Path("/usr/include")])
+    if ops.aio_unavailable() is None:
+        assert not any("NVMe offload" in s for s in doctor.skipped())

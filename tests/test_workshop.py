@@ -801,8 +801,10 @@ def test_warmup_prints_each_access_warning_as_one_line_before_building(monkeypat
     monkeypatch.setattr(warmup, "access_warnings", lambda: ["other users cannot read /x/helpers, on the way to the "
                                                             "course's package: ..."])
     monkeypatch.setattr(warmup, "build_warm_cache", lambda dest: built.append("op") or tmp_path / "op")
+    monkeypatch.setattr(warmup, "build_warm_aio", lambda dest: built.append("aio") or "skipped DeepSpeed's async_io op")
     monkeypatch.setattr(warmup, "build_compile_cache", lambda dest: built.append("compile") or ["Unit 4 decode"])
     assert cli._cmd_warmup(argparse.Namespace(dest=str(tmp_path))) == 0
     out = capsys.readouterr()
     assert out.err == "warning: other users cannot read /x/helpers, on the way to the course's package: ...\n"
-    assert built == ["op", "compile"] and "compiled: Unit 4 decode" in out.out
+    assert built == ["op", "aio", "compile"] and "compiled: Unit 4 decode" in out.out
+    assert "skipped DeepSpeed's async_io op\n" in out.out

@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
                     help="the command and its arguments, after -- (sinfo, squeue, sbatch, srun, scancel, sacct)")
 
-    warm = sub.add_parser("warmup", help="the workshop host: build DeepSpeed's CPU op and the course's "
+    warm = sub.add_parser("warmup", help="the workshop host: build DeepSpeed's CPU and async_io ops and the course's "
                                          "torch.compile kernels once, into a cache every learner reads")
     warm.add_argument("--dest", type=Path, help="default: $TERAFLOPS_WARM_CACHE or /var/cache/teraflops")
 
@@ -456,14 +456,16 @@ def _cmd_labs(args: argparse.Namespace) -> int:
 
 def _cmd_warmup(args: argparse.Namespace) -> int:
     from teraflops.caches import WARM_ENV, warm_dir
-    from teraflops.course.warmup import access_warnings, build_compile_cache, build_warm_cache
+    from teraflops.course.warmup import access_warnings, build_compile_cache, build_warm_aio, build_warm_cache
 
     for line in access_warnings():
         print(f"warning: {line}", file=sys.stderr)
     dest = args.dest or warm_dir()
     op = build_warm_cache(dest)
+    aio = build_warm_aio(dest)
     compiled = build_compile_cache(dest)
     print(f"built DeepSpeed's CPU op: {op}")
+    print(aio)
     for what in compiled:
         print(f"compiled: {what}")
     print(f"all in {dest}, readable by all; learners' runs copy it into their own caches and compile nothing")

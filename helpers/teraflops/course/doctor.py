@@ -21,6 +21,7 @@ from teraflops.compilation import loadgen, serving
 from teraflops.errors import CourseError
 from teraflops.course import any_folder
 from teraflops.machine import GiB, Machine, detect, triton_mode
+from teraflops.launch.ops import aio_unavailable
 from teraflops.launch.placement import place
 
 __all__ = ["compute_mode_lines", "compute_modes", "doctor", "skipped"]
@@ -251,6 +252,9 @@ def skipped(m: Machine | None = None) -> list[str]:
         if reason:
             items.append(f"Unit 4's real server under perf_analyzer: {reason}")
             break
+    aio = aio_unavailable()
+    if aio:
+        items.append(f"Unit 5's NVMe offload run: {aio}")
     if not m.gpus:
         items.append("multi-GPU link (NVLink/PCIe) measurements: need at least 2 GPUs")
     elif m.gpu_count == 1:

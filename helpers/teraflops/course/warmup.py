@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import teraflops
@@ -28,10 +28,27 @@ from teraflops import caches
 from teraflops.caches import COMPILE, STAMP, WARM_ENV, readable_by_all, versions
 from teraflops.compilation import decode, fused
 from teraflops.errors import CourseError
-from teraflops.launch.ops import prepare_deepspeed_ops
+from teraflops.launch.ops import AIO_BUILD, AioUnavailable, prepare_aio_op, prepare_deepspeed_ops
 from teraflops.machine import triton_mode
 from teraflops.model_definition import attention
 from teraflops.sizing import preset
+
+
+@contextmanager
+def _warm_env(dest: Path):
+    """This process's caches pointed at ``dest`` (``TERAFLOPS_CACHE``, the warm cache's variable; no
+    ``TORCH_EXTENSIONS_DIR``) while the ops build, restored after."""
+    saved = {k: os.environ.get(k) for k in ("TERAFLOPS_CACHE", "TORCH_EXTENSIONS_DIR", caches.WARM_ENV)}
+    os.environ["TERAFLOPS_CACHE"], os.environ[caches.WARM_ENV] = str(dest), str(dest)
+    os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def build_warm_cache(dest: Path | None = None) -> Path:
@@ -42,22 +59,35 @@ def build_warm_cache(dest: Path | None = None) -> Path:
     Returns the op folder. Raises :class:`~teraflops.launch.ops.OpBuildFailed` if the build fails.
     """
     dest = Path(dest or caches.warm_dir())
-    saved = {k: os.environ.get(k) for k in ("TERAFLOPS_CACHE", "TORCH_EXTENSIONS_DIR", caches.WARM_ENV)}
-    os.environ["TERAFLOPS_CACHE"], os.environ[caches.WARM_ENV] = str(dest), str(dest)
-    os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-    try:
+    with _warm_env(dest):
         dest.mkdir(parents=True, exist_ok=True)
         ext = caches.extensions_dir()
         prepare_deepspeed_ops(cpu=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     (ext / caches.OP / "lock").unlink(missing_ok=True)
     caches.readable_by_all(dest)
     return ext / caches.OP
+
+
+def build_warm_aio(dest: Path | None = None) -> str:
+    """DeepSpeed's ``async_io`` op (Unit 5's NVMe offload, :func:`teraflops.launch.ops.prepare_aio_op`) built
+    into ``dest`` as :func:`build_warm_cache` builds the comm op; learners' runs copy it in. Returns one line:
+    what was built and where, or why it was skipped (no libaio: the fix).
+
+    Raises :class:`~teraflops.launch.ops.OpBuildFailed` if the build fails.
+    """
+    dest = Path(dest or caches.warm_dir())
+    with _warm_env(dest):
+        dest.mkdir(parents=True, exist_ok=True)
+        ext = caches.extensions_dir()
+        try:
+            seconds = prepare_aio_op()
+        except AioUnavailable as e:
+            return f"skipped DeepSpeed's async_io op (Unit 5's NVMe offload): {e}"
+    for folder in AIO_BUILD.folders:
+        (ext / folder / "lock").unlink(missing_ok=True)
+    caches.readable_by_all(dest)
+    took = f" in {seconds:.0f} s" if seconds else " (already built)"
+    return f"built DeepSpeed's async_io op{took}: {ext / AIO_BUILD.folder}"
 
 
 def compile_course() -> list[str]:

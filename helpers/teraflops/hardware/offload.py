@@ -57,12 +57,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from teraflops import ceilings
+from teraflops.caches import cache_dir
 from teraflops.datasheets import PUBLISHED_LINKS, NoDatasheetError, published_peak
 from teraflops.errors import CourseError
 from teraflops.hardware.comm_budget import train_flops
 from teraflops.machine import detect
+from teraflops.models import GPT
 from teraflops.parallelization.model_states import deepspeed_estimators, memory_capacities, model_states
 from teraflops.launch.launcher import launch
+from teraflops.launch.ops import prepare_aio_op
 from teraflops.launch.rank import RankIdentity
 from teraflops.sizing import TrainConfig, dp_config, preset
 from teraflops.tables import GB, fmt, fmt_bytes, table
@@ -380,6 +383,13 @@ def nvme_step_bytes(param_numels, nd: int = 1, *, param_bytes: int = 4, master_b
       (:func:`sub_groups`), the fp32 master partition and the optimizer's ``states`` tensors of the same
       size, read before the sub-group's step and written after it; the gradients are not written back.
 
+    Two settings decide whether any of this reaches the disk (:func:`offload_config`, the rank program):
+    ``offload_param.max_in_cpu`` (default 1e9 elements) is how much of the parameters the ZeRO-3 optimizer
+    copies back into CPU memory for good (``stage3.py``, ``_create_param_groups_fp16_flat_cpu_memory`` and
+    ``_move_to_flat_buffer``): a small model then never reads a parameter from disk, so it is 0 here; and
+    ``zero.Init`` must get the fp32 dtype from the config (see :mod:`teraflops.workers.nvme_offload`), else
+    on the CPU the parameter swapper counts 2-byte elements and keeps every fp32 tensor under 2 MiB.
+
     Two rules of DeepSpeed make the bytes differ from Ψ × bytes per element: a tensor smaller than
     ``min_aio_bytes`` (:data:`MIN_AIO_BYTES`) is never swapped but kept in CPU memory, and every swapped
     tensor moves rounded up to ``align`` bytes (:data:`AIO_ALIGNED_BYTES`). ``min_aio_bytes=0, align=1``
@@ -464,7 +474,11 @@ def offload_config(device: str, micro_batch: int, nvme_path: str | None, buffers
     if device == "nvme":
         if not nvme_path or buffers is None:
             raise OffloadError("device 'nvme' needs nvme_path and buffers. Hint: swap_buffers(param_numels)")
-        param.update(nvme_path=nvme_path, buffer_count=buffers.buffer_count, buffer_size=buffers.buffer_size)
+        # max_in_cpu: parameter elements the ZeRO-3 optimizer copies back into CPU memory for good (stage3.py,
+        # _create_param_groups_fp16_flat_cpu_memory; default 1e9, i.e. every parameter of a small model): 0 keeps
+        # them all on NVMe
+        param.update(nvme_path=nvme_path, buffer_count=buffers.buffer_count, buffer_size=buffers.buffer_size,
+                     max_in_cpu=0)
         # the swap-in of a sub-group takes its master, its states and its gradient at once
         opt.update(nvme_path=nvme_path, buffer_count=states + 2, pipeline_read=False, pipeline_write=False)
     return {
@@ -577,8 +591,6 @@ def disk_bandwidth(folder, nbytes: int = 64 << 20, block: int = 1 << 20) -> Disk
 def nvme_folder() -> Path:
     """Where the swap files go: ``$TERAFLOPS_NVME`` (on a GPU box, a folder on its NVMe drive), else
     ``nvme/`` under :func:`teraflops.caches.cache_dir` (this machine's disk)."""
-    from teraflops.caches import cache_dir
-
     return Path(os.environ.get("TERAFLOPS_NVME") or cache_dir() / "nvme")
 
 
@@ -650,9 +662,7 @@ class OffloadRun:
 def gpt_numels(cfg: TrainConfig) -> list[int]:
     """Elements of each parameter of ``cfg``'s :class:`teraflops.models.GPT`, in ``parameters()`` order (built on
     the meta device: no memory)."""
-    import torch
-
-    from teraflops.models import GPT
+    import torch  # lazy: the byte model and the tables need no torch; only counting a model's elements does
 
     with torch.device("meta"):
         model = GPT(cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len)
@@ -682,8 +692,6 @@ def run_nvme_offload(cfg: TrainConfig | None = None, steps: int | None = None, d
         AioUnavailable: no libaio (one line with the fix). OpBuildFailed: the op did not compile.
         LaunchFailed: the run failed or passed ``timeout`` s.
     """
-    from teraflops.launch.ops import prepare_aio_op
-
     p = preset()
     cfg = cfg or dp_config(p)
     steps = max(3, steps or p.zero.steps)

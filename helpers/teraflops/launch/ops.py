@@ -14,6 +14,7 @@ once per machine, and :func:`aio_unavailable` says in one line why it cannot (no
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -254,9 +255,7 @@ def aio_unavailable() -> str | None:
     and ``libaio.so``: Debian's ``libaio-dev`` ships both)."""
     if sys.platform != "linux":
         return f"NVMe offload's async_io op needs Linux's libaio; this is {sys.platform}"
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("deepspeed") is None:  # found, not imported: doctor asks on every setup cell
         return "NVMe offload needs DeepSpeed: pip install deepspeed"
     if shutil.which("g++") is None:
         return "DeepSpeed's async_io op (NVMe offload) is compiled here and needs g++: apt-get install g++"

@@ -9,6 +9,14 @@ process read from and wrote to the disk (``/proc/self/io``'s ``read_bytes``/``wr
 the forward and just after the optimizer step: DeepSpeed's ``async_io`` threads are this process's, and
 their ``O_DIRECT`` requests are counted there), the step's wall time and loss; the parameters DeepSpeed
 put on NVMe (``ds_tensor.final_location``) and the bytes of the swap files left after the last step.
+
+The model is partitioned by ``deepspeed.zero.Init(module=model, config_dict_or_path=config)`` before
+``deepspeed.initialize``, not by the conversion inside it: that conversion passes the model's dtype to
+``Init``, whose ``_set_dtype`` (``deepspeed/runtime/zero/partition_parameters.py``) reads ``dtype or
+torch.float16 if is_fp16_supported() else torch.bfloat16 ...``, i.e. ``(dtype or fp16) if ... else ...``:
+on an accelerator without fp16 (the CPU) the fp32 given is dropped for bf16, the parameter swapper
+counts 2-byte elements, and no fp32 tensor under 2 MiB is ever swapped (measured here: no parameter on
+NVMe). Without a dtype, ``Init`` takes it from the config: fp32.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ def run_pass(one: OffloadPass, spec: OffloadSpec, world: int, rank: int, step0: 
     cfg, steps = spec.model, spec.steps
     model = build_model(cfg)
     numels = [p.numel() for p in model.parameters()]  # before DeepSpeed partitions them (then numel() reads 0)
+    deepspeed.zero.Init(module=model, config_dict_or_path=one.config,  # no dtype: see the module docstring
+                        remote_device=one.config["zero_optimization"]["offload_param"]["device"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=one.config)
     data = markov_tokens(world * cfg.micro_batch * steps, cfg.seq_len, cfg.vocab, seed=cfg.seed)
