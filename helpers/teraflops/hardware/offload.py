@@ -56,6 +56,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from teraflops import ceilings
 from teraflops.caches import cache_dir
 from teraflops.datasheets import PUBLISHED_LINKS, NoDatasheetError, published_peak
@@ -662,8 +664,6 @@ class OffloadRun:
 def gpt_numels(cfg: TrainConfig) -> list[int]:
     """Elements of each parameter of ``cfg``'s :class:`teraflops.models.GPT`, in ``parameters()`` order (built on
     the meta device: no memory)."""
-    import torch  # lazy: the byte model and the tables need no torch; only counting a model's elements does
-
     with torch.device("meta"):
         model = GPT(cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len)
     return [p.numel() for p in model.parameters()]
