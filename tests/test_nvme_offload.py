@@ -164,6 +164,7 @@ def test_ci_installs_libaio():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # a hang guard that outlasts the first build of the async_io op (26 min at load 9-13 here)
 def test_a_zero3_run_swaps_to_disk_and_trains(tmp_path):
     why = ops.aio_unavailable()
     if why:
