@@ -156,13 +156,15 @@ class TensorParallelSpec:
     """What :mod:`teraflops.workers.tensor_parallel` runs: ``model`` (``micro_batch``: the *global*
     batch, sequences; TP ranks all see it, data-parallel ranks split it) under each of ``modes``
     (``"tp"``, ``"dp"``), ``steps`` timed steps each after ``warmup`` untimed ones, taking turns
-    step by step; SGD at ``model.lr``; ``timeout_s``: seconds a collective waits."""
+    step by step; SGD at ``model.lr``; ``timeout_s``: seconds a collective waits; ``latency_repeats``:
+    one-float all-reduces timed at the end for the link's latency α (their median is read)."""
 
     model: TrainConfig
     modes: tuple[str, ...]
     steps: int
     warmup: int
     timeout_s: float = 60
+    latency_repeats: int = 20
 
     def __post_init__(self):
         if not self.modes or set(self.modes) - set(MODES) or self.steps < 1 or self.warmup < 0:

@@ -45,7 +45,6 @@ from teraflops.parallelization.tensor_parallel import (ModeResult, TensorParalle
     shard_gpt)
 from teraflops.workers.common import build_model, flat_grads, make_data, rank_batch, set_grads, sync_device
 
-SMALL_REPEATS = 20  # one-float all-reduces timed for the latency (their median is read)
 # the collectives CommDebugMode counts: functional (native and Python) and c10d ops
 COLLECTIVES = set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | set(c10d_collective_ops)
 
@@ -268,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
             report_progress(i * len(runs) + j + 1, total)
     calls, nbytes, other = per_block(counted.records, cfg.layers) if counted else ([], [], 0)
     results = tuple(tp.result(counted) if m == "tp" else runs[m].result() for m in spec.modes)
-    small = small_allreduces(SMALL_REPEATS, w.device) if w.world_size > 1 else []
+    small = small_allreduces(spec.latency_repeats, w.device) if w.world_size > 1 else []
     write_result(TensorParallelResult(**w.identity(), params=build_model(cfg).num_params(), config=cfg,
                                       runs=results, max_abs_diff=diff, loss_diff=loss_diff, layer_calls=calls,
                                       layer_bytes=nbytes, other_calls=other, small_allreduce_s=small))
