@@ -249,8 +249,11 @@ def _folders_of(pid: int) -> set[str]:
 
 
 def _owner(mode: str) -> subprocess.Popen:
+    # Ctrl-C's default action in the owner, whatever this runner ignores (a suite started with `cmd &` runs
+    # with SIGINT ignored; Python then installs no KeyboardInterrupt handler and the start is never interrupted)
     return subprocess.Popen([sys.executable, "-c", _OWNER, mode], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.mark.slow
