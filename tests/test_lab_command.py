@@ -51,5 +51,7 @@ def test_teraflops_lab_starts_prints_its_url_listens_on_loopback_and_stops_on_ct
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in server), "JupyterLab left running"
     finally:
         if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):  # JupyterLab runs in its own session
+                child.kill()
             proc.kill()
             proc.wait()
