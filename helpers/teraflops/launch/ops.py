@@ -226,7 +226,7 @@ def _build_failed(code: int | None, elapsed: float, timeout: float, others: list
     hint = (f"it needs {' and '.join(missing)} (apt install g++; pip install ninja)" if missing else
             "the compiler's whole error is in the log" if code and code > 0 else "run it again")
     need = "DeepSpeed cannot start on CPU without it" if op is SHM_BUILD else "NVMe offload cannot run without it"
-    return OpBuildFailed(f"compiling DeepSpeed's {op.folder if op is not SHM_BUILD else SHM_OP} op failed: {what}. "
+    return OpBuildFailed(f"compiling DeepSpeed's {op.folder} op failed: {what}. "
                          f"Hint: {hint}; {need}. Log: {log_path}")
 
 
