@@ -12,7 +12,9 @@
   the region's own allocations held at once. It counts tensor storage created by torch operators
   in the region (including temporaries freed before the region ends). The profiler does not
   record the free of a tensor allocated before the region (it warns "Memory block of unknown size
-  was allocated before the profiling started"), so a region that frees earlier tensors is not
+  was allocated before the profiling started"), and the free of one it does know (a block
+  allocated under an earlier profiler) is skipped unless the region allocated a block of that size
+  still live (the records carry sizes, not addresses), so a region that frees earlier tensors is not
   credited for them: the CPU figure is then an upper bound on the rise above what was live before; it does not count memory of other allocators, e.g. the NumPy
   arrays the Triton interpreter uses for a kernel's tiles, which stand in for on-chip SRAM on a
   GPU and should not count as "HBM" traffic anyway.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections import Counter
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -55,8 +58,18 @@ def _cpu_peak(fn: Callable[[], object]) -> tuple[int, object]:
     records = sorted(
         (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
     )
+    # A free is the region's own only if the region allocated a block of that size still live: the
+    # allocator reports the free of any block it knows the size of, also one a tensor made before the
+    # region held (allocated under an earlier profiler), and the records carry no address to match on.
+    live: Counter[int] = Counter()
     level = peak = 0
     for _, nbytes in records:
+        if nbytes < 0:
+            if live[-nbytes] == 0:
+                continue
+            live[-nbytes] -= 1
+        else:
+            live[nbytes] += 1
         level += nbytes
         peak = max(peak, level)
     return peak, result
