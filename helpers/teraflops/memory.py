@@ -55,8 +55,10 @@ def _cpu_peak(fn: Callable[[], object]) -> tuple[int, object]:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
+    # by time only: records stamped alike keep the profiler's order (an allocation before its own free)
     records = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda r: r[0],
     )
     # A free is the region's own only if the region allocated a block of that size still live: the
     # allocator reports the free of any block it knows the size of, also one a tensor made before the
